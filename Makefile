@@ -1,0 +1,36 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Both create .venv when needed.
+PYTHON ?= python3
+VENV ?= .venv
+# torch is installed first and pinned, so that no other package pulls a different (CUDA) build.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.torchkeel-installed
+
+.PHONY: setup demo test test-slow bench clean
+
+setup: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Re-runs only when the project's dependencies change.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet '$(TORCH_SPEC)'
+	$(PY) -m pip install --quiet -e '.[all,dev]' '$(TORCH_SPEC)'
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/keel demo
+
+test: setup
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+bench: setup
+	$(PY) bench/trainer_overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,49 @@
+"""torchkeel: PyTorch training and serving that stay steady. The public API."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from torchkeel.config import KeelConfig, load_config
+from torchkeel.data import EpochLoader
+from torchkeel.errors import ConfigError, DataError, KeelError, RunDirError
+from torchkeel.train.accumulate import iter_groups, steps_per_epoch, total_steps
+from torchkeel.train.clipping import clip_grad_norm
+from torchkeel.train.compile import CompiledOrEager
+from torchkeel.train.metrics import MetricsWriter, read_metrics
+from torchkeel.train.precision import Precision, make_precision
+from torchkeel.train.schedule import build_scheduler, lr_at
+from torchkeel.train.seed import seed_everything
+from torchkeel.train.step import StepResult, train_step
+from torchkeel.train.trainer import Trainer
+from torchkeel.train.validate import evaluate
+
+try:
+    __version__ = version("torchkeel")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "CompiledOrEager",
+    "ConfigError",
+    "DataError",
+    "EpochLoader",
+    "KeelConfig",
+    "KeelError",
+    "MetricsWriter",
+    "Precision",
+    "RunDirError",
+    "StepResult",
+    "Trainer",
+    "__version__",
+    "build_scheduler",
+    "clip_grad_norm",
+    "evaluate",
+    "iter_groups",
+    "load_config",
+    "lr_at",
+    "make_precision",
+    "read_metrics",
+    "seed_everything",
+    "steps_per_epoch",
+    "total_steps",
+    "train_step",
+]

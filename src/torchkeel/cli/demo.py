@@ -1,0 +1,25 @@
+"""``keel demo``: train a small CNN on the built-in handwritten digits and print the result."""
+
+from __future__ import annotations
+
+import argparse
+
+from torchkeel.demo.digits import run_demo
+
+HELP = "train a small CNN on scikit-learn's handwritten digits (runs again and again into OUT_DIR/demo)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out-dir", default="runs", help="directory for the run (default: runs)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    parser.add_argument("--no-progress", action="store_true", help="print no progress lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = run_demo(args.out_dir, args.overrides, progress=not args.no_progress)
+    accuracy = summary.get("val_accuracy", float("nan"))
+    print(f"digits demo {summary['status']}: validation accuracy {accuracy:.4f} "
+          f"(val_loss {summary.get('val_loss', float('nan')):.4f})")
+    print(f"{summary['steps']} steps, {summary['epochs']} epochs in {summary['wall_s']:.1f} s; "
+          f"run directory: {summary['run_dir']}")
+    return 0 if summary["status"] == "completed" else 1

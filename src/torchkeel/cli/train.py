@@ -1,0 +1,40 @@
+"""``keel train CONFIG [key=value ...]``: train what a YAML config describes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from torchkeel.config.load import load_config
+from torchkeel.train.trainer import Trainer
+
+HELP = "train the model a YAML config describes (overrides: key=value, e.g. optim.lr=3e-4)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    parser.add_argument("--no-progress", action="store_true", help="print no progress lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    # Console scripts do not put the working directory on sys.path; `python -m` would.
+    # Users' import paths (model.target: mymodels:Net) are relative to where they run keel.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    config = load_config(args.config, args.overrides)
+    summary = Trainer(config, overwrite=args.overwrite, progress=not args.no_progress).fit()
+    print(format_summary(summary))
+    return 0 if summary["status"] == "completed" else 1
+
+
+def format_summary(summary: dict) -> str:
+    """One line for a person: status, validation metrics, steps, wall time, run directory."""
+    parts = [f"status {summary['status']}"]
+    for key in ("val_accuracy", "val_loss"):
+        if key in summary:
+            parts.append(f"{key} {summary[key]:.4f}")
+    parts += [f"steps {summary['steps']}", f"wall {summary['wall_s']:.1f} s", f"run dir {summary['run_dir']}"]
+    return " | ".join(parts)

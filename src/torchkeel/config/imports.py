@@ -1,0 +1,69 @@
+"""Resolve the user's ``module:callable`` import paths and call them with their ``args``.
+
+Errors name the config key (``model.target``, ``data.args``...) and the fix. Exceptions raised
+inside the user's own callable are not wrapped: they are the user's bug and keep their traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torchkeel.errors import ConfigError
+
+
+def resolve_target(spec: str, key: str) -> Callable[..., Any]:
+    """Import ``module:attr`` (``attr`` may be dotted) and return it; ``key`` names the config key."""
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ConfigError(
+            f"{key}={spec!r} must be an import path 'module:callable', e.g. 'mypkg.models:build'"
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"{key}={spec!r}: cannot import module '{module_name}' ({exc}); "
+            "check the spelling and that it is installed or in the current directory"
+        ) from None
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(
+                f"{key}={spec!r}: module '{module_name}' has no attribute '{attr_path}'; "
+                "check the name after the colon"
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{key}={spec!r} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def build_target(
+    spec: str,
+    args: Mapping[str, Any],
+    key: str,
+    *,
+    call_args: tuple[Any, ...] = (),
+    call_kwargs: Mapping[str, Any] | None = None,
+) -> Any:
+    """Resolve ``spec`` and call it with ``*call_args, **call_kwargs, **args``.
+
+    The arguments are bound against the signature first, so a misspelt entry of ``<key>.args``
+    is reported as a config error rather than a traceback from inside the call.
+    """
+    fn = resolve_target(spec, f"{key}.target")
+    kwargs = {**(call_kwargs or {}), **args}
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        signature = None  # builtins without a signature: let the call report
+    if signature is not None:
+        try:
+            signature.bind(*call_args, **kwargs)
+        except TypeError as exc:
+            raise ConfigError(
+                f"{key}.args do not fit {spec}{signature}: {exc}; fix the keys under {key}.args"
+            ) from None
+    return fn(*call_args, **kwargs)

@@ -1,0 +1,156 @@
+"""The typed configuration: one dataclass per component and one root, ``KeelConfig``.
+
+Every key is documented in ``docs/config.md``; ``validate()`` checks values and combinations and
+names the key to change. Loading from YAML and overrides lives in ``torchkeel.config.load``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from torchkeel.errors import ConfigError
+
+Device = Literal["auto", "cpu", "cuda", "mps"]
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+Decay = Literal["cosine", "linear", "constant"]
+OptimName = Literal["adamw", "adam", "sgd"]
+
+
+@dataclass
+class ModelConfig:
+    target: Optional[str] = None
+    """``module:callable`` that returns the ``torch.nn.Module`` to train."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for ``target``."""
+
+
+@dataclass
+class DataConfig:
+    target: Optional[str] = None
+    """``module:callable`` that returns ``(train_dataset, val_dataset)``; items are ``(input, target)``."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for ``target``."""
+    num_workers: int = 0
+    """DataLoader worker processes (0 loads in the training process)."""
+    shuffle: bool = True
+    """Shuffle the training set each epoch (the order depends only on ``seed`` and the epoch)."""
+
+
+@dataclass
+class LossConfig:
+    target: str = "torch.nn:CrossEntropyLoss"
+    """``module:callable`` that returns the loss function ``loss(output, target) -> scalar``.
+
+    The loss must be a mean over the batch: accumulation weights it by micro-batch size."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for ``target``."""
+
+
+@dataclass
+class OptimConfig:
+    name: OptimName = "adamw"
+    """Built-in optimizer; ignored when ``target`` is set."""
+    target: Optional[str] = None
+    """``module:callable`` called as ``target(params, lr=..., weight_decay=..., **args)``."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Further keyword arguments (``betas``, ``momentum``, ...)."""
+    lr: float = 1e-3
+    """Peak learning rate, reached at the end of warmup."""
+    weight_decay: float = 0.0
+    """Weight decay applied to every trainable parameter."""
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from ``lr/warmup_steps`` to ``lr``."""
+    decay: Decay = "cosine"
+    """Shape of the decay from ``lr`` to ``min_lr`` over the remaining steps."""
+    min_lr: float = 0.0
+    """Learning rate at the last step (cosine and linear decay)."""
+
+
+@dataclass
+class TrainConfig:
+    max_epochs: Optional[int] = 1
+    """Stop after this many epochs (``null``: no epoch limit; then ``max_steps`` is required)."""
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps, whichever limit comes first."""
+    batch_size: int = 32
+    """Samples per micro-batch (per forward/backward)."""
+    accumulate: int = 1
+    """Micro-batches per optimizer step; the update equals one step on the concatenated batch."""
+    clip_grad_norm: Optional[float] = 1.0
+    """Clip the global gradient norm to this value (``null``: no clipping; the norm is still logged)."""
+    val_every: int = 0
+    """Validate every N optimizer steps; 0 validates at the end of each epoch. Always at the end."""
+    log_every: int = 10
+    """Write a metrics row (and a progress line) every N optimizer steps."""
+
+
+@dataclass
+class KeelConfig:
+    name: str = "run"
+    """Run name; the run directory is ``<out_dir>/<name>``."""
+    out_dir: str = "runs"
+    """Directory that holds run directories."""
+    seed: int = 0
+    """Seed for python, numpy, torch (CPU and CUDA), data order and DataLoader workers."""
+    deterministic: bool = False
+    """Use deterministic algorithms (``torch.use_deterministic_algorithms``, cuDNN deterministic)."""
+    device: Device = "auto"
+    """``auto`` picks cuda, then mps, then cpu."""
+    precision: PrecisionName = "fp32"
+    """``bf16`` autocast (CPU, CUDA), ``fp16`` autocast with a GradScaler (CUDA only)."""
+    compile: bool = False
+    """Use ``torch.compile``; falls back to eager with a warning when compilation fails."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> "KeelConfig":
+        """Check values and combinations; raise ``ConfigError`` naming the key to change."""
+        t = self.train
+        _positive("train.batch_size", t.batch_size)
+        _positive("train.accumulate", t.accumulate)
+        _positive("train.log_every", t.log_every)
+        _at_least("train.val_every", t.val_every, 0)
+        _at_least("data.num_workers", self.data.num_workers, 0)
+        _at_least("schedule.warmup_steps", self.schedule.warmup_steps, 0)
+        _at_least("optim.weight_decay", self.optim.weight_decay, 0)
+        _at_least("schedule.min_lr", self.schedule.min_lr, 0)
+        if self.optim.lr <= 0:
+            raise ConfigError(f"optim.lr must be > 0, got {self.optim.lr}")
+        if self.schedule.min_lr > self.optim.lr:
+            raise ConfigError(
+                f"schedule.min_lr ({self.schedule.min_lr}) is above optim.lr ({self.optim.lr}); "
+                "set schedule.min_lr <= optim.lr"
+            )
+        if t.max_epochs is None and t.max_steps is None:
+            raise ConfigError("set train.max_epochs or train.max_steps: training needs a limit")
+        if t.max_epochs is not None:
+            _positive("train.max_epochs", t.max_epochs)
+        if t.max_steps is not None:
+            _positive("train.max_steps", t.max_steps)
+        if t.clip_grad_norm is not None and t.clip_grad_norm <= 0:
+            raise ConfigError(
+                f"train.clip_grad_norm must be > 0 or null (no clipping), got {t.clip_grad_norm}"
+            )
+        if not self.name or "/" in self.name or self.name in (".", ".."):
+            raise ConfigError(f"name {self.name!r} is not a valid run name; use letters, digits, '-', '_'")
+        if self.device == "cpu" and self.precision == "fp16":
+            raise ConfigError("precision fp16 needs a CUDA device; use precision=bf16 on CPU")
+        return self
+
+
+def _positive(key: str, value: int) -> None:
+    _at_least(key, value, 1)
+
+
+def _at_least(key: str, value: float, low: float) -> None:
+    if value < low:
+        raise ConfigError(f"{key} must be >= {low}, got {value}")

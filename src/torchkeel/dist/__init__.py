@@ -1,0 +1,5 @@
+"""Rank information and the few decisions every rank must agree on."""
+
+from torchkeel.dist.rank import RankInfo
+
+__all__ = ["RankInfo"]

@@ -1,0 +1,42 @@
+"""One exception hierarchy. Every message names what is wrong and how to fix it, on one line.
+
+The CLI maps each class to an exit code (``KeelError.exit_code``) and prints the message
+without a traceback unless ``--debug`` is given.
+"""
+
+from __future__ import annotations
+
+
+class KeelError(Exception):
+    """Base class of every error torchkeel raises on purpose."""
+
+    exit_code: int = 1
+
+
+class ConfigError(KeelError):
+    """A config key, override, config file or plugged-in callable is wrong (a usage error)."""
+
+    exit_code = 2
+
+
+class RunDirError(KeelError):
+    """The run directory cannot be used as asked (it exists, or is not a torchkeel run)."""
+
+    exit_code = 2
+
+
+class DataError(KeelError):
+    """A dataset or batch is not what the trainer needs."""
+
+    exit_code = 1
+
+
+class MissingExtraError(KeelError):
+    """An optional dependency group is not installed."""
+
+    exit_code = 2
+
+    def __init__(self, extra: str, package: str, feature: str) -> None:
+        super().__init__(
+            f"{feature} needs the '{package}' package: pip install 'torchkeel[{extra}]'"
+        )

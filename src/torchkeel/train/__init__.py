@@ -1,0 +1,1 @@
+"""Training: the step, the Trainer, and the components both are made of."""

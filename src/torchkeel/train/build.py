@@ -1,0 +1,90 @@
+"""Turn the config's import paths into the objects the Trainer composes, checking what comes back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchkeel.config.imports import build_target
+from torchkeel.config.schema import DataConfig, LossConfig, ModelConfig
+from torchkeel.errors import ConfigError
+from torchkeel.dist.rank import RankInfo
+
+
+def resolve_device(name: str, rank: RankInfo | None = None) -> torch.device:
+    """``auto`` → cuda, then mps, then cpu. Under torchrun each rank takes GPU ``LOCAL_RANK``.
+
+    Raises:
+        ConfigError: the named device is not available in this torch build or machine.
+    """
+    local_rank = (rank or RankInfo()).local_rank
+    if name == "auto":
+        if torch.cuda.is_available():
+            name = "cuda"
+        elif torch.backends.mps.is_available():
+            name = "mps"
+        else:
+            name = "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ConfigError(
+                f"device=cuda but no CUDA device is usable (torch {torch.__version__}, {build}); "
+                "use device=auto or device=cpu, or run `keel doctor`"
+            )
+        # Before anything else touches CUDA, or every rank lands on GPU 0.
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device=mps but MPS is not available here; use device=auto or device=cpu")
+    return torch.device(name)
+
+
+def build_model(cfg: ModelConfig) -> torch.nn.Module:
+    """Call ``model.target(**model.args)``; it must return an ``nn.Module``."""
+    if cfg.target is None:
+        raise ConfigError("model.target is not set; give a 'module:callable' that returns an nn.Module")
+    model = build_target(cfg.target, cfg.args, "model")
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"model.target={cfg.target!r} returned {type(model).__name__}; it must return a torch.nn.Module"
+        )
+    return model
+
+
+def build_datasets(cfg: DataConfig) -> tuple[Any, Any]:
+    """Call ``data.target(**data.args)``; it must return ``(train_dataset, val_dataset)``.
+
+    ``val_dataset`` may be ``None`` (no validation). Both must be map-style (``__len__`` and
+    ``__getitem__``) so that data order can be reproduced and resumed.
+    """
+    if cfg.target is None:
+        raise ConfigError("data.target is not set; give a 'module:callable' that returns (train, val) datasets")
+    result = build_target(cfg.target, cfg.args, "data")
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        raise ConfigError(
+            f"data.target={cfg.target!r} returned {type(result).__name__}; "
+            "it must return a pair (train_dataset, val_dataset)"
+        )
+    for which, dataset in zip(("train", "val"), result):
+        if dataset is None and which == "val":
+            continue
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise ConfigError(
+                f"data.target={cfg.target!r} returned a {which} dataset of type "
+                f"{type(dataset).__name__} without __len__/__getitem__; return map-style datasets"
+            )
+    return result[0], result[1]
+
+
+def build_loss(cfg: LossConfig) -> Callable[[Any, Any], torch.Tensor]:
+    """Call ``loss.target(**loss.args)``; it must return a callable ``loss(output, target)``."""
+    loss_fn = build_target(cfg.target, cfg.args, "loss")
+    if not callable(loss_fn):
+        raise ConfigError(
+            f"loss.target={cfg.target!r} returned {type(loss_fn).__name__}; "
+            "it must return a callable loss(output, target) (e.g. torch.nn:CrossEntropyLoss)"
+        )
+    return loss_fn

@@ -1,0 +1,24 @@
+"""Global gradient norm and clipping, kept on the device (no host sync)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Clip the global L2 norm of ``params``' gradients to ``max_norm``; return the norm before clipping.
+
+    ``max_norm=None`` only measures. The norm stays a device tensor: reading it (``.item()``) is
+    the caller's choice, once per logged step, not once per micro-batch. Call it after
+    ``Precision.unscale_`` so the norm is of the true gradients.
+    """
+    if max_norm is None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        return torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads])
+        )
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)

@@ -1,0 +1,80 @@
+"""Run output: ``metrics.jsonl`` rows and progress for a person (a bar on a TTY, plain lines otherwise)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``metrics.jsonl``, flushed per row so a killed run keeps them.
+
+    Non-finite floats are written as ``null`` (JSON has no NaN).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file: TextIO = open(self.path, "a", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a ``metrics.jsonl`` file; a half-written last line (killed run) is ignored."""
+    rows = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+class Progress:
+    """Shows training progress: a tqdm bar when ``stream`` is a TTY, one line per logged step otherwise."""
+
+    def __init__(self, total_steps: int, *, enabled: bool = True, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.is_tty = enabled and self.stream.isatty()
+        self.bar = tqdm(total=total_steps, file=self.stream, unit="step", dynamic_ncols=True) if self.is_tty else None
+        self.total_steps = total_steps
+
+    def advance(self, steps: int) -> None:
+        """Mark ``steps`` more optimizer steps done (bar only)."""
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def log(self, row: dict[str, Any]) -> None:
+        """Show a metrics row: bar postfix on a TTY, a plain line otherwise."""
+        if not self.enabled:
+            return
+        text = " ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k not in ("kind", "wall_s"))
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            if row.get("kind") == "val":
+                self.bar.write(f"validation: {text}")
+        else:
+            prefix = "validation: " if row.get("kind") == "val" else ""
+            print(f"{prefix}{text}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

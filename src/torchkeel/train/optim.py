@@ -1,0 +1,33 @@
+"""Build the optimizer named in the config, or the user's own by import path."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from torchkeel.config.imports import build_target
+from torchkeel.config.schema import OptimConfig
+from torchkeel.errors import ConfigError
+
+_BUILTIN = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def build_optimizer(cfg: OptimConfig, params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """``cfg.target`` (if set) or the built-in ``cfg.name``, with ``lr``, ``weight_decay`` and ``args``."""
+    common = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    if cfg.target is not None:
+        optimizer = build_target(
+            cfg.target, cfg.args, "optim", call_args=(list(params),), call_kwargs=common
+        )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optim.target={cfg.target!r} returned {type(optimizer).__name__}; "
+                "it must return a torch.optim.Optimizer"
+            )
+        return optimizer
+    cls = _BUILTIN[cfg.name]
+    try:
+        return cls(list(params), **common, **cfg.args)
+    except TypeError as exc:
+        raise ConfigError(f"optim.args do not fit {cls.__name__}: {exc}; fix the keys under optim.args") from None
