@@ -6,6 +6,7 @@ inside the user's own callable are not wrapped: they are the user's bug and keep
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
@@ -60,6 +61,7 @@ def build_target(
     except (TypeError, ValueError):
         signature = None  # builtins without a signature: let the call report
     if signature is not None:
+        _check_names(signature, args, spec, key)
         try:
             signature.bind(*call_args, **kwargs)
         except TypeError as exc:
@@ -67,3 +69,15 @@ def build_target(
                 f"{key}.args do not fit {spec}{signature}: {exc}; fix the keys under {key}.args"
             ) from None
     return fn(*call_args, **kwargs)
+
+
+def _check_names(signature: inspect.Signature, args: Mapping[str, Any], spec: str, key: str) -> None:
+    """A misspelt argument name is the usual mistake: name it and suggest the closest one."""
+    params = signature.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for name in args:
+        if name not in params:
+            hint = difflib.get_close_matches(name, list(params), n=1)
+            suggestion = f"did you mean '{hint[0]}'?" if hint else f"its arguments: {', '.join(params)}"
+            raise ConfigError(f"{key}.args.{name} is not an argument of {spec}; {suggestion}")

@@ -31,7 +31,8 @@ class CompiledOrEager(torch.nn.Module):
                 raise
             except Exception as exc:  # noqa: BLE001 - any compiler failure means: run eager
                 self.is_compiled = False
-                first_line = (str(exc).splitlines() or ["no message"])[0][:200]
+                lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+                first_line = " ".join(lines[:2])[:300] or "no message"
                 warnings.warn(
                     f"torch.compile failed ({type(exc).__name__}: {first_line}); "
                     "continuing in eager mode. Set compile=false to skip compilation.",

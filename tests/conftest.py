@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchkeel.config import load_config
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Identical results between two runs in one process need the same thread count; tests also
+    # share 2 cores with each other.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    """A config for the synthetic data and MLP of examples/hand_written_loop.py."""
+
+    def make(*overrides: str):
+        base = {
+            "name": "tiny",
+            "out_dir": str(tmp_path / "runs"),
+            "model": {"target": "hand_written_loop:make_model"},
+            "data": {"target": "hand_written_loop:make_data"},
+            "optim": {"lr": 3e-3},
+            "train": {"max_epochs": 2, "batch_size": 16, "log_every": 1},
+        }
+        return load_config(None, list(overrides), base=base)
+
+    return make

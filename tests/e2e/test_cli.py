@@ -1,0 +1,105 @@
+"""``keel`` as a subprocess: exit codes, one-line errors, run files, the demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import torchkeel
+
+ROOT = Path(__file__).resolve().parents[2]
+KEEL = [sys.executable, "-m", "torchkeel.cli.main"]
+
+TINY = """\
+name: tiny
+model:
+  target: hand_written_loop:make_model
+data:
+  target: hand_written_loop:make_data
+train:
+  max_epochs: 1
+  batch_size: 32
+  log_every: 2
+"""
+
+
+def keel(*args, cwd, timeout=120):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "examples"), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*KEEL, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY)
+    return path
+
+
+def test_train_writes_metrics_config_and_summary(cfg, tmp_path):
+    result = keel("train", str(cfg), "optim.lr=3e-3", "--no-progress", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "runs" / "tiny"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 15 and summary["epochs"] == 1
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [2, 4, 6, 8, 10, 12, 14, 15]
+    assert rows[-1]["kind"] == "val" and rows[-1]["val_accuracy"] == summary["val_accuracy"]
+    assert "optim:\n  name: adamw\n" in (run / "config.yaml").read_text()
+    assert "lr: 0.003" in (run / "config.yaml").read_text()
+    assert result.stdout.startswith("status completed | val_accuracy ")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train.batchsize=8"], "unknown config key 'train.batchsize'; did you mean 'train.batch_size'?"),
+        (["train.batch_size=eight"], "train.batch_size must be an integer, got 'eight' (str)"),
+        (["model.target=nowhere:Net"], "model.target='nowhere:Net': cannot import module 'nowhere'"),
+        (["model.target=builtins:list"], "model.target='builtins:list' returned list; it must return a torch.nn.Module"),
+    ],
+)
+def test_config_errors_exit_2_with_one_line(cfg, tmp_path, args, message):
+    result = keel("train", str(cfg), *args, cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"keel: error: {message}")
+    assert not (tmp_path / "runs" / "tiny").exists()
+
+
+def test_debug_shows_the_traceback(cfg, tmp_path):
+    result = keel("train", str(cfg), "train.batchsize=8", "--debug", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback (most recent call last)" in result.stderr
+    assert result.stderr.strip().endswith("did you mean 'train.batch_size'?")
+
+
+def test_existing_run_dir_exits_2_unless_overwrite(cfg, tmp_path):
+    assert keel("train", str(cfg), "train.max_epochs=null", "train.max_steps=2", cwd=tmp_path).returncode == 0
+    again = keel("train", str(cfg), cwd=tmp_path)
+    assert again.returncode == 2 and "already exists" in again.stderr and "--overwrite" in again.stderr
+    assert keel("train", str(cfg), "--overwrite", "--no-progress", cwd=tmp_path).returncode == 0
+
+
+def test_missing_config_file_and_usage_errors(tmp_path):
+    missing = keel("train", "nope.yaml", cwd=tmp_path)
+    assert missing.returncode == 2 and "config file 'nope.yaml' not found" in missing.stderr
+    assert keel(cwd=tmp_path).returncode == 2  # no subcommand: argparse usage error
+
+
+def test_version(tmp_path):
+    result = keel("--version", cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.strip() == f"torchkeel {torchkeel.__version__}"
+
+
+def test_demo_reaches_95_percent_and_runs_again(tmp_path):
+    for _ in range(2):  # `keel demo` can be run again and again
+        result = keel("demo", "--out-dir", str(tmp_path / "runs"), "--no-progress", cwd=tmp_path, timeout=300)
+        assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "runs" / "demo" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["val_accuracy"] >= 0.95
+    assert "validation accuracy" in result.stdout

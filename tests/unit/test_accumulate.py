@@ -1,0 +1,78 @@
+"""Accumulation equivalence: accumulate=4 × batch 16 updates exactly like batch 64."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import torchkeel as tk
+
+NUM_SAMPLES = 232  # batch 64: 64, 64, 64, 40 — batch 16 × 4: the last group is 16, 16, 8
+
+
+def dataset():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(NUM_SAMPLES, 12, generator=g)
+    y = torch.randint(0, 3, (NUM_SAMPLES,), generator=g)
+    return TensorDataset(x, y)
+
+
+def train(model, optimizer, batch_size, accumulate, epochs=2):
+    loader = tk.EpochLoader(dataset(), batch_size, seed=3)
+    params = list(model.parameters())
+    steps = []
+    optimizer.register_step_post_hook(lambda *_: steps.append(1))
+    for epoch in range(epochs):
+        for group in tk.iter_groups(loader.epoch(epoch), accumulate):
+            tk.train_step(
+                model, optimizer, group, nn.functional.cross_entropy, params=params,
+                precision=tk.Precision(), device=torch.device("cpu"),
+            )
+    return len(steps)
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    ],
+    ids=["sgd", "adamw"],
+)
+def test_accumulate_4_of_16_equals_batch_64(make_optimizer):
+    torch.manual_seed(0)
+    big = nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 3)).double().float()
+    small = copy.deepcopy(big)
+    steps_big = train(big, make_optimizer(big.parameters()), batch_size=64, accumulate=1)
+    steps_small = train(small, make_optimizer(small.parameters()), batch_size=16, accumulate=4)
+    assert steps_big == steps_small == 8  # exactly one optimizer step per group, short group included
+    for (name, a), b in zip(big.named_parameters(), small.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=f"parameter {name} differs")
+
+
+def test_naive_accumulation_would_fail_this_check():
+    """The same comparison catches an unweighted sum (the test is able to fail)."""
+    torch.manual_seed(0)
+    a = nn.Linear(12, 3)
+    b = copy.deepcopy(a)
+    data = dataset()
+    x, y = data.tensors
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    nn.functional.cross_entropy(a(x[:64]), y[:64]).backward()
+    opt_a.step()
+    for i in range(4):  # mean losses summed without dividing by the group size
+        nn.functional.cross_entropy(b(x[16 * i : 16 * (i + 1)]), y[16 * i : 16 * (i + 1)]).backward()
+    opt_b.step()
+    assert (a.weight - b.weight).abs().max() > 1e-3
+
+
+def test_groups_and_step_counts():
+    assert [len(g) for g in tk.iter_groups(range(10), 4)] == [4, 4, 2]
+    assert tk.steps_per_epoch(10, 4) == 3
+    assert tk.total_steps(10, 4, max_epochs=3, max_steps=None) == 9
+    assert tk.total_steps(10, 4, max_epochs=3, max_steps=5) == 5
+    assert tk.total_steps(10, 4, max_epochs=None, max_steps=50) == 50

@@ -1,0 +1,108 @@
+"""The Trainer's loop: limits, validation cadence, run files, failure summary, and the hand-written loop."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+import hand_written_loop
+import torchkeel as tk
+
+
+def rows(run_dir, kind):
+    return [r for r in tk.read_metrics(run_dir / "metrics.jsonl") if r["kind"] == kind]
+
+
+def test_hand_written_loop_and_trainer_give_identical_losses(tiny_config, tmp_path):
+    expected = hand_written_loop.main(max_epochs=3, batch_size=16, accumulate=4, lr=3e-3, warmup_steps=4, clip=1.0)
+    config = tiny_config(
+        "train.max_epochs=3", "train.accumulate=4", "optim.lr=3e-3", "optim.weight_decay=0",
+        "schedule.warmup_steps=4", "train.clip_grad_norm=1.0",
+    )
+    tk.Trainer(config, progress=False).fit()
+    losses = [r["loss"] for r in rows(tmp_path / "runs" / "tiny", "train")]
+    assert len(losses) == len(expected) == 24
+    assert losses == expected
+
+
+def test_hand_written_loop_bf16_matches_too(tiny_config, tmp_path):
+    expected = hand_written_loop.main(max_epochs=1, precision="bf16")
+    config = tiny_config(
+        "train.max_epochs=1", "train.accumulate=4", "optim.weight_decay=0", "schedule.warmup_steps=4",
+        "precision=bf16",
+    )
+    tk.Trainer(config, progress=False).fit()
+    assert [r["loss"] for r in rows(tmp_path / "runs" / "tiny", "train")] == expected
+
+
+def test_run_files_and_summary(tiny_config, tmp_path):
+    summary = tk.Trainer(tiny_config("train.log_every=5"), progress=False).fit()
+    run = tmp_path / "runs" / "tiny"
+    assert summary == json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 60 and summary["epochs"] == 2
+    assert 0.0 <= summary["val_accuracy"] <= 1.0 and summary["val_loss"] > 0
+    train = rows(run, "train")
+    assert [r["step"] for r in train] == list(range(5, 61, 5))
+    assert set(train[0]) == {"kind", "step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "wall_s"}
+    assert [(r["step"], r["epoch"]) for r in rows(run, "val")] == [(30, 0), (60, 1)]
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["train"]["log_every"] == 5 and saved["model"]["target"] == "hand_written_loop:make_model"
+
+
+def test_max_steps_stops_mid_epoch_and_validates_at_the_end(tiny_config, tmp_path):
+    summary = tk.Trainer(tiny_config("train.max_epochs=null", "train.max_steps=7", "train.val_every=3"), progress=False).fit()
+    assert summary["steps"] == 7 and summary["epochs"] == 0
+    assert [r["step"] for r in rows(tmp_path / "runs" / "tiny", "val")] == [3, 6, 7]
+
+
+def test_lr_rows_follow_the_schedule(tiny_config, tmp_path):
+    tk.Trainer(tiny_config("schedule.warmup_steps=10", "schedule.decay=linear", "schedule.min_lr=1e-4"), progress=False).fit()
+    lrs = [r["lr"] for r in rows(tmp_path / "runs" / "tiny", "train")]
+    expected = [tk.lr_at(s, lr=3e-3, warmup_steps=10, total_steps=60, decay="linear", min_lr=1e-4) for s in range(60)]
+    assert lrs == pytest.approx(expected)
+
+
+class Exploding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(32, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 5:
+            raise RuntimeError("boom in forward")
+        return self.linear(x)
+
+
+def test_failure_writes_a_failed_summary(tiny_config, tmp_path):
+    with pytest.raises(RuntimeError, match="boom in forward"):
+        tk.Trainer(tiny_config(), model=Exploding(), progress=False).fit()
+    summary = json.loads((tmp_path / "runs" / "tiny" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps"] == 4
+    assert summary["error"] == "RuntimeError: boom in forward"
+
+
+def test_second_run_with_the_same_name_is_refused(tiny_config):
+    tk.Trainer(tiny_config("train.max_steps=1"), progress=False).fit()
+    with pytest.raises(tk.RunDirError, match="already exists"):
+        tk.Trainer(tiny_config("train.max_steps=1"), progress=False).fit()
+    assert tk.Trainer(tiny_config("train.max_steps=2"), overwrite=True, progress=False).fit()["steps"] == 2
+
+
+def test_objects_replace_import_paths(tmp_path):
+    train_set, val_set = hand_written_loop.make_data()
+    config = tk.load_config(None, [f"out_dir={tmp_path}", "train.max_steps=3"])
+    model = nn.Linear(32, 4)
+    summary = tk.Trainer(config, model=model, train_data=train_set, val_data=val_set, progress=False).fit()
+    assert summary["steps"] == 3 and "val_accuracy" in summary
+
+
+def test_progress_lines_without_a_tty(tiny_config, capsys):
+    tk.Trainer(tiny_config("train.max_steps=4", "train.log_every=2"), progress=True).fit()
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("step 2 epoch 0 loss ") and err[-1].startswith("validation: step 4")
