@@ -35,3 +35,10 @@ def test_the_models_own_errors_still_raise():
     wrapped = tk.CompiledOrEager(nn.Linear(4, 2), backend=failing_backend)
     with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         wrapped(torch.randn(3, 5))
+
+
+@pytest.mark.slow
+def test_trainer_trains_through_torch_compile(tiny_config):
+    trainer = tk.Trainer(tiny_config("compile=true", "train.max_steps=6", "train.max_epochs=null"), progress=False)
+    summary = trainer.fit()
+    assert summary["status"] == "completed" and trainer.forward_model.is_compiled

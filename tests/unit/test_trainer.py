@@ -106,3 +106,18 @@ def test_progress_lines_without_a_tty(tiny_config, capsys):
     tk.Trainer(tiny_config("train.max_steps=4", "train.log_every=2"), progress=True).fit()
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("step 2 epoch 0 loss ") and err[-1].startswith("validation: step 4")
+
+
+def test_trainer_accumulation_matches_the_big_batch(tiny_config):
+    """480 samples: batch 64 ends with a 32-sample step; 16 × 4 ends with a group of two."""
+    weights = []
+    for name, batch, accumulate in (("big", 64, 1), ("small", 16, 4)):
+        config = tiny_config(
+            f"name={name}", f"train.batch_size={batch}", f"train.accumulate={accumulate}", "train.clip_grad_norm=null",
+            "model.target=torch.nn:Linear", "model.args={in_features: 32, out_features: 4}",
+        )
+        trainer = tk.Trainer(config, progress=False)
+        assert trainer.fit()["steps"] == 16
+        weights.append(trainer.model.state_dict())
+    for key in weights[0]:
+        torch.testing.assert_close(weights[1][key], weights[0][key], rtol=0, atol=1e-6)

@@ -62,9 +62,10 @@ class Progress:
             return
         text = " ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k not in ("kind", "wall_s"))
         if self.bar is not None:
-            self.bar.set_postfix_str(text, refresh=False)
             if row.get("kind") == "val":
-                self.bar.write(f"validation: {text}")
+                self.bar.write(f"validation: {text}", file=self.stream)
+            else:
+                self.bar.set_postfix_str(text, refresh=False)
         else:
             prefix = "validation: " if row.get("kind") == "val" else ""
             print(f"{prefix}{text}", file=self.stream, flush=True)
