@@ -53,7 +53,7 @@ def train_step(
     sizes = [num_samples(batch) for batch in group]
     total = sum(sizes)
     non_blocking = device.type == "cuda"
-    loss_sum = torch.zeros((), device=device)
+    loss_sum: torch.Tensor | None = None
     for (inputs, targets), size in zip(group, sizes):
         inputs = to_device(inputs, device, non_blocking)
         targets = to_device(targets, device, non_blocking)
@@ -62,7 +62,8 @@ def train_step(
         if size != total:
             loss = loss * (size / total)
         precision.backward(loss)
-        loss_sum += loss.detach().float()
+        detached = loss.detach().float()
+        loss_sum = detached if loss_sum is None else loss_sum + detached
     precision.unscale_(optimizer)
     grad_norm = clip_grad_norm(params, clip_grad_norm_max)
     precision.step(optimizer)
@@ -70,7 +71,7 @@ def train_step(
     if scheduler is not None:
         scheduler.step()
     return StepResult(
-        loss=loss_sum,
+        loss=loss_sum,  # type: ignore[arg-type]  # the group is not empty
         grad_norm=grad_norm,
         num_samples=total,
         num_micro_batches=len(group),
