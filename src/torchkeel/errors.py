@@ -25,6 +25,12 @@ class RunDirError(KeelError):
     exit_code = 2
 
 
+class CheckpointError(KeelError):
+    """A checkpoint is missing, corrupt, unsafe to load, or does not fit the model."""
+
+    exit_code = 3
+
+
 class DataError(KeelError):
     """A dataset or batch is not what the trainer needs."""
 

@@ -17,7 +17,7 @@ def config_keys(cls=KeelConfig, prefix=""):
         if dataclasses.is_dataclass(f.type) or (isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)):
             yield from config_keys(f.default_factory, f"{prefix}{f.name}.")
         else:
-            yield f"{prefix}{f.name}"
+            yield f"{prefix}{f.metadata.get('key', f.name)}"
 
 
 def test_every_config_key_is_in_docs_config_md():

@@ -1,8 +1,9 @@
 """Typed configuration: the dataclasses, loading from YAML with overrides, and plug-in imports."""
 
 from torchkeel.config.imports import build_target, resolve_target
-from torchkeel.config.load import from_dict, load_config, parse_override, read_yaml, to_dict
+from torchkeel.config.load import config_hash, from_dict, load_config, parse_override, read_yaml, to_dict
 from torchkeel.config.schema import (
+    CheckpointConfig,
     DataConfig,
     KeelConfig,
     LossConfig,
@@ -13,6 +14,8 @@ from torchkeel.config.schema import (
 )
 
 __all__ = [
+    "CheckpointConfig",
+    "config_hash",
     "DataConfig",
     "KeelConfig",
     "LossConfig",

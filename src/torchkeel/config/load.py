@@ -6,8 +6,11 @@ PyYAML reads ``3e-4`` as a string, so strings that parse as numbers are accepted
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import hashlib
+import json
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -74,8 +77,23 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 
 def to_dict(config: Any) -> dict[str, Any]:
-    """The config as plain data (for ``config.yaml`` and hashing)."""
-    return dataclasses.asdict(config)
+    """The config as plain data under its YAML key names (for ``config.yaml`` and hashing)."""
+    result = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        result[_key(f)] = to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+    return result
+
+
+def config_hash(config: Any) -> str:
+    """sha256 of the config's canonical JSON: equal configs, equal hashes."""
+    text = json.dumps(to_dict(config), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _key(f: dataclasses.Field) -> str:
+    """The YAML key of a field (``async`` is a Python keyword, so its field is ``async_save``)."""
+    return f.metadata.get("key", f.name)
 
 
 def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
@@ -84,12 +102,12 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
         raise ConfigError(
             f"{prefix or 'config'} must be a mapping of keys, got {_describe(data)}"
         )
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {_key(f): f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in data:
         if key not in fields:
             raise ConfigError(_unknown_key_message(_join(prefix, str(key)), str(key), list(fields)))
-    values = {name: _convert(hints[name], data[name], _join(prefix, name)) for name in data}
+    values = {fields[k].name: _convert(hints[fields[k].name], v, _join(prefix, k)) for k, v in data.items()}
     return cls(**values)
 
 

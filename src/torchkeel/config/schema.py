@@ -23,6 +23,10 @@ class ModelConfig:
     """``module:callable`` that returns the ``torch.nn.Module`` to train."""
     args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for ``target``."""
+    init_from: Optional[str] = None
+    """Load weights only (fine-tuning) from a torchkeel checkpoint, ``.safetensors`` or ``.pt``/``.pth``."""
+    init_strict: bool = True
+    """With ``init_from``: every key must match; false loads the matching weights and reports the rest."""
 
 
 @dataclass
@@ -90,6 +94,24 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    """Save checkpoints (at ``every_steps``, each epoch end and the end of training)."""
+    every_steps: int = 0
+    """Also save every N optimizer steps (0: only at epoch ends and the end)."""
+    keep_last: int = 2
+    """Keep this many newest checkpoints (at least 1), so a corrupt newest one has a fallback."""
+    save_top_k: int = 1
+    """Also keep the best K checkpoints by ``monitor``."""
+    monitor: str = "val_loss"
+    """Metric that ranks checkpoints for ``save_top_k`` (the latest validation's value)."""
+    mode: Literal["min", "max"] = "min"
+    """Whether a lower or a higher ``monitor`` value is better."""
+    async_save: bool = field(default=False, metadata={"key": "async"})
+    """YAML key ``async``: copy the state to CPU memory and write it on a background thread."""
+
+
+@dataclass
 class KeelConfig:
     name: str = "run"
     """Run name; the run directory is ``<out_dir>/<name>``."""
@@ -111,6 +133,7 @@ class KeelConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> "KeelConfig":
         """Check values and combinations; raise ``ConfigError`` naming the key to change."""
@@ -142,6 +165,9 @@ class KeelConfig:
             )
         if not self.name or "/" in self.name or self.name in (".", ".."):
             raise ConfigError(f"name {self.name!r} is not a valid run name; use letters, digits, '-', '_'")
+        _at_least("checkpoint.every_steps", self.checkpoint.every_steps, 0)
+        _positive("checkpoint.keep_last", self.checkpoint.keep_last)
+        _at_least("checkpoint.save_top_k", self.checkpoint.save_top_k, 0)
         if self.device == "cpu" and self.precision == "fp16":
             raise ConfigError("precision fp16 needs a CUDA device; use precision=bf16 on CPU")
         return self

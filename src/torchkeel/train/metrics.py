@@ -70,6 +70,13 @@ class Progress:
             prefix = "validation: " if row.get("kind") == "val" else ""
             print(f"{prefix}{text}", file=self.stream, flush=True)
 
+    def warn(self, message: str) -> None:
+        """A warning for a person; shown even when progress output is off."""
+        if self.bar is not None:
+            self.bar.write(f"keel: warning: {message}", file=self.stream)
+        else:
+            print(f"keel: warning: {message}", file=self.stream, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

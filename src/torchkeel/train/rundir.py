@@ -11,8 +11,8 @@ from torchkeel.errors import RunDirError
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "summary.json")
 
 
-def prepare_run_dir(out_dir: str | Path, name: str, *, overwrite: bool = False) -> Path:
-    """Create ``out_dir/name`` and return it.
+def prepare_run_dir(out_dir: str | Path, name: str, *, overwrite: bool = False, resume: bool = False) -> Path:
+    """Create ``out_dir/name`` and return it. With ``resume`` an existing run directory is reused.
 
     Raises:
         RunDirError: the directory exists and is not empty (without ``overwrite``), or
@@ -20,10 +20,12 @@ def prepare_run_dir(out_dir: str | Path, name: str, *, overwrite: bool = False) 
     """
     run_dir = Path(out_dir) / name
     if run_dir.exists() and any(run_dir.iterdir()):
+        if resume and not overwrite:
+            return run_dir
         if not overwrite:
             raise RunDirError(
-                f"run directory '{run_dir}' already exists; choose another name "
-                f"(name=...) or pass --overwrite to replace it"
+                f"run directory '{run_dir}' already exists; continue it with --resume auto, choose "
+                f"another name (name=...) or pass --overwrite to replace it"
             )
         if not any((run_dir / marker).exists() for marker in RUN_MARKERS):
             raise RunDirError(

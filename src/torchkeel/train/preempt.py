@@ -1,0 +1,45 @@
+"""Preemption safety: turn SIGTERM/SIGINT into a request to stop after the current optimizer step.
+
+The training loop asks ``requested`` after every step, saves a checkpoint and exits with
+128 + the signal number. A second SIGINT (Ctrl-C twice) aborts at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType, TracebackType
+from typing import Any
+
+
+class StopSignals:
+    """Context manager that records SIGTERM/SIGINT instead of dying mid-step.
+
+    Handlers are installed only in the main thread (Python's rule) and restored on exit.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        self.signals = signals
+        self.requested: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signals:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    @property
+    def name(self) -> str | None:
+        """``SIGTERM``/``SIGINT`` once a stop was requested."""
+        return None if self.requested is None else signal.Signals(self.requested).name
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # second Ctrl-C: stop now, no checkpoint
+        self.requested = signum
