@@ -9,7 +9,7 @@ from torchkeel.train.rundir import prepare_run_dir
 def test_existing_run_is_never_silently_overwritten(tmp_path):
     run = prepare_run_dir(tmp_path, "x")
     (run / "config.yaml").write_text("name: x\n")
-    with pytest.raises(RunDirError, match="run directory '.*x' already exists; choose another name .* --overwrite"):
+    with pytest.raises(RunDirError, match="run directory '.*x' already exists; continue it with --resume auto, choose another name .* --overwrite"):
         prepare_run_dir(tmp_path, "x")
     assert (run / "config.yaml").exists()
     prepare_run_dir(tmp_path, "x", overwrite=True)
