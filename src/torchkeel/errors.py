@@ -46,3 +46,9 @@ class MissingExtraError(KeelError):
         super().__init__(
             f"{feature} needs the '{package}' package: pip install 'torchkeel[{extra}]'"
         )
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first non-empty line of an exception's message (library errors are often multi-line)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[0] if lines else type(exc).__name__)[:limit]

@@ -16,7 +16,7 @@ import torch
 
 from torchkeel.checkpoint.format import read_checkpoint
 from torchkeel.checkpoint.store import is_checkpoint_dir
-from torchkeel.errors import CheckpointError
+from torchkeel.errors import CheckpointError, first_line
 
 _GLOBAL = re.compile(r"GLOBAL (\S+)")
 # Common wrappers of a state dict in other people's checkpoints.
@@ -50,13 +50,14 @@ def _load_pickled_weights(p: Path) -> dict[str, torch.Tensor]:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         match = _GLOBAL.search(str(exc))
-        what = f"the disallowed global '{match.group(1)}'" if match else "objects other than tensors"
+        if match is None:
+            raise CheckpointError(f"'{p}' is not a readable torch file ({first_line(exc)})") from None
         raise CheckpointError(
-            f"refusing to load '{p}': unpickling it needs {what}, which could run code. "
-            "Convert it to a plain state dict or safetensors where it came from"
+            f"refusing to load '{p}': unpickling it needs the disallowed global '{match.group(1)}', which "
+            "could run code. Convert it to a plain state dict or safetensors where it came from"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise CheckpointError(f"'{p}' is not a readable torch file ({type(exc).__name__}: {str(exc)[:200]})") from None
+        raise CheckpointError(f"'{p}' is not a readable torch file ({type(exc).__name__}: {first_line(exc)})") from None
     for key in _WRAPPER_KEYS:
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]

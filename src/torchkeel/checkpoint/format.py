@@ -27,7 +27,7 @@ import safetensors.torch
 import torch
 
 from torchkeel.checkpoint.codec import decode, encode
-from torchkeel.errors import CheckpointError
+from torchkeel.errors import CheckpointError, first_line
 from torchkeel.io import fsync_dir, write_bytes_atomic, write_json_atomic
 
 FORMAT_VERSION = 1
@@ -157,8 +157,7 @@ def _load_tensors(path: Path, data: bytes) -> dict[str, torch.Tensor]:
     try:
         return safetensors.torch.load(data)
     except Exception as exc:  # noqa: BLE001 - the library raises several types for bad headers
-        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-        raise CheckpointError(f"checkpoint file '{path}' is not valid safetensors ({first})") from None
+        raise CheckpointError(f"checkpoint file '{path}' is not valid safetensors ({first_line(exc)})") from None
 
 
 def snapshot(state: Any) -> Any:

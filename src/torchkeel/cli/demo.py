@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from torchkeel.cli.train import exit_code
 from torchkeel.demo.digits import run_demo
 
 HELP = "train a small CNN on scikit-learn's handwritten digits (runs again and again into OUT_DIR/demo)"
@@ -22,4 +23,4 @@ def run(args: argparse.Namespace) -> int:
           f"(val_loss {summary.get('val_loss', float('nan')):.4f})")
     print(f"{summary['steps']} steps, {summary['epochs']} epochs in {summary['wall_s']:.1f} s; "
           f"run directory: {summary['run_dir']}")
-    return 0 if summary["status"] == "completed" else 1
+    return exit_code(summary)

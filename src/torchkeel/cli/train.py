@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
+from torchkeel.checkpoint.faults import parse_fault_rules
 from torchkeel.config.load import load_config
 from torchkeel.train.trainer import Trainer
 
@@ -15,6 +17,10 @@ HELP = "train the model a YAML config describes (overrides: key=value, e.g. opti
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config file")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    parser.add_argument("--resume", metavar="auto|PATH",
+                        help="continue from the newest valid checkpoint of the run (auto) or from PATH")
+    parser.add_argument("--init-from", metavar="PATH",
+                        help="start from these weights (checkpoint, .safetensors, .pt); sets model.init_from")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     parser.add_argument("--no-progress", action="store_true", help="print no progress lines")
 
@@ -24,10 +30,25 @@ def run(args: argparse.Namespace) -> int:
     # Users' import paths (model.target: mymodels:Net) are relative to where they run keel.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    config = load_config(args.config, args.overrides)
-    summary = Trainer(config, overwrite=args.overwrite, progress=not args.no_progress).fit()
+    overrides = list(args.overrides) + ([f"model.init_from={args.init_from}"] if args.init_from else [])
+    config = load_config(args.config, overrides)
+    faults = os.environ.get("TORCHKEEL_TEST_FAULTS")  # test seam, see torchkeel.checkpoint.faults
+    trainer = Trainer(
+        config, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
+        checkpoint_hook=parse_fault_rules(faults) if faults else None,
+    )
+    summary = trainer.fit()
     print(format_summary(summary))
-    return 0 if summary["status"] == "completed" else 1
+    return exit_code(summary)
+
+
+def exit_code(summary: dict) -> int:
+    """0 completed, 128 + signal number when preempted (143 SIGTERM, 130 SIGINT), else 1."""
+    if summary["status"] == "completed":
+        return 0
+    if summary["status"] == "preempted":
+        return 128 + signal.Signals[summary["signal"]].value
+    return 1
 
 
 def format_summary(summary: dict) -> str:

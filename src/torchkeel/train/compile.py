@@ -31,12 +31,16 @@ class CompiledOrEager(torch.nn.Module):
                 raise
             except Exception as exc:  # noqa: BLE001 - any compiler failure means: run eager
                 self.is_compiled = False
-                lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-                first_line = " ".join(lines[:2])[:300] or "no message"
                 warnings.warn(
-                    f"torch.compile failed ({type(exc).__name__}: {first_line}); "
+                    f"torch.compile failed ({type(exc).__name__}: {_message(exc)}); "
                     "continuing in eager mode. Set compile=false to skip compilation.",
                     RuntimeWarning,
                     stacklevel=2,
                 )
         return self.module(*args, **kwargs)
+
+
+def _message(exc: BaseException) -> str:
+    # Dynamo wraps the backend's error: its first line names the backend, the second the cause.
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return " ".join(lines[:2])[:300] or type(exc).__name__
