@@ -31,6 +31,7 @@ test-slow: setup
 
 bench: setup
 	$(PY) bench/trainer_overhead.py
+	$(PY) bench/checkpoint.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

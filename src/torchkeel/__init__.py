@@ -2,9 +2,17 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from torchkeel.checkpoint import (
+    AsyncSaver,
+    CheckpointStore,
+    capture_training_state,
+    load_weights,
+    read_checkpoint,
+    restore_training_state,
+)
 from torchkeel.config import KeelConfig, load_config
 from torchkeel.data import EpochLoader
-from torchkeel.errors import ConfigError, DataError, KeelError, RunDirError
+from torchkeel.errors import CheckpointError, ConfigError, DataError, KeelError, RunDirError
 from torchkeel.train.accumulate import iter_groups, steps_per_epoch, total_steps
 from torchkeel.train.clipping import clip_grad_norm
 from torchkeel.train.compile import CompiledOrEager
@@ -22,6 +30,13 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0+unknown"
 
 __all__ = [
+    "AsyncSaver",
+    "CheckpointError",
+    "CheckpointStore",
+    "capture_training_state",
+    "load_weights",
+    "read_checkpoint",
+    "restore_training_state",
     "CompiledOrEager",
     "ConfigError",
     "DataError",

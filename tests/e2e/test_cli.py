@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 import torchkeel
-
-ROOT = Path(__file__).resolve().parents[2]
-KEEL = [sys.executable, "-m", "torchkeel.cli.main"]
+from keelproc import run_keel as keel
 
 TINY = """\
 name: tiny
@@ -26,11 +20,6 @@ train:
   batch_size: 32
   log_every: 2
 """
-
-
-def keel(*args, cwd, timeout=120):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "examples"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*KEEL, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -103,3 +92,34 @@ def test_demo_reaches_95_percent_and_runs_again(tmp_path):
     summary = json.loads((tmp_path / "runs" / "demo" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["val_accuracy"] >= 0.95
     assert "validation accuracy" in result.stdout
+
+
+def test_resume_from_a_corrupt_checkpoint_exits_3_with_one_line(cfg, tmp_path):
+    assert keel("train", str(cfg), "train.max_epochs=null", "train.max_steps=2", cwd=tmp_path).returncode == 0
+    checkpoint = tmp_path / "runs" / "tiny" / "checkpoints" / "step-00000002"
+    model_file = checkpoint / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:-1])
+    result = keel("train", str(cfg), "--resume", str(checkpoint), cwd=tmp_path)
+    assert result.returncode == 3
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"keel: error: checkpoint file '{model_file}' has {model_file.stat().st_size} bytes, "
+                     f"the manifest says {model_file.stat().st_size + 1} (truncated?)"]
+
+
+def test_init_from_a_malicious_pickle_is_refused(cfg, tmp_path):
+    marker = tmp_path / "code-ran"
+    payload = tmp_path / "evil.pt"
+    script = (
+        "import os, torch\n"
+        "class E:\n"
+        f"    def __reduce__(self): return (os.system, ('touch {marker}',))\n"
+        f"torch.save({{'w': E()}}, {str(payload)!r})\n"
+    )
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", script], check=True)
+    result = keel("train", str(cfg), "--init-from", str(payload), cwd=tmp_path)
+    assert result.returncode == 3
+    assert "disallowed global 'posix.system'" in result.stderr
+    assert not marker.exists()

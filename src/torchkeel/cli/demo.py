@@ -23,4 +23,6 @@ def run(args: argparse.Namespace) -> int:
           f"(val_loss {summary.get('val_loss', float('nan')):.4f})")
     print(f"{summary['steps']} steps, {summary['epochs']} epochs in {summary['wall_s']:.1f} s; "
           f"run directory: {summary['run_dir']}")
+    print(f"checkpoints: {summary['run_dir']}/checkpoints (atomic, verified; a killed `keel train` "
+          "continues with --resume auto)")
     return exit_code(summary)

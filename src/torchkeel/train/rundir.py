@@ -21,6 +21,8 @@ def prepare_run_dir(out_dir: str | Path, name: str, *, overwrite: bool = False, 
     run_dir = Path(out_dir) / name
     if run_dir.exists() and any(run_dir.iterdir()):
         if resume and not overwrite:
+            for leftover in run_dir.glob(".*.tmp"):  # from a write that a kill interrupted
+                leftover.unlink()
             return run_dir
         if not overwrite:
             raise RunDirError(

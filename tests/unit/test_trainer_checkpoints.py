@@ -1,0 +1,127 @@
+"""The Trainer's use of checkpoints: async saves, resume, preemption, init_from, changed models."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+import hand_written_loop
+import torchkeel as tk
+from torchkeel.checkpoint import CheckpointStore
+from torchkeel.errors import CheckpointError
+from torchkeel.train.preempt import StopSignals
+
+
+def final_state(trainer):
+    found, problems = trainer.store.latest_valid()
+    assert problems == []
+    return found
+
+
+def test_async_save_writes_the_same_checkpoints_as_sync(tiny_config, tmp_path):
+    sync = tk.Trainer(tiny_config("name=sync", "checkpoint.every_steps=7"), progress=False)
+    sync.fit()
+    asyn = tk.Trainer(tiny_config("name=async", "checkpoint.every_steps=7", "checkpoint.async=true"), progress=False)
+    summary = asyn.fit()
+    assert summary["status"] == "completed"
+    a, b = final_state(sync), final_state(asyn)
+    assert a.step == b.step == 60  # the final save was waited for
+    assert all(torch.equal(a.state["model"][k], b.state["model"][k]) for k in a.state["model"])
+    assert [s for s, _ in sync.store.steps()] == [s for s, _ in asyn.store.steps()]
+
+
+class SignalAt(nn.Module):
+    """The example's model, sending ``signum`` to its own process during forward number ``at``."""
+
+    def __init__(self, at, signum):
+        super().__init__()
+        torch.manual_seed(0)  # the same initial weights in every run of the test
+        self.inner = hand_written_loop.make_model()
+        self.calls, self.at, self.signum = 0, at, signum
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(os.getpid(), self.signum)
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_preempted_run_resumes_to_identical_weights(tiny_config, tmp_path, signum):
+    reference = tk.Trainer(tiny_config("name=ref", "train.accumulate=2"), model=SignalAt(0, signum), progress=False)
+    reference.fit()
+    torch.manual_seed(123)  # whatever the process did in between must not matter
+    preempted = tk.Trainer(tiny_config("train.accumulate=2"), model=SignalAt(9, signum), progress=False)
+    summary = preempted.fit()
+    # Forward 9 is in step 5 (2 micro-batches a step): that step completes, then the run stops.
+    assert summary["status"] == "preempted" and summary["signal"] == signal.Signals(signum).name
+    assert summary["steps"] == 5 and final_state(preempted).step == 5
+    assert json.loads((tmp_path / "runs" / "tiny" / "summary.json").read_text())["status"] == "preempted"
+    resumed = tk.Trainer(tiny_config("train.accumulate=2"), model=SignalAt(0, signum), resume="auto", progress=False)
+    assert resumed.fit()["status"] == "completed"
+    ref, got = final_state(reference).state["model"], final_state(resumed).state["model"]
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    rows = tk.read_metrics(tmp_path / "runs" / "tiny" / "metrics.jsonl")
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 31))  # one row per step, no repeats
+    assert [r["step"] for r in rows if r["kind"] == "resume"] == [5]
+
+
+def test_second_sigint_aborts_at_once():
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_resume_auto_without_checkpoints_starts_fresh(tiny_config):
+    summary = tk.Trainer(tiny_config("train.max_steps=3"), resume="auto", progress=False).fit()
+    assert summary["status"] == "completed" and summary["steps"] == 3
+
+
+def test_resume_from_a_bad_path_is_a_clear_error(tiny_config, tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        tk.Trainer(tiny_config(), resume=tmp_path / "nope", progress=False).fit()
+    trainer = tk.Trainer(tiny_config("train.max_steps=2"), progress=False)
+    trainer.fit()
+    path = trainer.store.path_for(2)
+    (path / "state.safetensors").write_bytes(b"\0" * 10)
+    with pytest.raises(CheckpointError, match=r"state.safetensors' has 10 bytes"):
+        tk.Trainer(tiny_config("name=other"), resume=path, progress=False).fit()
+
+
+def test_resume_into_a_changed_model_lists_the_keys(tiny_config):
+    tk.Trainer(tiny_config("train.max_steps=2"), progress=False).fit()
+    wider = nn.Sequential(nn.Linear(32, 80), nn.ReLU(), nn.Dropout(0.1), nn.Linear(80, 4))
+    with pytest.raises(CheckpointError, match=r"shape mismatch: 0.bias \(checkpoint \(64,\), model \(80,\)\)"):
+        tk.Trainer(tiny_config("train.max_steps=2"), model=wider, resume="auto", progress=False).fit()
+
+
+def test_init_from_loads_weights_only(tiny_config, tmp_path):
+    source = tk.Trainer(tiny_config("name=source", "train.max_steps=4"), progress=False)
+    source.fit()
+    path = source.store.path_for(4)
+    tuned = tk.Trainer(tiny_config("name=tuned", f"model.init_from={path}"), progress=False)
+    for key, value in source.model.state_dict().items():
+        assert torch.equal(tuned.model.state_dict()[key], value)
+    assert tuned.scheduler.last_epoch == 0  # weights only: optimizer and schedule start fresh
+    other_head = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 7))
+    with pytest.raises(CheckpointError, match="missing|shape mismatch"):
+        tk.Trainer(tiny_config("name=x", f"model.init_from={path}"), model=other_head, progress=False)
+    loose = tk.Trainer(tiny_config("name=y", f"model.init_from={path}", "model.init_strict=false"), model=other_head, progress=False)
+    assert torch.equal(loose.model[0].weight, source.model[0].weight)
+
+
+def test_only_rank_zero_writes(tiny_config, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    summary = tk.Trainer(tiny_config("train.max_steps=3"), progress=False).fit()
+    assert summary["status"] == "completed"
+    assert not (tmp_path / "runs").exists()
+    assert CheckpointStore(tmp_path / "runs" / "tiny" / "checkpoints").steps() == []
