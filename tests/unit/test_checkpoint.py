@@ -274,3 +274,15 @@ def test_foreign_state_dicts_load(tmp_path):
     torch.save([1, 2], tmp_path / "list.pt")
     with pytest.raises(CheckpointError, match="holds no state dict"):
         ck.load_weights(tmp_path / "list.pt")
+
+
+def test_grad_scaler_state_round_trips(tmp_path):
+    model, opt, _ = trained()
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0, growth_interval=7)
+    scaler.scale(torch.ones(()))  # creates the scale tensor, as the first backward does
+    scaler.update(new_scale=256.0)
+    store = ck.CheckpointStore(tmp_path)
+    store.save(ck.capture_training_state(model, opt, scaler=scaler), step=1, epoch=0)
+    restored = torch.amp.GradScaler("cpu")
+    ck.restore_training_state(store.latest_valid()[0].state, model, opt, scaler=restored)
+    assert restored.get_scale() == 256.0 and restored.get_growth_interval() == 7
