@@ -13,7 +13,7 @@ import hashlib
 import json
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -133,13 +133,10 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key} must be a mapping of keyword arguments, got {_describe(value)}")
         return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {_describe(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} must be an integer, got {_describe(value)}")
+    if tp in _EXACT:
+        expected, is_valid = _EXACT[tp]
+        if not is_valid(value):
+            raise ConfigError(f"{key} must be {expected}, got {_describe(value)}")
         return value
     if tp is float:
         if isinstance(value, str):
@@ -150,11 +147,15 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number, got {_describe(value)}")
         return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key} must be a string, got {_describe(value)}")
-        return value
     raise TypeError(f"config type {tp!r} of {key} is not supported")  # a bug in the schema
+
+
+# Types taken as they are: what a person reads in the error, and the check.
+_EXACT: dict[type, tuple[str, Callable[[Any], bool]]] = {
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    str: ("a string", lambda v: isinstance(v, str)),
+}
 
 
 def _unknown_key_message(full_key: str, key: str, known: list[str]) -> str:
