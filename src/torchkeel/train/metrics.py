@@ -61,13 +61,12 @@ class Progress:
         if not self.enabled:
             return
         text = " ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k not in ("kind", "wall_s"))
-        if self.bar is not None:
-            if row.get("kind") == "val":
-                self.bar.write(f"validation: {text}", file=self.stream)
-            else:
-                self.bar.set_postfix_str(text, refresh=False)
+        prefix = _PREFIXES.get(row.get("kind"), "")
+        if self.bar is not None and not prefix:
+            self.bar.set_postfix_str(text, refresh=False)
+        elif self.bar is not None:
+            self.bar.write(f"{prefix}{text}", file=self.stream)
         else:
-            prefix = "validation: " if row.get("kind") == "val" else ""
             print(f"{prefix}{text}", file=self.stream, flush=True)
 
     def warn(self, message: str) -> None:
@@ -80,6 +79,10 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+# Rows other than training steps get a line of their own, with a prefix.
+_PREFIXES = {"val": "validation: ", "resume": "resumed: "}
 
 
 def _fmt(value: Any) -> str:
