@@ -37,6 +37,22 @@ class DataError(KeelError):
     exit_code = 1
 
 
+class TrainingDiverged(KeelError):
+    """Training kept producing non-finite values; ``diagnosis`` says where they first appeared."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, diagnosis: dict | None = None) -> None:
+        super().__init__(message)
+        self.diagnosis = diagnosis
+
+
+class SampleTooLarge(KeelError):
+    """A single sample does not fit in memory, even after splitting the batch down to one."""
+
+    exit_code = 1
+
+
 class MissingExtraError(KeelError):
     """An optional dependency group is not installed."""
 

@@ -112,6 +112,50 @@ class CheckpointConfig:
 
 
 @dataclass
+class GuardConfig:
+    enabled: bool = True
+    """Check the loss and gradients for NaN/Inf before every optimizer step (one host sync a step)."""
+    on_nonfinite: Literal["skip", "rollback", "raise"] = "skip"
+    """``skip`` the step (escalating to rollback), ``rollback`` at once, or ``raise`` (stop)."""
+    max_consecutive: int = 5
+    """Skipped steps in a row before ``skip`` escalates to a rollback."""
+    lr_backoff: float = 0.5
+    """Multiply the learning rate by this at each rollback."""
+    max_rollbacks: int = 3
+    """Rollbacks before the run stops with status ``failed`` and a diagnosis."""
+    snapshot_every: int = 50
+    """Keep an in-memory copy of the last good state every N good steps (0: no rollback)."""
+    diagnose: bool = True
+    """Replay the first non-finite step with hooks to name the module where NaN/Inf appeared."""
+    spike_factor: Optional[float] = None
+    """Warn when the loss exceeds this multiple of its running average (``null``: off)."""
+
+
+@dataclass
+class OomConfig:
+    auto_split: bool = True
+    """On out-of-memory, redo the step in micro-batches of half the size (down to 1) and keep that size."""
+
+
+@dataclass
+class MemoryConfig:
+    every_steps: int = 100
+    """Write a memory row (RSS; CUDA allocated, reserved, peak, fragmentation) every N steps (0: off)."""
+    warn_rss_gb: Optional[float] = None
+    """Warn when the process RSS exceeds this many GiB."""
+    warn_cuda_fraction: float = 0.9
+    """Warn when CUDA reserved memory exceeds this fraction of the device's memory."""
+    leak_check: bool = True
+    """Look for memory that grows step after step (live tensors and autograd graphs; CUDA allocated)."""
+    leak_every_steps: int = 200
+    """Steps between leak censuses (doubled automatically if a census costs over 1% of the time)."""
+    leak_warmup_steps: int = 20
+    """Steps before the first census."""
+    leak_window: int = 4
+    """Censuses in a row that must each grow before a leak is reported."""
+
+
+@dataclass
 class KeelConfig:
     name: str = "run"
     """Run name; the run directory is ``<out_dir>/<name>``."""
@@ -134,6 +178,9 @@ class KeelConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    oom: OomConfig = field(default_factory=OomConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def validate(self) -> "KeelConfig":
         """Check values and combinations; raise ``ConfigError`` naming the key to change."""
@@ -168,6 +215,20 @@ class KeelConfig:
         _at_least("checkpoint.every_steps", self.checkpoint.every_steps, 0)
         _positive("checkpoint.keep_last", self.checkpoint.keep_last)
         _at_least("checkpoint.save_top_k", self.checkpoint.save_top_k, 0)
+        g, m = self.guard, self.memory
+        _positive("guard.max_consecutive", g.max_consecutive)
+        _at_least("guard.max_rollbacks", g.max_rollbacks, 0)
+        _at_least("guard.snapshot_every", g.snapshot_every, 0)
+        if not 0 < g.lr_backoff <= 1:
+            raise ConfigError(f"guard.lr_backoff must be in (0, 1], got {g.lr_backoff}")
+        if g.spike_factor is not None and g.spike_factor <= 1:
+            raise ConfigError(f"guard.spike_factor must be > 1 or null, got {g.spike_factor}")
+        _at_least("memory.every_steps", m.every_steps, 0)
+        _positive("memory.leak_every_steps", m.leak_every_steps)
+        _at_least("memory.leak_warmup_steps", m.leak_warmup_steps, 0)
+        _at_least("memory.leak_window", m.leak_window, 2)
+        if not 0 < m.warn_cuda_fraction <= 1:
+            raise ConfigError(f"memory.warn_cuda_fraction must be in (0, 1], got {m.warn_cuda_fraction}")
         if self.device == "cpu" and self.precision == "fp16":
             raise ConfigError("precision fp16 needs a CUDA device; use precision=bf16 on CPU")
         return self

@@ -17,3 +17,12 @@ def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     value = torch.tensor([int(flag)], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())  # host sync: the decision is needed on the host
+
+
+def agree_all(flags: torch.Tensor) -> torch.Tensor:
+    """Element-wise AND of boolean ``flags`` across ranks, on the device (no host sync here)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flags
+    values = flags.to(torch.int32)
+    dist.all_reduce(values, op=dist.ReduceOp.MIN)
+    return values.bool()

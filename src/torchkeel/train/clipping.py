@@ -17,7 +17,7 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float | None)
     if max_norm is None:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
-            return torch.zeros(())
+            return torch.zeros((), device=params[0].device if params else None)
         return torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads])
         )

@@ -58,6 +58,11 @@ class Precision:
             self.scaler.step(optimizer)
             self.scaler.update()
 
+    def skip(self, optimizer: torch.optim.Optimizer) -> None:
+        """Do not apply this step; keep the scaler's bookkeeping (its found-inf state) consistent."""
+        if self.scaler is not None:
+            self.scaler.update()
+
 
 def make_precision(name: str, device: torch.device) -> Precision:
     """``Precision`` for config value ``fp32``/``bf16``/``fp16`` on ``device``.

@@ -1,8 +1,8 @@
 """The one place the order of a training step is written.
 
-forward (autocast) → weighted backward per micro-batch → unscale → clip → optimizer step →
-zero_grad → scheduler step. Nothing here reads a value back to the host: the loss and the
-gradient norm are returned as device tensors for the caller to read when it logs.
+forward (autocast) → weighted backward per micro-batch (split further on out-of-memory) →
+unscale → clip → non-finite guard → optimizer step → zero_grad → scheduler step.
+The only host sync is the guard's, once per step, when ``check_finite`` is on.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from typing import Any
 import torch
 
 from torchkeel.data.loader import num_samples, to_device
+from torchkeel.dist.agree import agree_all
 from torchkeel.train.clipping import clip_grad_norm
+from torchkeel.train.oom import free_memory, smaller_size, split_batch
 from torchkeel.train.precision import Precision
 
 
 @dataclass
 class StepResult:
-    """What one optimizer step produced; tensors stay on the device until someone logs them."""
+    """What one optimizer step produced. Tensors stay on the device until someone reads them."""
 
     loss: torch.Tensor
     """Mean loss over the group's samples (detached)."""
@@ -28,6 +30,15 @@ class StepResult:
     """Global gradient norm before clipping, of the unscaled gradients."""
     num_samples: int
     num_micro_batches: int
+    status: str = "ok"
+    """``ok`` (applied), ``nonfinite`` (skipped: NaN/Inf loss or gradients), ``overflow``
+    (fp16: the GradScaler skipped it and lowered its scale)."""
+    loss_value: float | None = None
+    """``loss`` read on the host, when the guard read it anyway (``check_finite``)."""
+    grad_norm_value: float | None = None
+    micro_batch_size: int | None = None
+    """The micro-batch size that fit (``None``: whole loader batches)."""
+    num_oom_splits: int = 0
 
 
 def train_step(
@@ -41,38 +52,92 @@ def train_step(
     device: torch.device,
     clip_grad_norm_max: float | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    check_finite: bool = False,
+    split_on_oom: bool = False,
+    micro_batch_size: int | None = None,
+    before_forward: Callable[[int], None] | None = None,
 ) -> StepResult:
     """One optimizer step over ``group``, a list of ``(input, target)`` micro-batches.
 
-    Each micro-batch's loss is weighted by its share of the group's samples, so the update
-    equals a single step on the concatenated batch, including a short last group.
-    ``params`` are the trainable parameters (measured and clipped).
+    Each piece's loss is weighted by its share of the group's samples, so the update equals a
+    single step on the concatenated batch, including a short last group. ``params`` are the
+    trainable parameters (measured and clipped). With ``check_finite``, a step whose loss or
+    gradients are NaN/Inf is not applied: parameters, optimizer state and step counts stay as
+    they were and the scheduler does not advance. With ``split_on_oom``, an out-of-memory error
+    redoes the step in pieces of half the size (``micro_batch_size`` caps them from the start);
+    ``before_forward(num_samples)`` runs before each piece (fault injection in tests).
     """
     if not group:
         raise ValueError("train_step needs at least one micro-batch")
     sizes = [num_samples(batch) for batch in group]
-    total = sum(sizes)
-    non_blocking = device.type == "cuda"
-    loss_sum: torch.Tensor | None = None
-    for (inputs, targets), size in zip(group, sizes):
-        inputs = to_device(inputs, device, non_blocking)
-        targets = to_device(targets, device, non_blocking)
-        with precision.autocast():
-            loss = loss_fn(model(inputs), targets)
-        if size != total:
-            loss = loss * (size / total)
-        precision.backward(loss)
-        detached = loss.detach().float()
-        loss_sum = detached if loss_sum is None else loss_sum + detached
+    total, num_splits = sum(sizes), 0
+    while True:
+        try:
+            loss_sum = _forward_backward(
+                model, group, sizes, total, loss_fn, precision, device, micro_batch_size, before_forward
+            )
+            break
+        except torch.OutOfMemoryError:
+            if not split_on_oom:
+                raise
+        # Out of the except block, so the failed attempt's frames and tensors can be freed.
+        optimizer.zero_grad(set_to_none=True)
+        free_memory(device)
+        micro_batch_size = smaller_size(min(micro_batch_size or max(sizes), max(sizes)), device)
+        num_splits += 1
     precision.unscale_(optimizer)
     grad_norm = clip_grad_norm(params, clip_grad_norm_max)
-    precision.step(optimizer)
+    status, loss_value, norm_value = "ok", None, None
+    if check_finite:
+        finite = agree_all(torch.stack([torch.isfinite(loss_sum), torch.isfinite(grad_norm)]))
+        # Host sync, the one per step: may this step be applied? Loss and norm come along.
+        loss_ok, grads_ok, loss_value, norm_value = torch.cat(
+            [finite.float(), loss_sum.reshape(1), grad_norm.reshape(1).float()]
+        ).tolist()
+        if not (loss_ok and grads_ok):
+            status = "overflow" if loss_ok and precision.scaler is not None else "nonfinite"
+    if status == "nonfinite":
+        precision.skip(optimizer)
+    else:
+        precision.step(optimizer)  # on "overflow" the scaler skips the update and lowers its scale
     optimizer.zero_grad(set_to_none=True)
-    if scheduler is not None:
+    if scheduler is not None and status == "ok":
         scheduler.step()
     return StepResult(
-        loss=loss_sum,  # type: ignore[arg-type]  # the group is not empty
-        grad_norm=grad_norm,
-        num_samples=total,
-        num_micro_batches=len(group),
+        loss=loss_sum, grad_norm=grad_norm, num_samples=total, num_micro_batches=len(group), status=status,
+        loss_value=loss_value, grad_norm_value=norm_value, micro_batch_size=micro_batch_size,
+        num_oom_splits=num_splits,
     )
+
+
+def _forward_backward(
+    model: torch.nn.Module,
+    group: Sequence[Any],
+    sizes: Sequence[int],
+    total: int,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    precision: Precision,
+    device: torch.device,
+    micro_batch_size: int | None,
+    before_forward: Callable[[int], None] | None,
+) -> torch.Tensor:
+    """Forward and backward of every piece, weighted by its samples; returns the mean loss."""
+    non_blocking = device.type == "cuda"
+    loss_sum: torch.Tensor | None = None
+    for batch, size in zip(group, sizes):
+        pieces = [batch] if micro_batch_size is None or size <= micro_batch_size else split_batch(batch, micro_batch_size)
+        for inputs, targets in pieces:
+            n = size if len(pieces) == 1 else num_samples((inputs, targets))
+            if before_forward is not None:
+                before_forward(n)
+            inputs = to_device(inputs, device, non_blocking)
+            targets = to_device(targets, device, non_blocking)
+            with precision.autocast():
+                loss = loss_fn(model(inputs), targets)
+            if n != total:
+                loss = loss * (n / total)
+            precision.backward(loss)
+            detached = loss.detach().float()
+            loss_sum = detached if loss_sum is None else loss_sum + detached
+    assert loss_sum is not None  # group is not empty
+    return loss_sum

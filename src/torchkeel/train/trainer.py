@@ -28,7 +28,12 @@ from torchkeel.io import write_json_atomic, write_text_atomic
 from torchkeel.provenance import provenance
 from torchkeel.train.accumulate import iter_groups, total_steps
 from torchkeel.train.build import build_datasets, build_loss, build_model, resolve_device
+from torchkeel.errors import TrainingDiverged
 from torchkeel.train.compile import CompiledOrEager
+from torchkeel.train.diagnose import diagnose_nonfinite
+from torchkeel.train.guards import Action, NonFiniteGuard, Snapshot, SpikeDetector, apply_lr_scale
+from torchkeel.train.incidents import IncidentLog
+from torchkeel.train.memory import LeakDetector, MemoryMonitor, MemoryProbe
 from torchkeel.train.metrics import MetricsWriter, Progress
 from torchkeel.train.optim import build_optimizer
 from torchkeel.train.precision import make_precision
@@ -41,7 +46,8 @@ from torchkeel.train.step import train_step
 from torchkeel.train.validate import evaluate
 
 # The counters a checkpoint carries, so a resumed run continues with the very next batch.
-PROGRESS = ("step", "epoch", "batch_in_epoch", "samples", "val_metrics", "validated_at", "saved_at")
+PROGRESS = ("step", "epoch", "batch_in_epoch", "samples", "val_metrics", "validated_at", "saved_at",
+            "micro_batch_size", "diagnosis")
 
 
 class Trainer:
@@ -70,6 +76,8 @@ class Trainer:
         overwrite: bool = False,
         progress: bool = True,
         checkpoint_hook: PointHook | None = None,
+        oom_hook: Callable[[int], None] | None = None,
+        memory_probe: MemoryProbe | None = None,
     ) -> None:
         self.config = cfg = config.validate()
         self.rank = RankInfo.from_env()
@@ -107,11 +115,28 @@ class Trainer:
             monitor=ck.monitor, mode=ck.mode, hook=checkpoint_hook,
         )
         self.saver = AsyncSaver(self.store) if ck.async_save else None
+        g, mem = cfg.guard, cfg.memory
+        self.guard = NonFiniteGuard(g.on_nonfinite, g.max_consecutive, g.lr_backoff, g.max_rollbacks)
+        self.spikes = SpikeDetector(g.spike_factor) if g.spike_factor else None
+        self.memory = MemoryMonitor(
+            self.device, warn_rss_gb=mem.warn_rss_gb, warn_cuda_fraction=mem.warn_cuda_fraction, probe=memory_probe
+        )
+        self.leaks = LeakDetector(
+            every_steps=mem.leak_every_steps, warmup_steps=mem.leak_warmup_steps, window=mem.leak_window,
+            device=self.device, probe=memory_probe,
+        ) if mem.leak_check else None
+        self.oom_hook = oom_hook
         self.resume, self.overwrite, self.show_progress = resume, overwrite, progress
         # Progress counters: all a resumed run needs to continue with the very next batch.
         self.step = self.epoch = self.batch_in_epoch = self.samples = 0
         self.val_metrics: dict[str, float] = {}
         self.validated_at = self.saved_at = -1
+        self.micro_batch_size: int | None = None  # shrunk after an out-of-memory error
+        self.diagnosis: dict[str, Any] | None = None  # of the first non-finite step
+        # The two latest good states: a rollback returns to the older one, since by the time a
+        # step goes non-finite the newer one may already be on the diverging path.
+        self.snapshots: list[Snapshot] = []
+        self.incidents = IncidentLog(None)
 
     def fit(self) -> dict[str, Any]:
         """Train to the configured limit; return the summary that is also written to ``summary.json``.
@@ -125,8 +150,10 @@ class Trainer:
         if is_main:
             prepare_run_dir(cfg.out_dir, cfg.name, overwrite=self.overwrite, resume=self.resume is not None)
             write_text_atomic(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
-            truncate_metrics(self.run_dir / "metrics.jsonl", found.step if found else 0)
+            for name in ("metrics.jsonl", "incidents.jsonl"):
+                truncate_metrics(self.run_dir / name, found.step if found else 0)
         self._metrics = MetricsWriter(self.run_dir / "metrics.jsonl") if is_main else None
+        self.incidents = IncidentLog(self.run_dir / "incidents.jsonl" if is_main else None)
         self._provenance = provenance(config_hash(cfg))
         self._start = time.perf_counter()
         if found is not None:
@@ -145,6 +172,8 @@ class Trainer:
             raise
         except Exception as exc:
             summary = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            if isinstance(exc, TrainingDiverged):
+                summary["diagnosis"] = exc.diagnosis
             raise
         finally:
             summary = self._finish(summary)
@@ -153,6 +182,7 @@ class Trainer:
     def _train(self) -> None:
         train, num_batches = self.config.train, len(self.train_loader)
         window_samples, window_start = 0, time.perf_counter()
+        self._take_snapshot()
         while self.step < self.total_steps:
             batches = self.train_loader.epoch(self.epoch, start_batch=self.batch_in_epoch)
             for group in iter_groups(batches, train.accumulate):
@@ -164,14 +194,19 @@ class Trainer:
                     self.forward_model, self.optimizer, group, self.loss_fn, params=self.params,
                     precision=self.precision, device=self.device,
                     clip_grad_norm_max=train.clip_grad_norm, scheduler=self.scheduler,
+                    check_finite=self.config.guard.enabled, split_on_oom=self.config.oom.auto_split,
+                    micro_batch_size=self.micro_batch_size, before_forward=self.oom_hook,
                 )
                 self.step += 1
                 self.batch_in_epoch += len(group)
                 self.samples += result.num_samples
                 window_samples += result.num_samples
                 self._progress.advance(1)
+                self._protect(result, group)
                 if is_log:
-                    loss, grad_norm = result.loss.item(), result.grad_norm.item()  # host sync: log steps only
+                    loss, grad_norm = result.loss_value, result.grad_norm_value
+                    if loss is None:  # the guard is off: read them now (host sync, log steps only)
+                        loss, grad_norm = result.loss.item(), result.grad_norm.item()
                     now = time.perf_counter()
                     self._log({
                         "kind": "train", "step": self.step, "epoch": self.epoch, "loss": loss, "lr": lr,
@@ -194,7 +229,78 @@ class Trainer:
                 self._save()
         if self.validated_at != self.step:
             self._validate()
+        if self.config.guard.enabled and not all(bool(torch.isfinite(p).all()) for p in self.params):
+            raise TrainingDiverged("the weights are non-finite at the end of training; see incidents.jsonl")
         self._save()
+
+    def _protect(self, result: Any, group: list[Any]) -> None:
+        """Act on what the step reported: OOM splits, non-finite steps, spikes, memory, leaks."""
+        if result.num_oom_splits:
+            self._incident("oom_split", f"out of memory: the step was redone in micro-batches of "
+                           f"{result.micro_batch_size} samples, kept for the following steps",
+                           micro_batch_size=result.micro_batch_size, splits=result.num_oom_splits)
+        self.micro_batch_size = result.micro_batch_size
+        if result.status == "nonfinite":
+            self._on_nonfinite(group)
+        else:
+            self.guard.observe(True)
+            every = self.config.guard.snapshot_every
+            if result.status == "ok" and every and self.step % every == 0:
+                self._take_snapshot()
+        if self.spikes is not None and result.loss_value is not None:
+            average = self.spikes.observe(result.loss_value)
+            if average is not None:
+                self._incident("spike", f"loss {result.loss_value:.4g} is above {self.spikes.factor} x its "
+                               f"running average {average:.4g}", loss=result.loss_value, average=average)
+        every = self.config.memory.every_steps
+        if every and self.step % every == 0:
+            stats, warnings = self.memory.sample()
+            self._log({"kind": "memory", "step": self.step, **stats.row()})
+            for warning in warnings:
+                self._incident("memory", warning, **stats.row())
+        finding = self.leaks.observe(self.step) if self.leaks is not None else None
+        if finding is not None:
+            top = finding["top_groups"][0] if finding["top_groups"] else None
+            what = f"; most added: {top['added']} tensors of shape {top['shape']} {top['dtype']}" + (
+                " holding autograd graphs" if top["holds_graph"] else "") if top else ""
+            self._incident("leak", f"memory grows every census ({finding['signal']}): "
+                           f"{finding['graph_nodes_per_step']:.1f} graph nodes and {finding['tensors_per_step']:.2f} "
+                           f"tensors per step{what} — a tensor kept across steps (total_loss += loss?)", **finding)
+
+    def _on_nonfinite(self, group: list[Any]) -> None:
+        diagnosis = None
+        if self.config.guard.diagnose and self.diagnosis is None:  # the first non-finite step only
+            diagnosis = self.diagnosis = diagnose_nonfinite(
+                self.model, group, self.loss_fn, precision=self.precision, device=self.device
+            )
+        action = self.guard.observe(False, can_roll_back=bool(self.snapshots))
+        self._incident("nonfinite", f"non-finite loss or gradients: step skipped ({action.value})"
+                       + (f"; {diagnosis['summary']}" if diagnosis else ""), action=action.value, diagnosis=diagnosis)
+        if action is Action.ROLLBACK:
+            del self.snapshots[1:]
+            good = self.snapshots[0]
+            good.restore(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                         scaler=self.precision.scaler)
+            apply_lr_scale(self.scheduler, self.optimizer, self.guard.lr_scale)
+            self._incident("rollback", f"rolled back to the state of step {good.step}; learning rate "
+                           f"scaled to {self.guard.lr_scale:g} x", to_step=good.step, lr_scale=self.guard.lr_scale)
+        elif action is Action.FAIL:
+            first = self.diagnosis["summary"] if self.diagnosis else "no diagnosis"
+            raise TrainingDiverged(
+                f"training diverged: {self.guard.num_skipped} non-finite steps, {self.guard.num_rollbacks} "
+                f"rollbacks; {first}. Lower optim.lr, check the data and incidents.jsonl", self.diagnosis,
+            )
+
+    def _take_snapshot(self) -> None:
+        if self.config.guard.snapshot_every:
+            taken = Snapshot.take(self.step, model=self.model, optimizer=self.optimizer,
+                                  scheduler=self.scheduler, scaler=self.precision.scaler)
+            self.snapshots = [*self.snapshots, taken][-2:]
+
+    def _incident(self, kind: str, message: str, **details: Any) -> None:
+        row = self.incidents.record(kind, self.step, message, **details)
+        if self.rank.is_main:
+            self._progress.warn(f"step {row['step']}: {message}")
 
     def _validate(self) -> None:
         self.validated_at = self.step
@@ -211,7 +317,11 @@ class Trainer:
             return
         self.saved_at = self.step
         progress = {name: getattr(self, name) for name in PROGRESS}
-        state = capture_training_state(self.model, self.optimizer, self.scheduler, self.precision.scaler, progress)
+        protections = {"guard": self.guard.state_dict(), "incidents": dict(self.incidents.counts),
+                       "spikes": self.spikes.state_dict() if self.spikes else None}
+        state = capture_training_state(
+            self.model, self.optimizer, self.scheduler, self.precision.scaler, progress, protections
+        )
         kwargs = {"step": self.step, "epoch": self.epoch, "metrics": self.val_metrics, "meta": self._provenance}
         if self.saver is not None:
             self.saver.save(state, **kwargs)
@@ -222,6 +332,11 @@ class Trainer:
         progress = restore_training_state(found.state, self.model, self.optimizer, self.scheduler, self.precision.scaler)
         for name in PROGRESS:
             setattr(self, name, progress[name])
+        protections = found.state.get("protections") or {}
+        self.guard.load_state_dict(protections.get("guard", {}))
+        self.incidents.counts.update(protections.get("incidents", {}))
+        if self.spikes is not None and protections.get("spikes"):
+            self.spikes.load_state_dict(protections["spikes"])
         if found.manifest.get("config_hash") != self._provenance["config_hash"]:
             self._progress.warn(f"the config differs from the one checkpoint '{found.path}' was saved with")
 
@@ -240,8 +355,12 @@ class Trainer:
         if self.saver is not None:
             self.saver.join()  # a save in flight is a complete state: let it land
         self._progress.close()
+        line = self.incidents.summary_line()
+        if line and self.rank.is_main:
+            print(f"keel: {line} (details: {self.run_dir / 'incidents.jsonl'})", file=sys.stderr)
         summary = {
             **summary, **self.val_metrics,
+            "incidents": dict(self.incidents.counts),
             "steps": self.step, "epochs": self.epoch, "samples": self.samples,
             "wall_s": round(time.perf_counter() - self._start, 3), "run_dir": str(self.run_dir),
         }

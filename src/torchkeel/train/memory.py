@@ -1,0 +1,223 @@
+"""Memory monitoring and leak detection, usable from any loop.
+
+``MemoryMonitor.sample()`` returns the figures (process RSS; on CUDA allocated, reserved,
+peak allocated, fragmentation) and the warnings they deserve. ``LeakDetector.observe(step)``
+takes a census now and then — CUDA allocated bytes, or on the CPU a gc census of live tensors
+and of the autograd graphs they hold — and reports memory that grows census after census,
+with its rate and the groups of tensors that grew. The classic ``total_loss += loss`` keeps
+every step's graph alive: the graph census grows by one step's graph per step.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from torchkeel.train.oom import rss_bytes
+
+
+class MemoryProbe(Protocol):
+    """Where the figures come from; tests pass a fake to play a CUDA machine on a CPU."""
+
+    def rss_bytes(self) -> int: ...
+    def cuda(self, device: torch.device) -> dict[str, int] | None: ...
+
+
+class SystemProbe:
+    """The real figures: /proc for RSS, ``torch.cuda`` memory statistics on CUDA devices."""
+
+    def rss_bytes(self) -> int:
+        return rss_bytes()
+
+    def cuda(self, device: torch.device) -> dict[str, int] | None:
+        if device.type != "cuda":
+            return None
+        return {
+            "allocated": torch.cuda.memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device),
+            "peak_allocated": torch.cuda.max_memory_allocated(device),
+            "total": torch.cuda.get_device_properties(device).total_memory,
+        }
+
+
+@dataclass
+class MemoryStats:
+    rss_bytes: int
+    cuda_allocated_bytes: int | None = None
+    cuda_reserved_bytes: int | None = None
+    cuda_peak_allocated_bytes: int | None = None
+    cuda_total_bytes: int | None = None
+
+    @property
+    def fragmentation(self) -> float | None:
+        """1 − allocated/reserved: memory the caching allocator holds but no tensor uses."""
+        if not self.cuda_reserved_bytes:
+            return None
+        return 1.0 - (self.cuda_allocated_bytes or 0) / self.cuda_reserved_bytes
+
+    def row(self) -> dict[str, Any]:
+        """The metrics.jsonl fields (``None`` ones left out)."""
+        values = {
+            "rss_bytes": self.rss_bytes, "cuda_allocated_bytes": self.cuda_allocated_bytes,
+            "cuda_reserved_bytes": self.cuda_reserved_bytes, "cuda_peak_allocated_bytes": self.cuda_peak_allocated_bytes,
+            "fragmentation": None if self.fragmentation is None else round(self.fragmentation, 4),
+        }
+        return {k: v for k, v in values.items() if v is not None}
+
+
+class MemoryMonitor:
+    """Samples memory figures and says when they cross the configured thresholds."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        warn_rss_gb: float | None = None,
+        warn_cuda_fraction: float = 0.9,
+        probe: MemoryProbe | None = None,
+    ) -> None:
+        self.device = device
+        self.warn_rss_gb = warn_rss_gb
+        self.warn_cuda_fraction = warn_cuda_fraction
+        self.probe = probe or SystemProbe()
+
+    def sample(self) -> tuple[MemoryStats, list[str]]:
+        """Current figures and one warning line per threshold crossed."""
+        cuda = self.probe.cuda(self.device)
+        stats = MemoryStats(self.probe.rss_bytes())
+        if cuda is not None:
+            stats = MemoryStats(stats.rss_bytes, cuda["allocated"], cuda["reserved"], cuda["peak_allocated"], cuda["total"])
+        warnings = []
+        if self.warn_rss_gb is not None and stats.rss_bytes > self.warn_rss_gb * 2**30:
+            warnings.append(f"process RSS {stats.rss_bytes / 2**30:.2f} GiB is above memory.warn_rss_gb={self.warn_rss_gb}")
+        if stats.cuda_total_bytes and stats.cuda_reserved_bytes is not None:
+            fraction = stats.cuda_reserved_bytes / stats.cuda_total_bytes
+            if fraction > self.warn_cuda_fraction:
+                frag = stats.fragmentation or 0.0
+                warnings.append(
+                    f"CUDA reserved memory is {fraction:.0%} of the device (fragmentation {frag:.0%}); "
+                    + ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces fragmentation"
+                       if frag > 0.3 else "a larger batch may run out of memory")
+                )
+        return stats, warnings
+
+
+@dataclass
+class Census:
+    """Live tensors by group, and the autograd graph nodes they keep alive."""
+
+    step: int
+    num_tensors: int
+    tensor_bytes: int
+    graph_nodes: int
+    groups: Counter = field(default_factory=Counter)
+    group_bytes: Counter = field(default_factory=Counter)
+    cuda_allocated_bytes: int | None = None
+
+
+def tensor_census(step: int, cuda_allocated_bytes: int | None = None) -> Census:
+    """Walk every Python-visible tensor; group by (shape, dtype, device, holds a graph)."""
+    groups: Counter = Counter()
+    group_bytes: Counter = Counter()
+    roots = []
+    num = total = 0
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):  # not isinstance: it trips over dead weak proxies
+            continue
+        try:
+            key = (tuple(int(d) for d in obj.shape), str(obj.dtype), str(obj.device), obj.grad_fn is not None)
+            size = int(obj.numel()) * obj.element_size()
+        except Exception:  # noqa: BLE001 - exotic subclasses (fake or meta tensors) are skipped
+            continue
+        num += 1
+        total += size
+        groups[key] += 1
+        group_bytes[key] += size
+        if obj.grad_fn is not None:
+            roots.append(obj.grad_fn)
+    return Census(step, num, total, _count_graph_nodes(roots), groups, group_bytes, cuda_allocated_bytes)
+
+
+def _count_graph_nodes(roots: list[Any]) -> int:
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return len(seen)
+
+
+class LeakDetector:
+    """Reports memory that grows over ``window`` censuses in a row, after ``warmup_steps``.
+
+    A census runs every ``every_steps`` steps; if one costs more than ``max_overhead`` of the
+    time since the previous one, the interval doubles. On CUDA the signal is allocated bytes;
+    on the CPU, live tensors and autograd graph nodes. Each leak is reported once.
+    """
+
+    def __init__(
+        self,
+        *,
+        every_steps: int = 200,
+        warmup_steps: int = 20,
+        window: int = 4,
+        max_overhead: float = 0.01,
+        device: torch.device | None = None,
+        probe: MemoryProbe | None = None,
+    ) -> None:
+        self.every_steps = every_steps
+        self.warmup_steps = warmup_steps
+        self.window = window
+        self.max_overhead = max_overhead
+        self.device = device or torch.device("cpu")
+        self.probe = probe or SystemProbe()
+        self.history: list[Census] = []
+        self.reported = False
+        self._next_step = warmup_steps
+        self._last_time: float | None = None
+
+    def observe(self, step: int) -> dict[str, Any] | None:
+        """Call once per step; returns a finding (plain data) the first time growth is sustained."""
+        if step < self._next_step or self.reported:
+            return None
+        start = time.perf_counter()
+        cuda = self.probe.cuda(self.device)
+        self.history = (self.history + [tensor_census(step, cuda["allocated"] if cuda else None)])[-self.window:]
+        now = time.perf_counter()
+        if self._last_time is not None and now - start > self.max_overhead * (start - self._last_time):
+            self.every_steps *= 2
+        self._last_time = now
+        self._next_step = step + self.every_steps
+        return self._finding()
+
+    def _finding(self) -> dict[str, Any] | None:
+        if len(self.history) < self.window:
+            return None
+        first, last = self.history[0], self.history[-1]
+        signals = ["cuda_allocated_bytes"] if first.cuda_allocated_bytes is not None else ["graph_nodes", "num_tensors"]
+        growing = [s for s in signals if all(getattr(a, s) < getattr(b, s) for a, b in zip(self.history, self.history[1:]))]
+        if not growing:
+            return None
+        self.reported = True
+        steps = max(last.step - first.step, 1)
+        grown = (last.groups - first.groups).most_common(5)
+        return {
+            "signal": growing[0],
+            "steps": [first.step, last.step],
+            "graph_nodes_per_step": (last.graph_nodes - first.graph_nodes) / steps,
+            "tensors_per_step": (last.num_tensors - first.num_tensors) / steps,
+            "bytes_per_step": ((last.cuda_allocated_bytes or last.tensor_bytes) - (first.cuda_allocated_bytes or first.tensor_bytes)) / steps,
+            "top_groups": [
+                {"shape": list(k[0]), "dtype": k[1], "device": k[2], "holds_graph": k[3], "added": n,
+                 "added_bytes": last.group_bytes[k] - first.group_bytes[k]}
+                for k, n in grown
+            ],
+        }

@@ -1,0 +1,94 @@
+"""Out-of-memory handling: split micro-batches, free memory, and say how much there was.
+
+The step (``train_step``) catches ``torch.OutOfMemoryError`` around forward and backward,
+calls ``free_memory``, halves the micro-batch size and redoes the step; the gradient of each
+piece is weighted by its share of samples, so the update is the full batch's. Tests inject an
+OOM on CPU with ``OomInjector``; any other error passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchkeel.errors import SampleTooLarge
+
+
+def split_batch(batch: Any, size: int) -> list[Any]:
+    """Cut every tensor of a (nested) batch along dim 0 into pieces of at most ``size`` samples."""
+    if isinstance(batch, torch.Tensor):
+        return list(torch.split(batch, size))
+    if isinstance(batch, (list, tuple)):
+        columns = [split_batch(b, size) for b in batch]
+        return [type(batch)(parts) for parts in zip(*columns)]
+    if isinstance(batch, dict):
+        columns = {k: split_batch(v, size) for k, v in batch.items()}
+        return [dict(zip(columns, parts)) for parts in zip(*columns.values())]
+    raise TypeError(f"cannot split a {type(batch).__name__} batch; use tensors, tuples, lists or dicts")
+
+
+def smaller_size(failed_size: int, device: torch.device) -> int:
+    """Half of the micro-batch size that ran out of memory.
+
+    Raises:
+        SampleTooLarge: a single sample did not fit (with the memory figures).
+    """
+    if failed_size <= 1:
+        raise SampleTooLarge(
+            f"a single sample does not fit in memory on {device} ({memory_figures(device)}); "
+            "use a smaller model or input, precision=bf16, or a device with more memory"
+        )
+    return max(1, failed_size // 2)
+
+
+def free_memory(device: torch.device) -> None:
+    """Release what the failed attempt held: Python garbage and the CUDA caching allocator's blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def memory_figures(device: torch.device) -> str:
+    """A short description of memory use on ``device`` for error messages."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return (f"allocated {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB, "
+                f"reserved {torch.cuda.memory_reserved(device) / 2**30:.2f} GiB, "
+                f"free {free / 2**30:.2f} of {total / 2**30:.2f} GiB")
+    return f"process RSS {rss_bytes() / 2**30:.2f} GiB"
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process (Linux: /proc; elsewhere: the peak from getrusage)."""
+    statm = Path("/proc/self/statm")
+    if statm.exists():
+        import os
+
+        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class OomInjector:
+    """Fault injection: raises ``torch.OutOfMemoryError`` for micro-batches above ``max_samples``.
+
+    Pass it as ``train_step(..., before_forward=OomInjector(16))`` (or ``Trainer(oom_hook=...)``)
+    to exercise the split path on a CPU.
+    """
+
+    def __init__(self, max_samples: int) -> None:
+        self.max_samples = max_samples
+        self.num_raised = 0
+
+    def __call__(self, num_samples: int) -> None:
+        if num_samples > self.max_samples:
+            self.num_raised += 1
+            raise torch.OutOfMemoryError(
+                f"injected: a micro-batch of {num_samples} samples is above {self.max_samples}"
+            )
