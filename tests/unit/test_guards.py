@@ -313,11 +313,25 @@ def test_leak_detector_uses_cuda_allocated_bytes_when_on_cuda():
     assert found[2]["bytes_per_step"] == 1000
 
 
-def test_census_interval_doubles_when_a_census_is_too_costly():
-    detector = LeakDetector(every_steps=2, warmup_steps=0, window=3, max_overhead=0.0)
-    census_steps = [step for step in range(40) if detector.observe(step) is None and detector.history
-                    and detector.history[-1].step == step]
-    assert census_steps == [0, 2, 6, 14, 30]
+def test_censuses_are_spaced_to_cost_at_most_their_share_of_time():
+    now = [0.0]
+
+    class SlowCensus(FakeProbe):  # the census asks the probe: each one "takes" 5 s
+        def cuda(self, device):
+            now[0] += 5.0
+            return None
+
+    detector = LeakDetector(every_steps=1, warmup_steps=0, window=3, max_overhead=0.1, first_cost_s=5.0,
+                            probe=SlowCensus(), clock=lambda: now[0])
+    census_steps = []
+    for step in range(200):
+        now[0] += 1.0  # each step "takes" 1 s
+        before = [c.step for c in detector.history]
+        detector.observe(step)
+        if [c.step for c in detector.history] != before:
+            census_steps.append(step)
+    # 5 s of census may come after 50 s of training at most 10% overhead: every 50 steps.
+    assert census_steps[:3] == [49, 99, 149]
 
 
 def test_spike_detector():
@@ -344,7 +358,7 @@ class LeakyLoss(nn.Module):
 @pytest.mark.parametrize("leaky", [True, False])
 def test_trainer_reports_a_leak_and_memory_rows(tiny_config, tmp_path, leaky):
     config = tiny_config("memory.every_steps=10", "memory.leak_every_steps=4", "memory.leak_warmup_steps=4",
-                         "memory.leak_window=3")
+                         "memory.leak_window=3", "memory.leak_max_overhead=1000")
     summary = tk.Trainer(config, loss_fn=LeakyLoss(leaky), progress=False).fit()
     leaks = [r for r in incidents(tmp_path) if r["kind"] == "leak"]
     assert len(leaks) == (1 if leaky else 0)

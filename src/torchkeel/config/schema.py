@@ -148,7 +148,9 @@ class MemoryConfig:
     leak_check: bool = True
     """Look for memory that grows step after step (live tensors and autograd graphs; CUDA allocated)."""
     leak_every_steps: int = 200
-    """Steps between leak censuses (doubled automatically if a census costs over 1% of the time)."""
+    """Least steps between leak censuses."""
+    leak_max_overhead: float = 0.01
+    """Most of the training time the censuses may take; spaces them in time as well."""
     leak_warmup_steps: int = 20
     """Steps before the first census."""
     leak_window: int = 4
@@ -225,6 +227,8 @@ class KeelConfig:
             raise ConfigError(f"guard.spike_factor must be > 1 or null, got {g.spike_factor}")
         _at_least("memory.every_steps", m.every_steps, 0)
         _positive("memory.leak_every_steps", m.leak_every_steps)
+        if m.leak_max_overhead <= 0:
+            raise ConfigError(f"memory.leak_max_overhead must be > 0, got {m.leak_max_overhead}")
         _at_least("memory.leak_warmup_steps", m.leak_warmup_steps, 0)
         _at_least("memory.leak_window", m.leak_window, 2)
         if not 0 < m.warn_cuda_fraction <= 1:

@@ -6,6 +6,8 @@ unconditionally and stay correct once they run under torchrun.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -17,6 +19,22 @@ def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     value = torch.tensor([int(flag)], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())  # host sync: the decision is needed on the host
+
+
+def read_finite(values: torch.Tensor) -> tuple[list[float], list[bool]]:
+    """Read a 1-D tensor to the host and say, per entry, whether it is finite on every rank.
+
+    One host sync. In a single process the check happens on the host; under torchrun the
+    finiteness flags are agreed on the device first (one all-reduce), so that every rank
+    decides the same even when only one rank's loss went NaN.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        host = values.tolist()
+        return host, [math.isfinite(v) for v in host]
+    flags = agree_all(torch.isfinite(values)).to(values.dtype)
+    host = torch.cat([values, flags]).tolist()
+    n = values.numel()
+    return host[:n], [bool(f) for f in host[n:]]
 
 
 def agree_all(flags: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import gc
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -158,9 +159,12 @@ def _count_graph_nodes(roots: list[Any]) -> int:
 class LeakDetector:
     """Reports memory that grows over ``window`` censuses in a row, after ``warmup_steps``.
 
-    A census runs every ``every_steps`` steps; if one costs more than ``max_overhead`` of the
-    time since the previous one, the interval doubles. On CUDA the signal is allocated bytes;
-    on the CPU, live tensors and autograd graph nodes. Each leak is reported once.
+    A CPU census walks every object the garbage collector tracks (tens to hundreds of
+    milliseconds in a large process), so censuses are spaced by time as well as by steps: the
+    next one waits until the last one's cost is at most ``max_overhead`` of the time since it
+    (the first assumes ``first_cost_s``: with the defaults, 20 s into training). On CUDA the
+    signal is allocated bytes; on the CPU, live tensors and autograd graph nodes. Each leak is
+    reported once.
     """
 
     def __init__(
@@ -170,31 +174,34 @@ class LeakDetector:
         warmup_steps: int = 20,
         window: int = 4,
         max_overhead: float = 0.01,
+        first_cost_s: float = 0.2,
         device: torch.device | None = None,
         probe: MemoryProbe | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.every_steps = every_steps
-        self.warmup_steps = warmup_steps
         self.window = window
         self.max_overhead = max_overhead
         self.device = device or torch.device("cpu")
         self.probe = probe or SystemProbe()
+        self.clock = clock
         self.history: list[Census] = []
         self.reported = False
         self._next_step = warmup_steps
-        self._last_time: float | None = None
+        self._cost = first_cost_s
+        self._last_end = clock()
 
     def observe(self, step: int) -> dict[str, Any] | None:
         """Call once per step; returns a finding (plain data) the first time growth is sustained."""
-        if step < self._next_step or self.reported:
+        if self.reported or step < self._next_step:
             return None
-        start = time.perf_counter()
+        start = self.clock()
+        if self._cost > self.max_overhead * (start - self._last_end):
+            return None  # not yet: the census would cost more than its share of the time
         cuda = self.probe.cuda(self.device)
         self.history = (self.history + [tensor_census(step, cuda["allocated"] if cuda else None)])[-self.window:]
-        now = time.perf_counter()
-        if self._last_time is not None and now - start > self.max_overhead * (start - self._last_time):
-            self.every_steps *= 2
-        self._last_time = now
+        self._last_end = self.clock()
+        self._cost = self._last_end - start
         self._next_step = step + self.every_steps
         return self._finding()
 
@@ -202,19 +209,22 @@ class LeakDetector:
         if len(self.history) < self.window:
             return None
         first, last = self.history[0], self.history[-1]
-        signals = ["cuda_allocated_bytes"] if first.cuda_allocated_bytes is not None else ["graph_nodes", "num_tensors"]
+        on_cuda = first.cuda_allocated_bytes is not None
+        signals = ["cuda_allocated_bytes"] if on_cuda else ["graph_nodes", "num_tensors"]
         growing = [s for s in signals if all(getattr(a, s) < getattr(b, s) for a, b in zip(self.history, self.history[1:]))]
         if not growing:
             return None
         self.reported = True
         steps = max(last.step - first.step, 1)
         grown = (last.groups - first.groups).most_common(5)
+        added_bytes = (last.cuda_allocated_bytes - first.cuda_allocated_bytes if on_cuda
+                       else last.tensor_bytes - first.tensor_bytes)
         return {
             "signal": growing[0],
             "steps": [first.step, last.step],
             "graph_nodes_per_step": (last.graph_nodes - first.graph_nodes) / steps,
             "tensors_per_step": (last.num_tensors - first.num_tensors) / steps,
-            "bytes_per_step": ((last.cuda_allocated_bytes or last.tensor_bytes) - (first.cuda_allocated_bytes or first.tensor_bytes)) / steps,
+            "bytes_per_step": added_bytes / steps,
             "top_groups": [
                 {"shape": list(k[0]), "dtype": k[1], "device": k[2], "holds_graph": k[3], "added": n,
                  "added_bytes": last.group_bytes[k] - first.group_bytes[k]}

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from torchkeel.data.loader import num_samples, to_device
-from torchkeel.dist.agree import agree_all
+from torchkeel.dist.agree import read_finite
 from torchkeel.train.clipping import clip_grad_norm
 from torchkeel.train.oom import free_memory, smaller_size, split_batch
 from torchkeel.train.precision import Precision
@@ -89,11 +89,8 @@ def train_step(
     grad_norm = clip_grad_norm(params, clip_grad_norm_max)
     status, loss_value, norm_value = "ok", None, None
     if check_finite:
-        finite = agree_all(torch.stack([torch.isfinite(loss_sum), torch.isfinite(grad_norm)]))
         # Host sync, the one per step: may this step be applied? Loss and norm come along.
-        loss_ok, grads_ok, loss_value, norm_value = torch.cat(
-            [finite.float(), loss_sum.reshape(1), grad_norm.reshape(1).float()]
-        ).tolist()
+        (loss_value, norm_value), (loss_ok, grads_ok) = read_finite(torch.stack([loss_sum, grad_norm.float()]))
         if not (loss_ok and grads_ok):
             status = "overflow" if loss_ok and precision.scaler is not None else "nonfinite"
     if status == "nonfinite":

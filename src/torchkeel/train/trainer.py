@@ -123,7 +123,7 @@ class Trainer:
         )
         self.leaks = LeakDetector(
             every_steps=mem.leak_every_steps, warmup_steps=mem.leak_warmup_steps, window=mem.leak_window,
-            device=self.device, probe=memory_probe,
+            max_overhead=mem.leak_max_overhead, device=self.device, probe=memory_probe,
         ) if mem.leak_check else None
         self.oom_hook = oom_hook
         self.resume, self.overwrite, self.show_progress = resume, overwrite, progress
