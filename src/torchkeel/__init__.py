@@ -12,11 +12,24 @@ from torchkeel.checkpoint import (
 )
 from torchkeel.config import KeelConfig, load_config
 from torchkeel.data import EpochLoader
-from torchkeel.errors import CheckpointError, ConfigError, DataError, KeelError, RunDirError
+from torchkeel.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    KeelError,
+    RunDirError,
+    SampleTooLarge,
+    TrainingDiverged,
+)
 from torchkeel.train.accumulate import iter_groups, steps_per_epoch, total_steps
 from torchkeel.train.clipping import clip_grad_norm
 from torchkeel.train.compile import CompiledOrEager
+from torchkeel.train.diagnose import diagnose_nonfinite
+from torchkeel.train.guards import Action, NonFiniteGuard, SpikeDetector
+from torchkeel.train.incidents import IncidentLog
+from torchkeel.train.memory import LeakDetector, MemoryMonitor
 from torchkeel.train.metrics import MetricsWriter, read_metrics
+from torchkeel.train.oom import OomInjector
 from torchkeel.train.precision import Precision, make_precision
 from torchkeel.train.schedule import build_scheduler, lr_at
 from torchkeel.train.seed import seed_everything
@@ -30,6 +43,16 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0+unknown"
 
 __all__ = [
+    "Action",
+    "IncidentLog",
+    "LeakDetector",
+    "MemoryMonitor",
+    "NonFiniteGuard",
+    "OomInjector",
+    "SampleTooLarge",
+    "SpikeDetector",
+    "TrainingDiverged",
+    "diagnose_nonfinite",
     "AsyncSaver",
     "CheckpointError",
     "CheckpointStore",

@@ -44,3 +44,14 @@ def agree_all(flags: torch.Tensor) -> torch.Tensor:
     values = flags.to(torch.int32)
     dist.all_reduce(values, op=dist.ReduceOp.MIN)
     return values.bool()
+
+
+def agree_min(value: int | None, device: torch.device | None = None) -> int | None:
+    """The smallest ``value`` over all ranks (``None``: no limit), e.g. the micro-batch size that fits."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    no_limit = torch.iinfo(torch.int64).max
+    tensor = torch.tensor([no_limit if value is None else value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    smallest = int(tensor.item())  # host sync: the size is needed on the host
+    return None if smallest == no_limit else smallest

@@ -23,7 +23,7 @@ from torchkeel.checkpoint.format import PointHook
 from torchkeel.config.load import config_hash, to_dict
 from torchkeel.config.schema import KeelConfig
 from torchkeel.data.loader import EpochLoader
-from torchkeel.dist import RankInfo, any_rank
+from torchkeel.dist import RankInfo, agree_min, any_rank
 from torchkeel.io import write_json_atomic, write_text_atomic
 from torchkeel.provenance import provenance
 from torchkeel.train.accumulate import iter_groups, total_steps
@@ -239,7 +239,8 @@ class Trainer:
             self._incident("oom_split", f"out of memory: the step was redone in micro-batches of "
                            f"{result.micro_batch_size} samples, kept for the following steps",
                            micro_batch_size=result.micro_batch_size, splits=result.num_oom_splits)
-        self.micro_batch_size = result.micro_batch_size
+        # Every rank continues with the same size: the smallest that fit anywhere.
+        self.micro_batch_size = agree_min(result.micro_batch_size, self.device)
         if result.status == "nonfinite":
             self._on_nonfinite(group)
         else:
