@@ -1,7 +1,8 @@
 """A plain PyTorch training loop that uses torchkeel's components without the Trainer.
 
 Seeding, reproducible data order, accumulation groups, mixed precision, clipping after unscale,
-the warmup/decay schedule, validation and metrics logging: each is one call. The tests run this
+the warmup/decay schedule, the non-finite guard, leak detection, validation and metrics
+logging: each is one call. The tests run this
 loop and the Trainer on the same config and check that the losses are identical.
 
     python examples/hand_written_loop.py
@@ -9,6 +10,7 @@ loop and the Trainer on the same config and check that the losses are identical.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -59,6 +61,7 @@ def main(
     num_steps = tk.total_steps(len(loader), accumulate, max_epochs, None)
     scheduler = tk.build_scheduler(optimizer, warmup_steps=warmup_steps, total_steps=num_steps)
     metrics = tk.MetricsWriter(metrics_path) if metrics_path else None
+    guard, leaks = tk.NonFiniteGuard("skip"), tk.LeakDetector()
 
     losses, step = [], 0
     for epoch in range(max_epochs):
@@ -73,11 +76,18 @@ def main(
                 step_loss += share.detach().float()
             amp.unscale_(optimizer)  # clip the true gradients, not scaled ones
             grad_norm = tk.clip_grad_norm(list(model.parameters()), clip)
+            loss_value, norm_value = torch.stack([step_loss, grad_norm]).tolist()  # one host sync
+            step += 1
+            if guard.observe(math.isfinite(loss_value) and math.isfinite(norm_value)) is not tk.Action.CONTINUE:
+                amp.skip(optimizer)  # NaN/Inf: leave weights and optimizer state untouched
+                optimizer.zero_grad(set_to_none=True)
+                continue
             amp.step(optimizer)  # exactly one step per group
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            step += 1
-            losses.append(step_loss.item())
+            losses.append(loss_value)
+            if finding := leaks.observe(step):
+                print(f"memory grows by {finding['graph_nodes_per_step']:.1f} graph nodes per step", file=sys.stderr)
             if metrics:
                 metrics.write({"kind": "train", "step": step, "loss": losses[-1], "grad_norm": grad_norm.item()})
         val = tk.evaluate(model, tk.EpochLoader(val_set, batch_size, shuffle=False).epoch(0), loss_fn, device=device)
