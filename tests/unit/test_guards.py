@@ -260,13 +260,19 @@ def test_memory_monitor_on_a_fake_cuda_machine():
     GiB = 2**30
     probe = FakeProbe(rss=3 * GiB, cuda={"allocated": 6 * GiB, "reserved": 19 * GiB // 2, "peak_allocated": 9 * GiB,
                                          "total": 10 * GiB})
-    stats, warnings = MemoryMonitor(torch.device("cuda"), warn_rss_gb=2.0, probe=probe).sample()
+    monitor = MemoryMonitor(torch.device("cuda"), warn_rss_gb=2.0, probe=probe)
+    stats, warnings = monitor.sample()
     assert stats.row() == {"rss_bytes": 3 * GiB, "cuda_allocated_bytes": 6 * GiB, "cuda_reserved_bytes": 19 * GiB // 2,
                            "cuda_peak_allocated_bytes": 9 * GiB, "fragmentation": round(1 - 6 / 9.5, 4)}
     assert len(warnings) == 2
     assert "RSS 3.00 GiB is above memory.warn_rss_gb=2.0" in warnings[0]
     assert "CUDA reserved memory is 95% of the device (fragmentation 37%)" in warnings[1]
     assert "expandable_segments" in warnings[1]
+    assert monitor.sample()[1] == []  # still above: warned once
+    probe.rss = GiB
+    assert monitor.sample()[1] == []
+    probe.rss = 3 * GiB
+    assert len(monitor.sample()[1]) == 1  # crossed again
     assert MemoryMonitor(CPU, probe=FakeProbe()).sample()[1] == []
 
 

@@ -86,25 +86,31 @@ class MemoryMonitor:
         self.warn_rss_gb = warn_rss_gb
         self.warn_cuda_fraction = warn_cuda_fraction
         self.probe = probe or SystemProbe()
+        self._above: set[str] = set()  # thresholds crossed and not yet gone back below
 
     def sample(self) -> tuple[MemoryStats, list[str]]:
-        """Current figures and one warning line per threshold crossed."""
+        """Current figures, and one warning line per threshold crossed since the last sample.
+
+        A threshold warns once when crossed, and again only after the figure went back below it.
+        """
         cuda = self.probe.cuda(self.device)
         stats = MemoryStats(self.probe.rss_bytes())
         if cuda is not None:
             stats = MemoryStats(stats.rss_bytes, cuda["allocated"], cuda["reserved"], cuda["peak_allocated"], cuda["total"])
-        warnings = []
+        crossed: dict[str, str] = {}
         if self.warn_rss_gb is not None and stats.rss_bytes > self.warn_rss_gb * 2**30:
-            warnings.append(f"process RSS {stats.rss_bytes / 2**30:.2f} GiB is above memory.warn_rss_gb={self.warn_rss_gb}")
+            crossed["rss"] = f"process RSS {stats.rss_bytes / 2**30:.2f} GiB is above memory.warn_rss_gb={self.warn_rss_gb}"
         if stats.cuda_total_bytes and stats.cuda_reserved_bytes is not None:
             fraction = stats.cuda_reserved_bytes / stats.cuda_total_bytes
             if fraction > self.warn_cuda_fraction:
                 frag = stats.fragmentation or 0.0
-                warnings.append(
+                crossed["cuda"] = (
                     f"CUDA reserved memory is {fraction:.0%} of the device (fragmentation {frag:.0%}); "
                     + ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces fragmentation"
                        if frag > 0.3 else "a larger batch may run out of memory")
                 )
+        warnings = [text for key, text in crossed.items() if key not in self._above]
+        self._above = set(crossed)
         return stats, warnings
 
 

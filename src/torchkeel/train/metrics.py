@@ -58,7 +58,7 @@ class Progress:
 
     def log(self, row: dict[str, Any]) -> None:
         """Show a metrics row: bar postfix on a TTY, a plain line otherwise."""
-        if not self.enabled:
+        if not self.enabled or row.get("kind") == "memory":  # memory rows are for the file and the report
             return
         text = " ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k not in ("kind", "wall_s"))
         prefix = _PREFIXES.get(row.get("kind"), "")
