@@ -53,6 +53,12 @@ class SampleTooLarge(KeelError):
     exit_code = 1
 
 
+class ParityError(KeelError):
+    """An exported model's outputs differ from the eager model's beyond the tolerance."""
+
+    exit_code = 4
+
+
 class MissingExtraError(KeelError):
     """An optional dependency group is not installed."""
 

@@ -40,10 +40,10 @@ def load_digits_split(val_fraction: float = 0.2, split_seed: int = 0) -> tuple[T
     x_train, x_val, y_train, y_val = train_test_split(
         images, labels, test_size=val_fraction, random_state=split_seed, stratify=labels
     )
-    return (
-        TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train)),
-        TensorDataset(torch.from_numpy(x_val), torch.from_numpy(y_val)),
-    )
+    train = TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train))
+    val = TensorDataset(torch.from_numpy(x_val), torch.from_numpy(y_val))
+    train.classes = val.classes = [str(d) for d in range(10)]  # class labels, for export and serving
+    return train, val
 
 
 class DigitsCNN(nn.Module):

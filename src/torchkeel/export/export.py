@@ -1,0 +1,113 @@
+"""``export_run``: a run directory or checkpoint → an exported model, checked, with ``model.json``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchkeel.checkpoint import CheckpointStore, load_model_weights, read_checkpoint
+from torchkeel.checkpoint.store import is_checkpoint_dir
+from torchkeel.config.load import load_config
+from torchkeel.errors import CheckpointError, ConfigError, ParityError
+from torchkeel.export.formats import FILENAMES, export_model, load_exported
+from torchkeel.export.parity import check_parity, describe
+from torchkeel.export.stats import reference_stats, sample_inputs
+from torchkeel.io import write_json_atomic
+from torchkeel.train.build import build_datasets, build_model
+
+DATATYPES = {
+    torch.float32: "FP32", torch.float64: "FP64", torch.float16: "FP16", torch.bfloat16: "BF16",
+    torch.int64: "INT64", torch.int32: "INT32", torch.int16: "INT16", torch.int8: "INT8",
+    torch.uint8: "UINT8", torch.bool: "BOOL",
+}
+
+
+def export_run(
+    source: str | Path,
+    fmt: str,
+    out_dir: str | Path | None = None,
+    batch_sizes: Sequence[int] = (1, 8),
+) -> dict[str, Any]:
+    """Export the model of a run directory (its newest valid checkpoint) or of a checkpoint.
+
+    Writes ``<out_dir>/model.pt|model.pt2|model.onnx`` and ``model.json`` (default out_dir:
+    ``<run_dir>/export-<fmt>``) and returns the ``model.json`` content.
+
+    Raises:
+        ParityError: the exported model differs from the eager one (``model.json`` is still
+            written, with ``parity.passed: false``, so the report can be read).
+    """
+    if fmt not in FILENAMES:
+        raise ConfigError(f"--format must be one of {', '.join(FILENAMES)}, got {fmt!r}")
+    checkpoint, run_dir = _resolve(Path(source))
+    config = load_config(run_dir / "config.yaml")
+    model = build_model(config.model)
+    load_model_weights(model, checkpoint.state["model"], strict=True, source=f"checkpoint '{checkpoint.path}'")
+    model = model.float().eval()
+    train_set, val_set = build_datasets(config.data)
+    samples = sample_inputs(val_set if val_set is not None else train_set, limit=max(max(batch_sizes), 8)).float()
+    out = Path(out_dir) if out_dir is not None else run_dir / f"export-{fmt}"
+    out.mkdir(parents=True, exist_ok=True)
+    artifact = out / FILENAMES[fmt]
+    export_model(model, samples[:2], fmt, artifact)
+    parity = check_parity(model, load_exported(fmt, artifact), samples, sorted(set(batch_sizes)))
+    with torch.inference_mode():
+        output = model(samples[:1])
+    meta = {
+        "name": config.name,
+        "format": fmt,
+        "file": artifact.name,
+        "inputs": [{"name": "input", "datatype": DATATYPES[samples.dtype], "shape": [-1, *samples.shape[1:]]}],
+        "outputs": [{"name": "output", "datatype": DATATYPES[output.dtype], "shape": [-1, *output.shape[1:]]}],
+        "labels": _labels(train_set, output),
+        "max_batch_size": max(batch_sizes),
+        "reference": reference_stats(sample_inputs(train_set).float().numpy()),
+        "parity": parity,
+        "checkpoint": str(checkpoint.path),
+        "step": checkpoint.step,
+        "torch_version": torch.__version__,
+    }
+    write_json_atomic(out / "model.json", meta)
+    if not parity["passed"]:
+        raise ParityError(f"{describe(parity)}; nothing was shipped as good (see {out / 'model.json'})")
+    return meta
+
+
+def read_model_json(export_dir: str | Path) -> dict[str, Any]:
+    """The ``model.json`` of an export directory.
+
+    Raises:
+        ConfigError: missing or unreadable, naming the file.
+    """
+    path = Path(export_dir) / "model.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"'{path}' not found; pass a directory written by `keel export`") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"'{path}' is unreadable ({type(exc).__name__}); export again") from None
+
+
+def _resolve(source: Path):
+    if is_checkpoint_dir(source):
+        return read_checkpoint(source), source.parent.parent
+    if (source / "config.yaml").is_file():
+        found, problems = CheckpointStore(source / "checkpoints").latest_valid()
+        if found is None:
+            raise CheckpointError(f"run directory '{source}' has no valid checkpoint" + (f" ({problems[0]})" if problems else ""))
+        return found, source
+    raise ConfigError(f"'{source}' is neither a run directory (with config.yaml) nor a checkpoint directory")
+
+
+def _labels(dataset: Any, output: torch.Tensor) -> list[str] | None:
+    labels = getattr(dataset, "classes", None)
+    if labels is not None and output.dim() == 2 and len(labels) == output.shape[1]:
+        return [str(label) for label in labels]
+    return None
+
+
+__all__ = ["DATATYPES", "export_run", "read_model_json"]

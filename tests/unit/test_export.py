@@ -1,0 +1,90 @@
+"""Export: three formats with parity at batch 1 and 8, model.json, a batch-hard-coded trace
+rejected, and the Triton repository config parsed into Triton's ModelConfig."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import torchkeel as tk
+from torchkeel.errors import ConfigError, ParityError
+from torchkeel.export import export_run, read_model_json
+from torchkeel.export.formats import load_exported
+from torchkeel.export.triton import parse_model_config, write_triton_repo
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("export")
+    config = tk.load_config(None, [
+        f"out_dir={out}", "name=tiny", "model.target=hand_written_loop:make_model",
+        "data.target=hand_written_loop:make_data", "train.max_epochs=null", "train.max_steps=20",
+    ])
+    tk.Trainer(config, progress=False).fit()
+    return out / "tiny"
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "torch-export", "onnx"])
+def test_export_formats_pass_parity_at_1_and_8(run_dir, tmp_path, fmt):
+    meta = export_run(run_dir, fmt, tmp_path, batch_sizes=(1, 8))
+    assert meta["parity"]["passed"] and [r["batch_size"] for r in meta["parity"]["results"]] == [1, 8]
+    assert all(r["max_abs_error"] <= 1e-5 for r in meta["parity"]["results"])
+    assert meta == json.loads((tmp_path / "model.json").read_text())
+    assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 32]}]
+    assert meta["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1, 4]}]
+    reference = meta["reference"]
+    assert reference["layout"] == "flat" and len(reference["features"]) == 32
+    feature = reference["features"][0]
+    assert sum(feature["bin_counts"]) == reference["num_samples"] == 480
+    assert len(feature["bin_edges"]) == 11 and feature["min"] <= feature["mean"] <= feature["max"]
+    run = load_exported(fmt, tmp_path / meta["file"])
+    assert run(np.zeros((5, 32), dtype=np.float32)).shape == (5, 4)  # any batch size
+
+
+def test_export_from_a_checkpoint_directory(run_dir, tmp_path):
+    checkpoint = tk.CheckpointStore(run_dir / "checkpoints").latest_valid()[0].path
+    meta = export_run(checkpoint, "torchscript", tmp_path)
+    assert meta["checkpoint"] == str(checkpoint) and meta["step"] == 20
+
+
+def test_a_trace_that_hard_codes_the_batch_size_is_rejected(tmp_path):
+    config = tk.load_config(None, [
+        f"out_dir={tmp_path}", "name=hard", "model.target=models:HardcodedBatch",
+        "data.target=hand_written_loop:make_data", "train.max_epochs=null", "train.max_steps=2",
+    ])
+    tk.Trainer(config, progress=False).fit()
+    with pytest.raises(ParityError, match="parity FAILED on output 'output' at batch size 1"):
+        export_run(tmp_path / "hard", "torchscript", tmp_path / "out")
+    meta = read_model_json(tmp_path / "out")
+    assert meta["parity"]["passed"] is False
+    with pytest.raises(ConfigError, match="failed its parity check"):
+        write_triton_repo(tmp_path / "out", tmp_path / "repo")
+
+
+@pytest.mark.parametrize(("fmt", "platform", "names"), [
+    ("onnx", "onnxruntime_onnx", ("input", "output")),
+    ("torchscript", "pytorch_libtorch", ("input__0", "output__0")),
+])
+def test_triton_repository_parses_into_model_config(run_dir, tmp_path, fmt, platform, names):
+    export_run(run_dir, fmt, tmp_path / "export")
+    model_dir = write_triton_repo(tmp_path / "export", tmp_path / "repo", max_batch_size=32)
+    config = parse_model_config((model_dir / "config.pbtxt").read_text())
+    assert config.name == "tiny" and config.platform == platform and config.max_batch_size == 32
+    assert (config.input[0].name, config.output[0].name) == names
+    assert list(config.input[0].dims) == [32] and list(config.output[0].dims) == [4]
+    assert config.dynamic_batching.max_queue_delay_microseconds == 2000
+    assert config.instance_group[0].count == 1
+    assert (model_dir / "1" / ("model.onnx" if fmt == "onnx" else "model.pt")).is_file()
+
+
+def test_torch_export_is_not_a_triton_format(run_dir, tmp_path):
+    export_run(run_dir, "torch-export", tmp_path)
+    with pytest.raises(ConfigError, match="export with --format onnx"):
+        write_triton_repo(tmp_path, tmp_path / "repo")
+
+
+def test_a_bad_config_text_is_a_config_error():
+    with pytest.raises(ConfigError, match="not a valid Triton ModelConfig"):
+        parse_model_config('name: "x"\nmax_batch_size: "eight"\n')
