@@ -1,0 +1,245 @@
+"""The HTTP server: routes only. Parsing is in ``protocol``, batching in ``batcher``, metrics in
+``metrics``. KServe v2 / Triton REST under ``/v2``, KServe v1 under ``/v1``, Prometheus at ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from torchkeel import __version__
+from torchkeel.errors import ConfigError
+from torchkeel.export.export import read_model_json
+from torchkeel.export.formats import load_exported
+from torchkeel.serve.batcher import BatchStats, DynamicBatcher, QueueFull, QueueTimeout
+from torchkeel.serve.drift import DriftMonitor
+from torchkeel.serve.metrics import ServerMetrics
+from torchkeel.serve.protocol import HEADER_LENGTH, ProtocolError, TensorSpec, encode_infer, parse_infer, parse_v1, top_k
+
+VERSION = "1"
+PLATFORMS = {"torchscript": "pytorch_libtorch", "onnx": "onnxruntime_onnx", "torch-export": "pytorch_torch_export"}
+
+
+@dataclass
+class ServeOptions:
+    max_batch_size: int = 64
+    max_queue_delay_ms: float = 2.0
+    max_queue: int = 1024
+    queue_timeout_ms: float = 10_000.0
+    max_body_mb: float = 16.0
+    allow_nonfinite: bool = False
+    top_k: int | None = None  # v1 predictions as top-k labels and scores by default
+
+
+class ModelServer:
+    """One exported model behind a dynamic batcher, with its metadata and metrics."""
+
+    def __init__(self, export_dir: str | Path, options: ServeOptions) -> None:
+        self.meta = read_model_json(export_dir)
+        if not self.meta.get("parity", {}).get("passed"):
+            raise ConfigError(f"the export in '{export_dir}' failed its parity check; it is not served")
+        self.options = options
+        self.name = self.meta["name"]
+        self.inputs = [TensorSpec(t["name"], t["datatype"], t["shape"]) for t in self.meta["inputs"]]
+        self.outputs = [TensorSpec(t["name"], t["datatype"], t["shape"]) for t in self.meta["outputs"]]
+        self.run = load_exported(self.meta["format"], Path(export_dir) / self.meta["file"])
+        self.drift = DriftMonitor(self.meta["reference"]) if self.meta.get("reference") else None
+        self.metrics = ServerMetrics(self.name, VERSION, self.drift)
+        self.batcher = DynamicBatcher(
+            self.run, max_batch_size=options.max_batch_size, max_queue_delay_ms=options.max_queue_delay_ms,
+            max_queue=options.max_queue, queue_timeout_ms=options.queue_timeout_ms, on_batch=self._on_batch,
+        )
+        self.ready = False
+
+    def _on_batch(self, stats: BatchStats) -> None:
+        m = self.metrics
+        m.add("nv_inference_exec_count")
+        m.add("nv_inference_count", stats.batch_size)
+        m.add("nv_inference_compute_infer_duration_us", stats.compute_s * 1e6 * stats.num_requests)
+        m.add("nv_inference_queue_duration_us", sum(stats.queue_s) * 1e6)
+        m.batch_size.labels(self.name).observe(stats.batch_size)
+
+    async def predict(self, inputs: np.ndarray) -> np.ndarray:
+        self.metrics.pending = self.batcher.pending + 1
+        outputs = await self.batcher.submit(inputs)
+        if self.drift is not None:
+            self.drift.observe(inputs)
+        return outputs
+
+
+def create_app(export_dir: str | Path, options: ServeOptions | None = None) -> Starlette:
+    """The ASGI application serving the export in ``export_dir``."""
+    server = ModelServer(export_dir, options or ServeOptions())
+    max_body = int(server.options.max_body_mb * 2**20)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        await server.batcher.start()
+        gc.freeze()  # the model and imports never become garbage; full collections then stay short
+        server.ready = True
+        yield
+        server.ready = False
+        await server.batcher.stop()  # everything already queued is answered first
+
+    async def model_call(request: Request, protocol: str, handler) -> Response:
+        start = time.perf_counter()
+        server.metrics.in_flight.labels(server.name).inc()
+        try:
+            response = await handler()
+            server.metrics.add("nv_inference_request_success")
+            return response
+        except ProtocolError as exc:
+            server.metrics.add("nv_inference_request_failure", reason="OTHER")
+            return error(exc.status, str(exc))
+        except QueueFull as exc:
+            server.metrics.add("nv_inference_request_failure", reason="REJECTED")
+            return error(503, f"server busy: {exc}; retry later", {"Retry-After": "1"})
+        except QueueTimeout as exc:
+            server.metrics.add("nv_inference_request_failure", reason="REJECTED")
+            return error(503, f"request timed out in the queue: {exc}", {"Retry-After": "1"})
+        except Exception as exc:  # noqa: BLE001 - the model failed: a server error, named
+            server.metrics.add("nv_inference_request_failure", reason="BACKEND")
+            return error(500, f"model execution failed: {type(exc).__name__}: {exc}")
+        finally:
+            elapsed = time.perf_counter() - start
+            server.metrics.in_flight.labels(server.name).dec()
+            server.metrics.add("nv_inference_request_duration_us", elapsed * 1e6)
+            server.metrics.latency.labels(server.name, protocol).observe(elapsed)
+            server.metrics.pending = server.batcher.pending
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body:
+            raise ProtocolError(413, f"the body has {declared} bytes; the limit is {max_body} (--max-body-mb)")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                raise ProtocolError(413, f"the body is over the limit of {max_body} bytes (--max-body-mb)")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def check_model(request: Request) -> None:
+        name, version = request.path_params["name"], request.path_params.get("version")
+        if name != server.name:
+            raise ProtocolError(404, f"unknown model '{name}'; this server has '{server.name}'")
+        if version not in (None, "", VERSION):
+            raise ProtocolError(404, f"model '{name}' has no version '{version}'; it has '{VERSION}'")
+
+    async def v2_server(request: Request) -> Response:
+        return JSONResponse({"name": "torchkeel", "version": __version__, "extensions": ["binary_tensor_data"]})
+
+    async def live(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def ready(request: Request) -> Response:
+        return Response(status_code=200 if server.ready else 503)
+
+    async def model_metadata(request: Request) -> Response:
+        try:
+            check_model(request)
+        except ProtocolError as exc:
+            return error(exc.status, str(exc))
+        return JSONResponse({
+            "name": server.name, "versions": [VERSION], "platform": PLATFORMS[server.meta["format"]],
+            "inputs": [spec(t) for t in server.inputs], "outputs": [spec(t) for t in server.outputs],
+        })
+
+    async def model_ready(request: Request) -> Response:
+        try:
+            check_model(request)
+        except ProtocolError as exc:
+            return error(exc.status, str(exc))
+        return Response(status_code=200 if server.ready else 503)
+
+    async def infer(request: Request) -> Response:
+        async def handle() -> Response:
+            check_model(request)
+            if not server.ready:
+                raise QueueFull("the model is not ready")
+            body = await read_body(request)
+            parsed = parse_infer(body, request.headers.get(HEADER_LENGTH), server.inputs, server.outputs,
+                                 server.options.max_batch_size, server.options.allow_nonfinite)
+            outputs = await server.predict(parsed.inputs[server.inputs[0].name])
+            payload, headers = encode_infer(server.name, VERSION, parsed, {server.outputs[0].name: outputs})
+            media = "application/octet-stream" if headers else "application/json"
+            return Response(payload, media_type=media, headers=headers)
+
+        return await model_call(request, "v2", handle)
+
+    async def v1_model(request: Request) -> Response:
+        name, _, verb = request.path_params["spec"].partition(":")
+        if name != server.name:
+            return error(404, f"unknown model '{name}'; this server has '{server.name}'")
+        if request.method == "GET" and not verb:
+            return JSONResponse({"name": server.name, "ready": server.ready})
+        if request.method == "POST" and verb == "predict":
+            async def handle() -> Response:
+                body = await read_body(request)
+                batch, parameters = parse_v1(body, server.inputs[0], server.options.max_batch_size,
+                                             server.options.allow_nonfinite)
+                outputs = await server.predict(batch)
+                k = parameters.get("top_k", server.options.top_k)
+                if k is not None:
+                    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= outputs.shape[1]:
+                        raise ProtocolError(400, f"parameters.top_k must be an integer from 1 to {outputs.shape[1]}")
+                    return JSONResponse({"predictions": top_k(outputs, server.meta.get("labels"), k)})
+                return JSONResponse({"predictions": outputs.tolist()})
+
+            return await model_call(request, "v1", handle)
+        return error(404, f"no route {request.method} /v1/models/{request.path_params['spec']}; use GET "
+                          f"/v1/models/{server.name} or POST /v1/models/{server.name}:predict")
+
+    async def metrics(request: Request) -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    routes = [
+        Route("/v2", v2_server),
+        Route("/v2/health/live", live),
+        Route("/v2/health/ready", ready),
+        Route("/v2/models/{name}", model_metadata),
+        Route("/v2/models/{name}/versions/{version}", model_metadata),
+        Route("/v2/models/{name}/ready", model_ready),
+        Route("/v2/models/{name}/versions/{version}/ready", model_ready),
+        Route("/v2/models/{name}/infer", infer, methods=["POST"]),
+        Route("/v2/models/{name}/versions/{version}/infer", infer, methods=["POST"]),
+        Route("/v1/models/{spec}", v1_model, methods=["GET", "POST"]),
+        Route("/metrics", metrics),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_allowed})
+    app.state.server = server
+    return app
+
+
+def spec(t: TensorSpec) -> dict[str, Any]:
+    return {"name": t.name, "datatype": t.datatype, "shape": t.shape}
+
+
+def error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+async def not_found(request: Request, exc: Exception) -> Response:
+    return error(404, f"no route {request.method} {request.url.path}")
+
+
+async def not_allowed(request: Request, exc: Exception) -> Response:
+    return error(405, f"{request.method} is not allowed on {request.url.path}")
+
+
+def serve(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, options: ServeOptions | None = None) -> None:
+    """Run the server until SIGTERM/SIGINT; queued requests are answered before it exits."""
+    import uvicorn
+
+    app = create_app(export_dir, options)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
