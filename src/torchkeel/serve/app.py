@@ -237,9 +237,31 @@ async def not_allowed(request: Request, exc: Exception) -> Response:
     return error(405, f"{request.method} is not allowed on {request.url.path}")
 
 
+class _Terminated(Exception):
+    """SIGTERM, raised again by uvicorn after its graceful shutdown."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
 def serve(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, options: ServeOptions | None = None) -> None:
-    """Run the server until SIGTERM/SIGINT; queued requests are answered before it exits."""
+    """Run the server until SIGTERM/SIGINT; queued requests are answered before it returns.
+
+    uvicorn stops accepting on SIGTERM, lets the requests in flight finish (they wait for the
+    batcher, which drains its queue at shutdown), then raises the signal again so that the
+    process ends as the signal would have it. That re-raised SIGTERM lands in the handler
+    installed here and ends ``serve`` normally: a graceful stop exits 0.
+    """
+    import signal
+
     import uvicorn
 
     app = create_app(export_dir, options)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    except _Terminated:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,284 @@
+"""``keel serve`` as a subprocess on 127.0.0.1, driven by the real ``tritonclient`` and by raw HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import torchkeel as tk
+from keelproc import keel_env
+from torchkeel.checkpoint import load_model_weights
+from torchkeel.export import export_run
+
+tritonhttp = pytest.importorskip("tritonclient.http")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve")
+    config = tk.load_config(None, [
+        f"out_dir={out}", "name=tiny", "model.target=hand_written_loop:make_model",
+        "data.target=hand_written_loop:make_data", "train.max_epochs=null", "train.max_steps=30",
+    ])
+    trainer = tk.Trainer(config, progress=False)
+    trainer.fit()
+    export_run(out / "tiny", "torchscript", out / "export")
+    eager = trainer.model.eval()
+    return out / "export", eager
+
+
+def eager_rows(eager, inputs: np.ndarray) -> np.ndarray:
+    with torch.inference_mode():
+        return eager(torch.from_numpy(inputs)).numpy()
+
+
+class Server:
+    def __init__(self, export_dir: Path, *args: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torchkeel.cli.main", "serve", str(export_dir), "--port", str(self.port), *args],
+            env=keel_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if self.request("GET", "/v2/health/ready")[0] == 200:
+                    return
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(self.proc.stderr.read())
+            time.sleep(0.1)
+        raise RuntimeError("server did not become ready")
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def request(self, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            response = conn.getresponse()
+            return response.status, response.read(), dict(response.getheaders())
+        finally:
+            conn.close()
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        self.proc.communicate(timeout=60)
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(exported):
+    srv = Server(exported[0], "--max-queue-delay-ms", "5")
+    yield srv
+    assert srv.stop() == 0
+
+
+def inputs(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, 32)).astype(np.float32)
+
+
+def test_tritonclient_metadata_readiness_and_infer(server, exported):
+    client = tritonhttp.InferenceServerClient(server.url)
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("tiny")
+    assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
+    meta = client.get_model_metadata("tiny")
+    assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 32]}]
+    assert meta["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1, 4]}]
+    for binary in (True, False):
+        x = inputs(3, seed=int(binary))
+        tensor = tritonhttp.InferInput("input", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x, binary_data=binary)
+        wanted = tritonhttp.InferRequestedOutput("output", binary_data=binary)
+        result = client.infer("tiny", [tensor], outputs=[wanted], request_id=f"req-{binary}")
+        np.testing.assert_allclose(result.as_numpy("output"), eager_rows(exported[1], x), atol=1e-5)
+        assert result.get_response()["id"] == f"req-{binary}"
+    client.close()
+
+
+def test_kserve_v1_predict(server, exported):
+    x = inputs(2, seed=5)
+    status, body, _ = server.request("POST", "/v1/models/tiny:predict", json.dumps({"instances": x.tolist()}))
+    assert status == 200
+    np.testing.assert_allclose(np.array(json.loads(body)["predictions"]), eager_rows(exported[1], x), atol=1e-5)
+    status, body, _ = server.request("POST", "/v1/models/tiny:predict",
+                                     json.dumps({"instances": x.tolist(), "parameters": {"top_k": 2}}))
+    top = json.loads(body)["predictions"]
+    assert status == 200 and len(top) == 2 and len(top[0]["labels"]) == 2
+    assert top[0]["labels"][0] == str(int(eager_rows(exported[1], x)[0].argmax()))
+    status, body, _ = server.request("GET", "/v1/models/tiny")
+    assert status == 200 and json.loads(body) == {"name": "tiny", "ready": True}
+
+
+def test_64_concurrent_clients_each_get_their_own_answer(server, exported):
+    results, errors = {}, []
+
+    def client(i: int) -> None:
+        try:
+            x = inputs(1, seed=1000 + i)
+            body = json.dumps({"inputs": [{"name": "input", "shape": [1, 32], "datatype": "FP32", "data": x.tolist()}]})
+            for _ in range(5):
+                status, payload, _ = server.request("POST", "/v2/models/tiny/infer", body)
+                assert status == 200, payload
+                results.setdefault(i, []).append((x, np.array(json.loads(payload)["outputs"][0]["data"]).reshape(1, 4)))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    before = metric(server, "nv_inference_exec_count")
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == [] and len(results) == 64
+    for pairs in results.values():
+        for x, got in pairs:
+            np.testing.assert_allclose(got, eager_rows(exported[1], x), atol=1e-5)
+    executions = metric(server, "nv_inference_exec_count") - before
+    assert executions < 64 * 5  # requests were batched together
+
+
+def metric(server: Server, name: str, **labels: str) -> float:
+    text = server.request("GET", "/metrics")[1].decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def v2(data, shape=(1, 32), datatype="FP32", name="input", **extra):
+    return json.dumps({"inputs": [{"name": name, "shape": list(shape), "datatype": datatype, "data": data}], **extra})
+
+
+GOOD = [0.0] * 32
+BAD_INPUTS = [
+    ("malformed json", "/v2/models/tiny/infer", "{not json", {}, 400, "not valid JSON"),
+    ("json array", "/v2/models/tiny/infer", "[1, 2]", {}, 400, "must be a JSON object"),
+    ("no inputs", "/v2/models/tiny/infer", "{}", {}, 400, "'inputs' must be a non-empty list"),
+    ("wrong input name", "/v2/models/tiny/infer", v2(GOOD, name="x"), {}, 400, "inputs[0].name 'x' is not an input"),
+    ("wrong datatype", "/v2/models/tiny/infer", v2(GOOD, datatype="INT64"), {}, 400, "takes FP32"),
+    ("unknown datatype", "/v2/models/tiny/infer", v2(GOOD, datatype="FP8"), {}, 400, "inputs[0].datatype is 'FP8'"),
+    ("wrong rank", "/v2/models/tiny/infer", v2(GOOD, shape=(32,)), {}, 400, "takes [N, 32]"),
+    ("wrong sample shape", "/v2/models/tiny/infer", v2([0.0] * 16, shape=(1, 16)), {}, 400, "shape is [1, 16]"),
+    ("negative shape", "/v2/models/tiny/infer", v2(GOOD, shape=(-1, 32)), {}, 400, "non-negative integers"),
+    ("count mismatch", "/v2/models/tiny/infer", v2([0.0] * 31), {}, 400, "has 31 values; shape [1, 32] needs 32"),
+    ("non-numeric data", "/v2/models/tiny/infer", v2(["a"] * 32), {}, 400, "not FP32"),
+    ("nan values", "/v2/models/tiny/infer", v2(GOOD[:31] + [float("nan")]).replace("NaN", "NaN"), {}, 400, "NaN/Inf"),
+    ("too many samples", "/v2/models/tiny/infer", v2([0.0] * 32 * 65, shape=(65, 32)), {}, 400, "between 1 and 64"),
+    ("zero samples", "/v2/models/tiny/infer", v2([], shape=(0, 32)), {}, 400, "between 1 and 64"),
+    ("unknown output", "/v2/models/tiny/infer", v2(GOOD, outputs=[{"name": "logits"}]), {}, 400, "outputs[0].name 'logits'"),
+    ("binary size mismatch", "/v2/models/tiny/infer",
+     json.dumps({"inputs": [{"name": "input", "shape": [1, 32], "datatype": "FP32",
+                             "parameters": {"binary_data_size": 128}}]}), {"Inference-Header-Content-Length": "X"},
+     400, "must be an integer"),
+    ("bad header length", "/v2/models/tiny/infer", v2(GOOD), {"Inference-Header-Content-Length": "999999"}, 400,
+     "outside the body"),
+    ("unknown model", "/v2/models/nope/infer", v2(GOOD), {}, 404, "unknown model 'nope'"),
+    ("unknown version", "/v2/models/tiny/versions/7/infer", v2(GOOD), {}, 404, "no version '7'"),
+    ("v1 no instances", "/v1/models/tiny:predict", json.dumps({"rows": []}), {}, 400, "'instances' must be"),
+    ("v1 ragged", "/v1/models/tiny:predict", json.dumps({"instances": [[0.0] * 32, [0.0] * 3]}), {}, 400, "ragged"),
+    ("v1 bad top_k", "/v1/models/tiny:predict", json.dumps({"instances": [GOOD], "parameters": {"top_k": 99}}), {}, 400,
+     "top_k must be an integer from 1 to 4"),
+    ("v1 unknown verb", "/v1/models/tiny:explain", json.dumps({"instances": [GOOD]}), {}, 404, "no route POST"),
+]
+
+
+@pytest.mark.parametrize(("kind", "path", "body", "headers", "status", "message"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_is_a_4xx_that_names_the_problem(server, kind, path, body, headers, status, message):
+    got, payload, _ = server.request("POST", path, body, headers)
+    assert got == status, payload
+    assert message in json.loads(payload)["error"]
+    assert server.request("POST", "/v2/models/tiny/infer", v2(GOOD))[0] == 200  # still serving
+
+
+def test_binary_input_with_the_wrong_byte_count(server):
+    header = json.dumps({"inputs": [{"name": "input", "shape": [1, 32], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 64}}]}).encode()
+    status, payload, _ = server.request("POST", "/v2/models/tiny/infer", header + b"\0" * 64,
+                                        {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 400 and "64 binary bytes for 32 FP32 values (need 128)" in json.loads(payload)["error"]
+
+
+def test_body_too_large_is_413(server):
+    status, payload, _ = server.request("POST", "/v2/models/tiny/infer", b" " * (17 * 2**20))
+    assert status == 413 and "limit" in json.loads(payload)["error"]
+
+
+def test_wrong_method_and_route(server):
+    assert server.request("GET", "/v2/models/tiny/infer")[0] == 405
+    assert server.request("GET", "/v3")[0] == 404
+
+
+def test_overload_gives_503_and_memory_settles(exported):
+    srv = Server(exported[0], "--max-queue", "2", "--max-queue-delay-ms", "20")
+    try:
+        def burst() -> list[int]:
+            statuses: list[int] = []
+            body = v2(GOOD)
+
+            def client() -> None:
+                for _ in range(10):
+                    statuses.append(srv.request("POST", "/v2/models/tiny/infer", body)[0])
+
+            threads = [threading.Thread(target=client) for _ in range(64)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            return statuses
+
+        burst()  # warm-up: allocator pools and caches reach their working size
+        baseline = srv.rss_bytes()
+        statuses = burst()
+        assert set(statuses) <= {200, 503} and statuses.count(503) > 0 and statuses.count(200) > 0
+        status, _, headers = srv.request("POST", "/v2/models/tiny/infer", v2(GOOD))
+        assert status == 200
+        assert metric(srv, "nv_inference_request_failure", reason="REJECTED") >= statuses.count(503)
+        assert srv.rss_bytes() <= baseline * 1.10 + 16 * 2**20
+    finally:
+        assert srv.stop() == 0
+
+
+def test_sigterm_answers_everything_in_flight(exported):
+    srv = Server(exported[0], "--max-queue-delay-ms", "300")
+    statuses: list[int] = []
+    started = threading.Barrier(17)
+
+    def client() -> None:
+        started.wait()
+        statuses.append(srv.request("POST", "/v2/models/tiny/infer", v2(GOOD))[0])
+
+    threads = [threading.Thread(target=client) for _ in range(16)]
+    for t in threads:
+        t.start()
+    started.wait()
+    time.sleep(0.05)  # the requests are queued, waiting for their batch to fill
+    srv.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=60)
+    assert srv.stop() == 0
+    assert statuses == [200] * 16
