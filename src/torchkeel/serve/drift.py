@@ -23,7 +23,10 @@ class DriftMonitor:
 
     def __init__(self, reference: dict[str, Any], window_requests: int = 500) -> None:
         features = reference["features"]
-        self.edges = [np.asarray(f["bin_edges"], dtype=np.float64) for f in features]
+        edges = np.array([f["bin_edges"] for f in features], dtype=np.float64)  # equal-width bins
+        self.num_features, self.num_bins = edges.shape[0], edges.shape[1] - 1
+        self.edges0 = edges[:, 0]
+        self.width = (edges[:, -1] - edges[:, 0]) / self.num_bins
         self.low = np.array([f["min"] for f in features])
         self.high = np.array([f["max"] for f in features])
         ref = np.array([f["bin_counts"] for f in features], dtype=np.float64)
@@ -33,18 +36,17 @@ class DriftMonitor:
     def observe(self, inputs: np.ndarray) -> None:
         """Record one request's inputs (first dimension: samples)."""
         columns = feature_matrix(np.asarray(inputs, dtype=np.float64))
-        counts = np.stack([
-            np.bincount(np.clip(np.searchsorted(edges, column, side="right") - 1, 0, len(edges) - 2),
-                        minlength=len(edges) - 1)
-            for edges, column in zip(self.edges, columns.T)
-        ])
+        # Values outside the training range count in the outermost bins (and as out of range).
+        bins = np.clip(((columns - self.edges0) / self.width).astype(np.int64), 0, self.num_bins - 1)
+        flat = (bins + np.arange(self.num_features) * self.num_bins).ravel()
+        counts = np.bincount(flat, minlength=self.num_features * self.num_bins).reshape(self.num_features, self.num_bins)
         out_of_range = ((columns < self.low) | (columns > self.high)).sum(axis=0)
         self.window.append((counts, out_of_range, columns.shape[0]))
 
     def read(self) -> dict[str, Any]:
         """``psi`` and ``out_of_range`` per feature over the window, and ``alert`` (any PSI > 0.25)."""
         if not self.window:
-            n = len(self.edges)
+            n = self.num_features
             return {"psi": [0.0] * n, "out_of_range": [0.0] * n, "alert": False, "samples": 0}
         counts = sum(c for c, _, _ in self.window)
         outside = sum(o for _, o, _ in self.window)
