@@ -282,3 +282,22 @@ def test_sigterm_answers_everything_in_flight(exported):
         t.join(timeout=60)
     assert srv.stop() == 0
     assert statuses == [200] * 16
+
+
+def test_dashboard_and_alerts_use_metrics_the_server_exposes(server):
+    import re
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2] / "deploy"
+    dashboard = json.loads((root / "grafana" / "torchkeel-serving.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    rules = yaml.safe_load((root / "prometheus" / "alerts.yml").read_text())
+    exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    server.request("POST", "/v2/models/tiny/infer", v2(GOOD))  # histograms get samples
+    exposed = set(re.findall(r"^([a-z_]+)[{ ]", server.request("GET", "/metrics")[1].decode(), re.M))
+    used = {name for e in exprs for name in re.findall(r"\b(nv_[a-z_]+|torchkeel_[a-z_]+)\b", e)}
+    assert len(used) >= 10 and used - exposed == set()
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for topic in ("throughput", "latency", "batch size", "queue", "drift"):
+        assert topic in titles

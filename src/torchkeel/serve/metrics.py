@@ -28,6 +28,11 @@ TRITON_COUNTERS = {
 }
 
 
+# Triton's failure reasons: queue full or timed out, cancelled, the model failed, anything else
+# (for us: an invalid request).
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+
+
 class ServerMetrics:
     """The metrics of one model served by one server."""
 
@@ -65,9 +70,13 @@ class _Collector:
             counts = dict(m._counts)
         for name, help_text in TRITON_COUNTERS.items():
             family = Metric(name, help_text, "counter")
-            samples = [(labels, value) for (n, labels), value in counts.items() if n == name]
-            for labels, value in samples or ([(tuple(sorted(m.labels.items())), 0.0)] if name != "nv_inference_request_failure" else []):
-                family.add_sample(name, dict(labels), value)
+            label_sets = [{}] if name != "nv_inference_request_failure" else [{"reason": r} for r in FAILURE_REASONS]
+            for extra in label_sets:  # every series exists from the start, at 0
+                key = (name, tuple(sorted({**m.labels, **extra}.items())))
+                counts.setdefault(key, 0.0)
+            for (n, labels), value in sorted(counts.items()):
+                if n == name:
+                    family.add_sample(name, dict(labels), value)
             yield family
         pending = Metric("nv_inference_pending_request_count", "Instantaneous number of pending requests awaiting execution", "gauge")
         pending.add_sample("nv_inference_pending_request_count", dict(m.labels), m.pending)
