@@ -13,7 +13,7 @@ KEEL = [sys.executable, "-m", "torchkeel.cli.main"]
 
 def keel_env(**extra: str) -> dict[str, str]:
     """PYTHONPATH with the examples and test helpers; one thread so runs are bitwise comparable."""
-    path = os.pathsep.join([str(ROOT / "examples"), str(ROOT / "tests" / "e2e")])
+    path = os.pathsep.join([str(ROOT / "examples"), str(ROOT / "tests" / "e2e"), str(ROOT / "tests")])
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 

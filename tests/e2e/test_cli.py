@@ -92,6 +92,10 @@ def test_demo_reaches_95_percent_and_runs_again(tmp_path):
     summary = json.loads((tmp_path / "runs" / "demo" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["val_accuracy"] >= 0.95
     assert "validation accuracy" in result.stdout
+    assert "export: parity passed" in result.stdout
+    served = [line for line in result.stdout.splitlines() if line.startswith("served prediction")]
+    assert len(served) == 1 and "KServe v1): digit " in served[0]
+    assert (tmp_path / "runs" / "demo" / "export-torchscript" / "model.json").is_file()
 
 
 def test_resume_from_a_corrupt_checkpoint_exits_3_with_one_line(cfg, tmp_path):
@@ -104,6 +108,25 @@ def test_resume_from_a_corrupt_checkpoint_exits_3_with_one_line(cfg, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert lines == [f"keel: error: checkpoint file '{model_file}' has {model_file.stat().st_size} bytes, "
                      f"the manifest says {model_file.stat().st_size + 1} (truncated?)"]
+
+
+def test_export_and_triton_repo_commands(cfg, tmp_path):
+    assert keel("train", str(cfg), "train.max_epochs=null", "train.max_steps=3", cwd=tmp_path).returncode == 0
+    result = keel("export", "runs/tiny", "--format", "onnx", "--out", "exp", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("parity passed: max abs error")
+    repo = keel("triton-repo", "exp", "repo", cwd=tmp_path)
+    assert repo.returncode == 0 and (tmp_path / "repo" / "tiny" / "config.pbtxt").is_file()
+    wrong = keel("export", "runs/nope", "--format", "onnx", cwd=tmp_path)
+    assert wrong.returncode == 2 and "neither a run directory" in wrong.stderr
+
+
+def test_export_parity_failure_exits_4(cfg, tmp_path):
+    assert keel("train", str(cfg), "model.target=models:HardcodedBatch", "train.max_epochs=null", "train.max_steps=2",
+                cwd=tmp_path, ).returncode == 0
+    result = keel("export", "runs/tiny", "--format", "torchscript", cwd=tmp_path)
+    assert result.returncode == 4
+    assert "parity FAILED on output 'output' at batch size 1" in result.stderr
 
 
 def test_init_from_a_malicious_pickle_is_refused(cfg, tmp_path):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from torchkeel.cli.train import exit_code
-from torchkeel.demo.digits import run_demo
+from torchkeel.demo.digits import export_and_serve_one, run_demo
+from torchkeel.export.parity import describe
 
 HELP = "train a small CNN on scikit-learn's handwritten digits (runs again and again into OUT_DIR/demo)"
 
@@ -25,4 +26,11 @@ def run(args: argparse.Namespace) -> int:
           f"run directory: {summary['run_dir']}")
     print(f"checkpoints: {summary['run_dir']}/checkpoints (atomic, verified; a killed `keel train` "
           "continues with --resume auto)")
+    if summary["status"] != "completed":
+        return exit_code(summary)
+    served = export_and_serve_one(summary["run_dir"])
+    print(f"export: {describe(served['parity'])} -> {served['export_dir']}")
+    print(f"served prediction ({served['url']}, KServe v1): digit {served['predicted']} "
+          f"(score {served['score']:.3f}); true label {served['label']}")
+    print(f"serve it yourself: keel serve {served['export_dir']}")
     return exit_code(summary)

@@ -71,3 +71,31 @@ def run_demo(out_dir: str | Path = "runs", overrides: list[str] | None = None, p
 
     config = load_config(None, overrides or [], base={**DEMO_CONFIG, "out_dir": str(out_dir)})
     return Trainer(config, overwrite=True, progress=progress).fit()
+
+
+def export_and_serve_one(run_dir: str | Path) -> dict[str, Any]:
+    """Export the demo run (TorchScript, parity checked), serve it, and ask for one prediction.
+
+    Returns the export's parity report, the export directory, and the served prediction of the
+    first validation image with its true label.
+    """
+    import http.client
+    import json
+    from urllib.parse import urlparse
+
+    from torchkeel.export.export import export_run
+    from torchkeel.serve.app import serve_in_background
+
+    export_dir = Path(run_dir) / "export-torchscript"
+    meta = export_run(run_dir, "torchscript", export_dir)
+    image, label = load_digits_split()[1][0]
+    body = json.dumps({"instances": [image.tolist()], "parameters": {"top_k": 1}})
+    with serve_in_background(export_dir) as url:
+        address = urlparse(url)
+        conn = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
+        conn.request("POST", f"/v1/models/{meta['name']}:predict", body)
+        answer = json.loads(conn.getresponse().read())
+        conn.close()
+    best = answer["predictions"][0]
+    return {"parity": meta["parity"], "export_dir": str(export_dir), "url": url,
+            "predicted": best["labels"][0], "score": best["scores"][0], "label": str(int(label))}

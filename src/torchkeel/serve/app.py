@@ -237,6 +237,35 @@ async def not_allowed(request: Request, exc: Exception) -> Response:
     return error(405, f"{request.method} is not allowed on {request.url.path}")
 
 
+@contextlib.contextmanager
+def serve_in_background(export_dir: str | Path, options: ServeOptions | None = None):
+    """Serve on 127.0.0.1 at a free port from a background thread; yields the base URL.
+
+    For demos and notebooks: the server stops (after answering what is queued) when the block ends.
+    """
+    import socket
+    import threading
+
+    import uvicorn
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(export_dir, options), host="127.0.0.1", port=port,
+                                           log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, name="torchkeel-serve", daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError("the server stopped while starting")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
 class _Terminated(Exception):
     """SIGTERM, raised again by uvicorn after its graceful shutdown."""
 
