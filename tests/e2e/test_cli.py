@@ -96,6 +96,8 @@ def test_demo_reaches_95_percent_and_runs_again(tmp_path):
     served = [line for line in result.stdout.splitlines() if line.startswith("served prediction")]
     assert len(served) == 1 and "KServe v1): digit " in served[0]
     assert (tmp_path / "runs" / "demo" / "export-torchscript" / "model.json").is_file()
+    assert result.stdout.strip().endswith(f"report: {tmp_path / 'runs' / 'demo' / 'report.html'}")
+    assert (tmp_path / "runs" / "demo" / "loss.png").is_file()
 
 
 def test_resume_from_a_corrupt_checkpoint_exits_3_with_one_line(cfg, tmp_path):

@@ -7,6 +7,7 @@ import argparse
 from torchkeel.cli.train import exit_code
 from torchkeel.demo.digits import export_and_serve_one, run_demo
 from torchkeel.export.parity import describe
+from torchkeel.report import build_report
 
 HELP = "train a small CNN on scikit-learn's handwritten digits (runs again and again into OUT_DIR/demo)"
 
@@ -33,4 +34,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"served prediction ({served['url']}, KServe v1): digit {served['predicted']} "
           f"(score {served['score']:.3f}); true label {served['label']}")
     print(f"serve it yourself: keel serve {served['export_dir']}")
+    print(f"report: {build_report(summary['run_dir']).path}")
     return exit_code(summary)

@@ -1,0 +1,140 @@
+"""``build_report``: a run directory's metrics, incidents and summary as PNG charts and one HTML page.
+
+It reads whatever is there — a run still going, or killed mid-line — and says what is missing
+instead of failing. Charts share the step axis; incidents (non-finite steps, rollbacks, OOM
+splits, leaks, spikes), resumes and a preemption are marked on every timeline.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchkeel.errors import MissingExtraError
+from torchkeel.train.metrics import read_metrics
+
+FIGSIZE, DPI = (8.0, 3.0), 100  # every chart is 800 × 300 pixels
+MARKERS = {"nonfinite": "tab:red", "rollback": "tab:purple", "oom_split": "tab:orange", "leak": "tab:brown",
+           "spike": "tab:pink", "memory": "tab:olive", "resume": "tab:green", "preempted": "black"}
+CHARTS = [
+    ("loss", "Loss", [("train", "loss", "train loss"), ("val", "val_loss", "validation loss")], False),
+    ("val_metrics", "Validation metrics", [("val", "val_accuracy", "accuracy")], False),
+    ("lr", "Learning rate", [("train", "lr", "lr")], False),
+    ("grad_norm", "Gradient norm (before clipping)", [("train", "grad_norm", "grad norm")], True),
+    ("throughput", "Throughput (samples/s)", [("train", "samples_per_s", "samples/s")], False),
+    ("memory", "Memory (GiB)", [("memory", "rss_bytes", "process RSS"), ("memory", "cuda_allocated_bytes", "CUDA allocated"),
+                                ("memory", "cuda_reserved_bytes", "CUDA reserved")], False),
+]
+
+
+@dataclass
+class Report:
+    path: Path
+    images: list[Path] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    marks: list[tuple[int, str]] = field(default_factory=list)  # (step, kind) drawn on every timeline
+
+
+def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Report:
+    """Write ``report.html`` and its PNGs into ``out_dir`` (default: the run directory)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise MissingExtraError("report", "matplotlib", "keel report") from None
+    run = Path(run_dir)
+    out = Path(out_dir) if out_dir is not None else run
+    out.mkdir(parents=True, exist_ok=True)
+    rows = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+    incidents = read_metrics(run / "incidents.jsonl") if (run / "incidents.jsonl").exists() else []
+    summary = _json(run / "summary.json")
+    report = Report(out / "report.html")
+    if not (run / "metrics.jsonl").exists():
+        report.missing.append("metrics.jsonl (no training step was logged yet)")
+    elif not rows:
+        report.missing.append("training rows in metrics.jsonl (the file is empty or unreadable)")
+    if summary is None:
+        report.missing.append("summary.json (the run is still going, or was killed)")
+    marks = [(r["step"], r["kind"]) for r in incidents if "step" in r]
+    marks += [(r["step"], "resume") for r in rows if r.get("kind") == "resume"]
+    if summary and summary.get("status") == "preempted":
+        marks.append((summary.get("steps", 0), "preempted"))
+    report.marks = sorted(marks)
+    for name, title, series, log_scale in CHARTS:
+        lines = [(label, [(r["step"], r[key]) for r in rows if r.get("kind") == kind and isinstance(r.get(key), (int, float))])
+                 for kind, key, label in series]
+        lines = [(label, points) for label, points in lines if points]
+        if not lines:
+            report.missing.append(f"{title.lower()} (no rows with it)")
+            continue
+        fig = Figure(figsize=FIGSIZE, dpi=DPI)
+        ax = fig.subplots()
+        scale = 2**30 if name == "memory" else 1
+        for label, points in lines:
+            ax.plot([p[0] for p in points], [p[1] / scale for p in points], label=label, marker="." if len(points) < 30 else None)
+        for kind in sorted({k for _, k in marks}):
+            steps = [s for s, k in marks if k == kind]
+            for i, step in enumerate(steps):
+                ax.axvline(step, color=MARKERS.get(kind, "gray"), linestyle="--", linewidth=1,
+                           label=f"{kind} ({len(steps)})" if i == 0 else None)
+        values = [p[1] for _, points in lines for p in points]
+        if log_scale or (min(values) > 0 and max(values) / min(values) > 1e3):
+            ax.set_yscale("log")  # a diverging run spans many orders of magnitude
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path)
+        report.images.append(path)
+    report.path.write_text(_html(run, summary, incidents, report), encoding="utf-8")
+    return report
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _newest_manifest(run: Path) -> dict[str, Any] | None:
+    manifests = sorted((run / "checkpoints").glob("step-*/manifest.json"))
+    return _json(manifests[-1]) if manifests else None
+
+
+def _html(run: Path, summary: Any, incidents: list[dict[str, Any]], report: Report) -> str:
+    esc = html.escape
+    manifest = _newest_manifest(run) or {}
+    config = (run / "config.yaml").read_text() if (run / "config.yaml").exists() else "(no config.yaml)"
+    facts = {
+        "status": (summary or {}).get("status", "unknown (no summary.json)"),
+        "steps": (summary or {}).get("steps"), "epochs": (summary or {}).get("epochs"),
+        "val_loss": (summary or {}).get("val_loss"), "val_accuracy": (summary or {}).get("val_accuracy"),
+        "wall_s": (summary or {}).get("wall_s"), "incidents": (summary or {}).get("incidents"),
+        "torch": manifest.get("torch_version"), "torchkeel": manifest.get("torchkeel_version"),
+        "git commit": (manifest.get("git_commit") or "not a git repository")
+        + (" (dirty)" if manifest.get("git_dirty") else ""),
+    }
+    rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(str(v))}</td></tr>" for k, v in facts.items() if v is not None)
+    missing = "".join(f"<li>{esc(m)}</li>" for m in report.missing)
+    images = "".join(f'<figure><img src="{esc(p.name)}" width="800" height="300" alt="{esc(p.stem)}"></figure>'
+                     for p in report.images)
+    listed = "".join(f"<tr><td>{r.get('step')}</td><td>{esc(str(r.get('kind')))}</td><td>{esc(str(r.get('message', '')))}</td></tr>"
+                     for r in incidents[:200])
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>torchkeel report: {esc(run.name)}</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:60em}} table{{border-collapse:collapse}}
+th,td{{text-align:left;padding:2px 10px;border-bottom:1px solid #ddd;vertical-align:top}}
+pre{{background:#f6f6f6;padding:1em;max-height:20em;overflow:auto}} .missing{{color:#a40}}</style></head>
+<body><h1>Run {esc(run.name)}</h1>
+<table>{rows}</table>
+{f'<h2>Missing</h2><ul class="missing">{missing}</ul>' if missing else ''}
+<h2>Timeline</h2>{images or '<p class="missing">no charts: nothing was logged yet</p>'}
+<h2>Incidents</h2>{f'<table><tr><th>step</th><th>kind</th><th>message</th></tr>{listed}</table>' if listed else '<p>none</p>'}
+<h2>Config</h2><pre>{esc(config)}</pre>
+</body></html>
+"""
