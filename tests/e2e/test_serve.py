@@ -264,19 +264,20 @@ def test_overload_gives_503_and_memory_settles(exported):
 
 
 def test_sigterm_answers_everything_in_flight(exported):
-    srv = Server(exported[0], "--max-queue-delay-ms", "300")
+    srv = Server(exported[0], "--max-queue-delay-ms", "2000")
     statuses: list[int] = []
-    started = threading.Barrier(17)
 
     def client() -> None:
-        started.wait()
         statuses.append(srv.request("POST", "/v2/models/tiny/infer", v2(GOOD))[0])
 
     threads = [threading.Thread(target=client) for _ in range(16)]
     for t in threads:
         t.start()
-    started.wait()
-    time.sleep(0.05)  # the requests are queued, waiting for their batch to fill
+    deadline = time.monotonic() + 30
+    # Wait until the requests are in the server, queued for a batch that waits up to 2 s to fill.
+    while metric(srv, "nv_inference_pending_request_count") < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert metric(srv, "nv_inference_pending_request_count") >= 8
     srv.proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(timeout=60)
