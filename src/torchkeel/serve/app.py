@@ -54,11 +54,11 @@ class ModelServer:
         self.outputs = [TensorSpec(t["name"], t["datatype"], t["shape"]) for t in self.meta["outputs"]]
         self.run = load_exported(self.meta["format"], Path(export_dir) / self.meta["file"])
         self.drift = DriftMonitor(self.meta["reference"]) if self.meta.get("reference") else None
-        self.metrics = ServerMetrics(self.name, VERSION, self.drift)
         self.batcher = DynamicBatcher(
             self.run, max_batch_size=options.max_batch_size, max_queue_delay_ms=options.max_queue_delay_ms,
             max_queue=options.max_queue, queue_timeout_ms=options.queue_timeout_ms, on_batch=self._on_batch,
         )
+        self.metrics = ServerMetrics(self.name, VERSION, self.drift, pending=lambda: self.batcher.pending)
         self.ready = False
 
     def _on_batch(self, stats: BatchStats) -> None:
@@ -70,7 +70,6 @@ class ModelServer:
         m.batch_size.labels(self.name).observe(stats.batch_size)
 
     async def predict(self, inputs: np.ndarray) -> np.ndarray:
-        self.metrics.pending = self.batcher.pending + 1
         outputs = await self.batcher.submit(inputs)
         if self.drift is not None:
             self.drift.observe(inputs)
@@ -115,7 +114,6 @@ def create_app(export_dir: str | Path, options: ServeOptions | None = None) -> S
             server.metrics.in_flight.labels(server.name).dec()
             server.metrics.add("nv_inference_request_duration_us", elapsed * 1e6)
             server.metrics.latency.labels(server.name, protocol).observe(elapsed)
-            server.metrics.pending = server.batcher.pending
 
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")

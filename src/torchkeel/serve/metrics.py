@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
@@ -36,12 +37,13 @@ FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 class ServerMetrics:
     """The metrics of one model served by one server."""
 
-    def __init__(self, model: str, version: str, drift: DriftMonitor | None) -> None:
+    def __init__(self, model: str, version: str, drift: DriftMonitor | None,
+                 pending: Callable[[], int] = lambda: 0) -> None:
         self.labels = {"model": model, "version": version}
         self.registry = CollectorRegistry()
         self._counts: dict[tuple[str, tuple[tuple[str, str], ...]], float] = defaultdict(float)
         self._lock = threading.Lock()
-        self.pending = 0
+        self.pending = pending  # read at scrape time: requests queued or being computed
         self.drift = drift
         self.registry.register(_Collector(self))
         self.batch_size = Histogram("torchkeel_batch_size", "Samples per model execution", ["model"],
@@ -79,7 +81,7 @@ class _Collector:
                     family.add_sample(name, dict(labels), value)
             yield family
         pending = Metric("nv_inference_pending_request_count", "Instantaneous number of pending requests awaiting execution", "gauge")
-        pending.add_sample("nv_inference_pending_request_count", dict(m.labels), m.pending)
+        pending.add_sample("nv_inference_pending_request_count", dict(m.labels), m.pending())
         yield pending
         if m.drift is not None:
             reading = m.drift.read()
