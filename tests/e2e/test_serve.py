@@ -187,7 +187,7 @@ BAD_INPUTS = [
     ("negative shape", "/v2/models/tiny/infer", v2(GOOD, shape=(-1, 32)), {}, 400, "non-negative integers"),
     ("count mismatch", "/v2/models/tiny/infer", v2([0.0] * 31), {}, 400, "has 31 values; shape [1, 32] needs 32"),
     ("non-numeric data", "/v2/models/tiny/infer", v2(["a"] * 32), {}, 400, "not FP32"),
-    ("nan values", "/v2/models/tiny/infer", v2(GOOD[:31] + [float("nan")]).replace("NaN", "NaN"), {}, 400, "NaN/Inf"),
+    ("nan values", "/v2/models/tiny/infer", v2(GOOD[:31] + [float("nan")]), {}, 400, "NaN/Inf"),
     ("too many samples", "/v2/models/tiny/infer", v2([0.0] * 32 * 65, shape=(65, 32)), {}, 400, "between 1 and 64"),
     ("zero samples", "/v2/models/tiny/infer", v2([], shape=(0, 32)), {}, 400, "between 1 and 64"),
     ("unknown output", "/v2/models/tiny/infer", v2(GOOD, outputs=[{"name": "logits"}]), {}, 400, "outputs[0].name 'logits'"),
