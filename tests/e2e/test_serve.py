@@ -16,23 +16,17 @@ import numpy as np
 import pytest
 import torch
 
-import torchkeel as tk
+from conftest import train_tiny
 from keelproc import keel_env
-from torchkeel.checkpoint import load_model_weights
 from torchkeel.export import export_run
 
-tritonhttp = pytest.importorskip("tritonclient.http")
+import tritonclient.http as tritonhttp
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve")
-    config = tk.load_config(None, [
-        f"out_dir={out}", "name=tiny", "model.target=hand_written_loop:make_model",
-        "data.target=hand_written_loop:make_data", "train.max_epochs=null", "train.max_steps=30",
-    ])
-    trainer = tk.Trainer(config, progress=False)
-    trainer.fit()
+    trainer = train_tiny(out, 30)
     export_run(out / "tiny", "torchscript", out / "export")
     eager = trainer.model.eval()
     return out / "export", eager

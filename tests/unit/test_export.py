@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import torchkeel as tk
+from conftest import train_tiny
 from torchkeel.errors import ConfigError, ParityError
 from torchkeel.export import export_run, read_model_json
 from torchkeel.export.formats import load_exported
@@ -18,11 +19,7 @@ from torchkeel.export.triton import parse_model_config, write_triton_repo
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("export")
-    config = tk.load_config(None, [
-        f"out_dir={out}", "name=tiny", "model.target=hand_written_loop:make_model",
-        "data.target=hand_written_loop:make_data", "train.max_epochs=null", "train.max_steps=20",
-    ])
-    tk.Trainer(config, progress=False).fit()
+    train_tiny(out, 20)
     return out / "tiny"
 
 
