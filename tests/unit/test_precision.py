@@ -95,9 +95,3 @@ def test_fp32_has_no_autocast_and_fp16_needs_cuda():
         assert nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float32
     with pytest.raises(ConfigError, match="fp16 needs a CUDA device.*use precision=bf16"):
         tk.make_precision("fp16", torch.device("cpu"))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fp16_uses_a_grad_scaler_on_cuda():
-    precision = tk.make_precision("fp16", torch.device("cuda"))
-    assert isinstance(precision.scaler, torch.amp.GradScaler)
