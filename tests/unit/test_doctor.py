@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jsonschema
@@ -75,9 +74,7 @@ def test_spawn_warns_and_run_dir_space():
 
 
 def test_this_machine(tmp_path):
-    start = time.perf_counter()
     findings = run_checks(collect_facts(tmp_path))
-    assert time.perf_counter() - start < 30  # generous: the CLI figure is in the closing note
     by_name = {f.check: f for f in findings}
     assert all(f.status != "fail" for f in findings), [f for f in findings if f.status == "fail"]
     assert "build" in by_name["versions"].evidence

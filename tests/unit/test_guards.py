@@ -145,6 +145,25 @@ def test_a_mildly_diverging_run_recovers_after_a_rollback(tmp_path):
     assert lrs and max(lrs) <= 1.5 * scale + 1e-12  # the backoff stays in the schedule
 
 
+class SpikeOnStep(NaNOnSteps):
+    """Flips and scales the logits on the n-th distinct batch: a finite loss spike."""
+
+    def forward(self, x):
+        out = self.inner(x)
+        if self.training:
+            n = self.seen.setdefault(round(float(x.sum()), 3), len(self.seen) + 1)
+            if n in self.bad:
+                out = -out * 100  # confidently wrong: a large, finite loss
+        return out
+
+
+def test_a_loss_spike_is_recorded_and_training_goes_on(tiny_config, tmp_path):
+    summary = tk.Trainer(tiny_config("guard.spike_factor=3.0"), model=SpikeOnStep([40]), progress=False).fit()
+    assert summary["status"] == "completed" and summary["incidents"] == {"spike": 1}
+    (row,) = incidents(tmp_path)
+    assert row["kind"] == "spike" and row["step"] == 40 and row["loss"] > 3 * row["average"]
+
+
 def test_raise_policy_stops_at_the_first_nonfinite_step(tiny_config):
     trainer = tk.Trainer(tiny_config("guard.on_nonfinite=raise"), model=NaNOnSteps([4]), progress=False)
     with pytest.raises(TrainingDiverged, match="1 non-finite steps, 0 rollbacks"):

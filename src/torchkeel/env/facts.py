@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from torchkeel.errors import first_line
+
 EXTRAS = {"demo": "sklearn", "data": "pyarrow", "report": "matplotlib", "export": "onnxruntime", "serve": "starlette"}
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
                 "CUBLAS_WORKSPACE_CONFIG", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS")
@@ -132,7 +134,7 @@ def _smoke_test() -> dict[str, Any]:
         torch.cuda.empty_cache()
         return {"ok": True, "ms": round((time.perf_counter() - start) * 1e3, 1)}
     except Exception as exc:  # noqa: BLE001 - any failure is the finding
-        return {"ok": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+        return {"ok": False, "error": f"{type(exc).__name__}: {first_line(exc)}"}
 
 
 def _visible_libs() -> dict[str, list[str]]:

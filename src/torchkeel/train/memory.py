@@ -11,15 +11,28 @@ every step's graph alive: the graph census grows by one step's graph per step.
 from __future__ import annotations
 
 import gc
+import os
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
-from torchkeel.train.oom import rss_bytes
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process (Linux: /proc; elsewhere: the peak from getrusage)."""
+    statm = Path("/proc/self/statm")
+    if statm.exists():
+        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    import resource  # POSIX only; Linux took the branch above
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 class MemoryProbe(Protocol):

@@ -9,7 +9,6 @@ OOM on CPU with ``OomInjector``; any other error passes through unchanged.
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,21 +57,9 @@ def memory_figures(device: torch.device) -> str:
         return (f"allocated {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB, "
                 f"reserved {torch.cuda.memory_reserved(device) / 2**30:.2f} GiB, "
                 f"free {free / 2**30:.2f} of {total / 2**30:.2f} GiB")
+    from torchkeel.train.memory import rss_bytes  # memory imports nothing from here
+
     return f"process RSS {rss_bytes() / 2**30:.2f} GiB"
-
-
-def rss_bytes() -> int:
-    """Resident memory of this process (Linux: /proc; elsewhere: the peak from getrusage)."""
-    statm = Path("/proc/self/statm")
-    if statm.exists():
-        import os
-
-        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    import resource
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 class OomInjector:
