@@ -2,86 +2,20 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
+import urllib.error
+import urllib.request
+
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-
-from conftest import train_tiny
-from keelproc import keel_env
-from torchkeel.export import export_run
 
 import tritonclient.http as tritonhttp
-
-
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve")
-    trainer = train_tiny(out, 30)
-    export_run(out / "tiny", "torchscript", out / "export")
-    eager = trainer.model.eval()
-    return out / "export", eager
-
-
-def eager_rows(eager, inputs: np.ndarray) -> np.ndarray:
-    with torch.inference_mode():
-        return eager(torch.from_numpy(inputs)).numpy()
-
-
-class Server:
-    def __init__(self, export_dir: Path, *args: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torchkeel.cli.main", "serve", str(export_dir), "--port", str(self.port), *args],
-            env=keel_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if self.request("GET", "/v2/health/ready")[0] == 200:
-                    return
-            except OSError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(self.proc.stderr.read())
-            time.sleep(0.1)
-        raise RuntimeError("server did not become ready")
-
-    @property
-    def url(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def request(self, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        try:
-            conn.request(method, path, body=body, headers=headers or {})
-            response = conn.getresponse()
-            return response.status, response.read(), dict(response.getheaders())
-        finally:
-            conn.close()
-
-    def rss_bytes(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        self.proc.communicate(timeout=60)
-        return self.proc.returncode
+from serveproc import Server, eager_rows, exported  # noqa: F401 - exported is a fixture
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +127,17 @@ BAD_INPUTS = [
      "outside the body"),
     ("unknown model", "/v2/models/nope/infer", v2(GOOD), {}, 404, "unknown model 'nope'"),
     ("unknown version", "/v2/models/tiny/versions/7/infer", v2(GOOD), {}, 404, "no version '7'"),
+    ("nested 5000 deep", "/v2/models/tiny/infer", '{"inputs": ' + "[" * 5000 + "]" * 5000 + "}", {}, 400,
+     "nested too deeply"),
+    ("v1 nested 5000 deep", "/v1/models/tiny:predict", '{"instances": ' + "[" * 5000 + "]" * 5000 + "}", {}, 400,
+     "nested too deeply"),
+    ("digits past the limit", "/v2/models/tiny/infer", '{"id": ' + "9" * 5000 + "}", {}, 400, "not valid JSON"),
+    ("inputs parameters a string", "/v2/models/tiny/infer",
+     json.dumps({"inputs": [{"name": "input", "shape": [1, 32], "datatype": "FP32", "data": GOOD,
+                             "parameters": "binary_data_size"}]}), {}, 400, "inputs[0].parameters' must be an object"),
+    ("unhashable input name", "/v2/models/tiny/infer",
+     json.dumps({"inputs": [{"name": ["input"], "shape": [1, 32], "datatype": "FP32", "data": GOOD}]}), {}, 400,
+     "is not an input of the model"),
     ("v1 no instances", "/v1/models/tiny:predict", json.dumps({"rows": []}), {}, 400, "'instances' must be"),
     ("v1 ragged", "/v1/models/tiny:predict", json.dumps({"instances": [[0.0] * 32, [0.0] * 3]}), {}, 400, "ragged"),
     ("v1 bad top_k", "/v1/models/tiny:predict", json.dumps({"instances": [GOOD], "parameters": {"top_k": 99}}), {}, 400,
@@ -217,9 +162,24 @@ def test_binary_input_with_the_wrong_byte_count(server):
     assert status == 400 and "64 binary bytes for 32 FP32 values (need 128)" in json.loads(payload)["error"]
 
 
-def test_body_too_large_is_413(server):
-    status, payload, _ = server.request("POST", "/v2/models/tiny/infer", b" " * (17 * 2**20))
-    assert status == 413 and "limit" in json.loads(payload)["error"]
+def test_body_too_large_is_a_413_the_client_can_read(exported):
+    """8 MB to a 1 MB limit: the server reads and drops the rest, answers 413 and closes."""
+    srv = Server(exported[0], "--max-body-mb", "1")
+    try:
+        url = f"http://{srv.url}/v2/models/tiny/infer"
+        for body in (b"[" * (8 * 2**20), b" " * (2 * 2**20)):
+            request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(request, timeout=30)
+            assert info.value.code == 413 and info.value.headers["Connection"] == "close"
+            assert "the limit is 1048576 bytes" in json.loads(info.value.read())["error"]
+        chunked = urllib.request.Request(url, data=iter([b" " * 2**20] * 3), headers={"Transfer-Encoding": "chunked"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(chunked, timeout=30)
+        assert info.value.code == 413 and "more than 1048576 bytes" in json.loads(info.value.read())["error"]
+        assert srv.request("POST", "/v2/models/tiny/infer", v2(GOOD))[0] == 200
+    finally:
+        assert srv.stop() == 0
 
 
 def test_wrong_method_and_route(server):

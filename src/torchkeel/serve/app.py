@@ -4,16 +4,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -24,9 +26,14 @@ from torchkeel.export.formats import load_exported
 from torchkeel.serve.batcher import BatchStats, DynamicBatcher, QueueFull, QueueTimeout
 from torchkeel.serve.drift import DriftMonitor
 from torchkeel.serve.metrics import ServerMetrics
-from torchkeel.serve.protocol import HEADER_LENGTH, ProtocolError, TensorSpec, encode_infer, parse_infer, parse_v1, top_k
+from torchkeel.serve.protocol import (
+    HEADER_LENGTH, ProtocolError, TensorSpec, encode_infer, parse_infer, parse_v1, top_k, v1_top_k,
+)
 
 VERSION = "1"
+# An oversized body is read to its end and dropped, up to 4x the limit (at least 64 MiB) or 5 s,
+# before the 413 is sent and the connection closed; past that bound the connection is closed at once.
+DRAIN_FACTOR, DRAIN_MIN_BYTES, DRAIN_S = 4, 64 * 2**20, 5.0
 PLATFORMS = {"torchscript": "pytorch_libtorch", "onnx": "onnxruntime_onnx", "torch-export": "pytorch_torch_export"}
 
 
@@ -80,6 +87,7 @@ def create_app(export_dir: str | Path, options: ServeOptions | None = None) -> S
     """The ASGI application serving the export in ``export_dir``."""
     server = ModelServer(export_dir, options or ServeOptions())
     max_body = int(server.options.max_body_mb * 2**20)
+    max_drain = max(DRAIN_FACTOR * max_body, DRAIN_MIN_BYTES)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -99,7 +107,7 @@ def create_app(export_dir: str | Path, options: ServeOptions | None = None) -> S
             return response
         except ProtocolError as exc:
             server.metrics.add("nv_inference_request_failure", reason="OTHER")
-            return error(exc.status, str(exc))
+            return error(exc.status, str(exc), exc.headers)
         except QueueFull as exc:
             server.metrics.add("nv_inference_request_failure", reason="REJECTED")
             return error(503, f"server busy: {exc}; retry later", {"Retry-After": "1"})
@@ -116,16 +124,25 @@ def create_app(export_dir: str | Path, options: ServeOptions | None = None) -> S
             server.metrics.latency.labels(server.name, protocol).observe(elapsed)
 
     async def read_body(request: Request) -> bytes:
+        """The body, or a 413 the client can read: what is left of an oversized body is read and
+        dropped first (see ``_drain``), so that closing the connection does not reset it."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body:
-            raise ProtocolError(413, f"the body has {declared} bytes; the limit is {max_body} (--max-body-mb)")
+            if int(declared) <= max_drain:
+                await _drain(request.stream(), int(declared))
+            raise _too_large(f"the body has {declared} bytes")
+        stream = request.stream()
         chunks, size = [], 0
-        async for chunk in request.stream():
+        async for chunk in stream:  # a chunked body declares no length: count it
             size += len(chunk)
             if size > max_body:
-                raise ProtocolError(413, f"the body is over the limit of {max_body} bytes (--max-body-mb)")
+                await _drain(stream, max_drain - size)
+                raise _too_large(f"the body has more than {max_body} bytes")
             chunks.append(chunk)
         return b"".join(chunks)
+
+    def _too_large(what: str) -> ProtocolError:
+        return ProtocolError(413, f"{what}; the limit is {max_body} bytes (--max-body-mb)", {"Connection": "close"})
 
     def check_model(request: Request) -> None:
         name, version = request.path_params["name"], request.path_params.get("version")
@@ -187,10 +204,8 @@ def create_app(export_dir: str | Path, options: ServeOptions | None = None) -> S
                 batch, parameters = parse_v1(body, server.inputs[0], server.options.max_batch_size,
                                              server.options.allow_nonfinite)
                 outputs = await server.predict(batch)
-                k = parameters.get("top_k", server.options.top_k)
+                k = v1_top_k(parameters, server.options.top_k, outputs.shape[1])
                 if k is not None:
-                    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= outputs.shape[1]:
-                        raise ProtocolError(400, f"parameters.top_k must be an integer from 1 to {outputs.shape[1]}")
                     return JSONResponse({"predictions": top_k(outputs, server.meta.get("labels"), k)})
                 return JSONResponse({"predictions": outputs.tolist()})
 
@@ -217,6 +232,15 @@ def create_app(export_dir: str | Path, options: ServeOptions | None = None) -> S
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_allowed})
     app.state.server = server
     return app
+
+
+async def _drain(stream: AsyncIterator[bytes], limit_bytes: int, timeout_s: float = DRAIN_S) -> None:
+    """Read and drop the rest of a request body: up to ``limit_bytes``, for at most ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    with contextlib.suppress(asyncio.TimeoutError, ClientDisconnect, StopAsyncIteration):
+        while limit_bytes > 0:
+            limit_bytes -= len(await asyncio.wait_for(anext(stream), deadline - loop.time()))
 
 
 def spec(t: TensorSpec) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchkeel.errors import first_line
+
 DTYPES: dict[str, Any] = {
     "BOOL": np.bool_, "UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
     "INT64": np.int64, "FP16": np.float16, "FP32": np.float32, "FP64": np.float64, "BF16": None,
@@ -26,11 +28,15 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
 class ProtocolError(Exception):
-    """A request the server cannot accept: ``status`` is the HTTP code, the message says why."""
+    """A request the server cannot accept: ``status`` is the HTTP code, the message says why.
 
-    def __init__(self, status: int, message: str) -> None:
+    ``headers`` go on the error response (``Connection: close`` after an oversized body).
+    """
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers
 
 
 @dataclass
@@ -66,9 +72,7 @@ def parse_infer(body: bytes, header_length: str | None, inputs: list[TensorSpec]
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError(400, f"'id' must be a string, got {type(request_id).__name__}")
-    parameters = doc.get("parameters") or {}
-    if not isinstance(parameters, dict):
-        raise ProtocolError(400, "'parameters' must be an object")
+    parameters = _parameters(doc, "parameters")
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise ProtocolError(400, "'inputs' must be a non-empty list of tensors")
@@ -80,12 +84,14 @@ def parse_infer(body: bytes, header_length: str | None, inputs: list[TensorSpec]
         if not isinstance(raw, dict):
             raise ProtocolError(400, f"{where} must be an object with name, shape, datatype and data")
         name = raw.get("name")
-        if name not in specs:
+        if not isinstance(name, str) or name not in specs:
             raise ProtocolError(400, f"{where}.name {name!r} is not an input of the model; expected {sorted(specs)}")
         array, offset = _input_array(raw, where, specs[name], binary, offset, max_batch_size)
         if not allow_nonfinite and array.dtype.kind == "f" and not np.isfinite(array).all():
             bad = int((~np.isfinite(array)).sum())
             raise ProtocolError(400, f"{where} '{name}' holds {bad} NaN/Inf values; send finite numbers")
+        if name in arrays:
+            raise ProtocolError(400, f"{where}.name {name!r} is given twice; send each input once")
         arrays[name] = array
     if offset != len(binary):
         raise ProtocolError(400, f"the body has {len(binary) - offset} bytes after the declared binary inputs")
@@ -114,10 +120,10 @@ def _input_array(raw: dict[str, Any], where: str, spec: TensorSpec, binary: memo
     if not 1 <= shape[0] <= max_batch_size:
         raise ProtocolError(400, f"{where}.shape[0] is {shape[0]}; send between 1 and {max_batch_size} samples")
     count = int(np.prod(shape))
-    params = raw.get("parameters") or {}
+    params = _parameters(raw, f"{where}.parameters")
     if "binary_data_size" in params:
         size = params["binary_data_size"]
-        if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+        if not _is_int(size) or size < 0 or offset + size > len(binary):
             raise ProtocolError(400, f"{where}.parameters.binary_data_size {size!r} does not fit the "
                                      f"{len(binary) - offset} binary bytes left")
         chunk = binary[offset: offset + size]
@@ -127,10 +133,7 @@ def _input_array(raw: dict[str, Any], where: str, spec: TensorSpec, binary: memo
         raise ProtocolError(400, f"{where} has neither 'data' nor parameters.binary_data_size")
     if datatype == "BF16":
         raise ProtocolError(400, f"{where}: BF16 tensors must be sent as binary data")
-    try:
-        array = np.asarray(raw["data"], dtype=DTYPES[datatype])
-    except (TypeError, ValueError, OverflowError):
-        raise ProtocolError(400, f"{where}.data holds values that are not {datatype}") from None
+    array = _numbers(raw["data"], DTYPES[datatype], f"{where}.data holds values that are not {datatype}")
     if array.size != count:
         raise ProtocolError(400, f"{where}.data has {array.size} values; shape {shape} needs {count}")
     return array.reshape(shape), offset
@@ -157,9 +160,9 @@ def _requested_outputs(raw: Any, outputs: list[TensorSpec], binary_default: bool
     requested = {}
     for i, item in enumerate(raw):
         name = item.get("name") if isinstance(item, dict) else None
-        if name not in known:
+        if not isinstance(name, str) or name not in known:
             raise ProtocolError(400, f"outputs[{i}].name {name!r} is not an output of the model; expected {sorted(known)}")
-        params = item.get("parameters") or {}
+        params = _parameters(item, f"outputs[{i}].parameters")
         requested[name] = bool(params.get("binary_data", binary_default))
     return requested
 
@@ -195,18 +198,21 @@ def parse_v1(body: bytes, spec: TensorSpec, max_batch_size: int, allow_nonfinite
         raise ProtocolError(400, "'instances' must be a non-empty list, one entry per sample")
     if len(instances) > max_batch_size:
         raise ProtocolError(400, f"'instances' has {len(instances)} entries; send at most {max_batch_size}")
-    try:
-        array = np.asarray(instances, dtype=DTYPES[spec.datatype])
-    except (TypeError, ValueError, OverflowError):
-        raise ProtocolError(400, f"'instances' must be numbers of shape {spec.shape[1:]} each (ragged or non-numeric)") from None
+    array = _numbers(instances, DTYPES[spec.datatype],
+                     f"'instances' must be numbers of shape {spec.shape[1:]} each (ragged or non-numeric)")
     if list(array.shape[1:]) != spec.shape[1:]:
         raise ProtocolError(400, f"each instance has shape {list(array.shape[1:])}; the model takes {spec.shape[1:]}")
     if not allow_nonfinite and array.dtype.kind == "f" and not np.isfinite(array).all():
         raise ProtocolError(400, "'instances' hold NaN/Inf values; send finite numbers")
-    parameters = doc.get("parameters") or {}
-    if not isinstance(parameters, dict):
-        raise ProtocolError(400, "'parameters' must be an object")
-    return array, parameters
+    return array, _parameters(doc, "parameters")
+
+
+def v1_top_k(parameters: dict[str, Any], default: int | None, num_classes: int) -> int | None:
+    """``parameters.top_k`` of a v1 request (or the server's default), checked against the classes."""
+    k = parameters.get("top_k", default)
+    if k is not None and (not _is_int(k) or not 1 <= k <= num_classes):
+        raise ProtocolError(400, f"parameters.top_k must be an integer from 1 to {num_classes}, got {k!r}")
+    return k
 
 
 def top_k(outputs: np.ndarray, labels: list[str] | None, k: int) -> list[dict[str, Any]]:
@@ -222,8 +228,33 @@ def top_k(outputs: np.ndarray, labels: list[str] | None, k: int) -> list[dict[st
 def _json_object(data: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(400, f"the request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ProtocolError(400, "the request body is nested too deeply to parse; send tensors as flat "
+                                 "'data' lists with a 'shape'") from None
+    except ValueError as exc:  # also UnicodeDecodeError, and integers past Python's digit limit
+        raise ProtocolError(400, f"the request body is not valid JSON ({first_line(exc)})") from None
     if not isinstance(doc, dict):
         raise ProtocolError(400, f"the request body must be a JSON object, got {type(doc).__name__}")
     return doc
+
+
+def _parameters(doc: dict[str, Any], where: str) -> dict[str, Any]:
+    params = doc.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ProtocolError(400, f"'{where}' must be an object, got {type(params).__name__}")
+    return params
+
+
+def _numbers(data: Any, dtype: Any, message: str) -> np.ndarray:
+    """``data`` (nested JSON lists of numbers) as an array of ``dtype``, or the 400 ``message``."""
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):  # out-of-range values become inf: refused later
+            return np.asarray(data, dtype=dtype)
+    except (TypeError, ValueError, OverflowError, RecursionError):
+        raise ProtocolError(400, message) from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,81 @@
+"""``keel serve`` as a subprocess on 127.0.0.1 for the serving tests: the export it serves and a
+small client."""
+
+from __future__ import annotations
+
+import http.client
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import train_tiny
+from keelproc import keel_env
+from torchkeel.export import export_run
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve")
+    trainer = train_tiny(out, 30)
+    export_run(out / "tiny", "torchscript", out / "export")
+    eager = trainer.model.eval()
+    return out / "export", eager
+
+
+def eager_rows(eager, inputs: np.ndarray) -> np.ndarray:
+    with torch.inference_mode():
+        return eager(torch.from_numpy(inputs)).numpy()
+
+
+class Server:
+    def __init__(self, export_dir: Path, *args: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torchkeel.cli.main", "serve", str(export_dir), "--port", str(self.port), *args],
+            env=keel_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if self.request("GET", "/v2/health/ready")[0] == 200:
+                    return
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(self.proc.stderr.read())
+            time.sleep(0.1)
+        raise RuntimeError("server did not become ready")
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def request(self, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            response = conn.getresponse()
+            return response.status, response.read(), dict(response.getheaders())
+        finally:
+            conn.close()
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        self.proc.communicate(timeout=60)
+        return self.proc.returncode
