@@ -188,7 +188,8 @@ def test_wrong_method_and_route(server):
 
 
 def test_overload_gives_503_and_memory_settles(exported):
-    srv = Server(exported[0], "--max-queue", "2", "--max-queue-delay-ms", "20")
+    # The model thread and a batching wait, so that a burst of 64 clients overfills a queue of 2.
+    srv = Server(exported[0], "--max-queue", "2", "--max-queue-delay-ms", "20", "--inline-max-ms", "0")
     try:
         def burst() -> list[int]:
             statuses: list[int] = []
@@ -256,3 +257,24 @@ def test_dashboard_and_alerts_use_metrics_the_server_exposes(server):
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in ("throughput", "latency", "batch size", "queue", "drift"):
         assert topic in titles
+
+
+def test_metrics_parse_with_prometheus_own_parser_and_every_family_is_typed(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert server.request("POST", "/v2/models/tiny/infer", v2(GOOD))[0] == 200
+    text = server.request("GET", "/metrics")[1].decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert {name for name, f in families.items() if f.type == "untyped"} == set()
+    for name in ("nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
+                 "nv_inference_exec_count", "nv_inference_request_duration_us"):
+        assert families[name].type == "counter"
+        assert f"# TYPE {name} counter" in text and f"\n{name}{{" in text  # Triton's names, no _total
+    success = [s for s in families["nv_inference_request_success"].samples if s.name.endswith("_total")]
+    assert success and success[0].value >= 1 and success[0].labels == {"model": "tiny", "version": "1"}
+    assert len(families["nv_inference_request_failure"].samples) == 4  # one per reason, from the start
+    for name in ("torchkeel_drift_alert", "torchkeel_drift_window_samples", "torchkeel_input_drift_score",
+                 "nv_inference_pending_request_count", "torchkeel_inflight_requests"):
+        assert families[name].type == "gauge"
+    assert families["torchkeel_request_latency_seconds"].type == "histogram"
+    assert families["torchkeel_drift_window_samples"].samples[0].value >= 1

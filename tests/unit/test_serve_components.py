@@ -135,6 +135,86 @@ def test_a_lone_request_is_not_kept_waiting():
     assert run(main()).tolist() == [[1.0, 1.0]]
 
 
+def test_requests_arriving_while_the_model_is_busy_form_the_next_batch_at_once():
+    """The delay only ever fills an idle model: in front of a busy one nobody waits."""
+    import threading
+
+    batches, release = [], threading.Event()
+
+    def model(x):
+        batches.append(len(x))
+        if len(batches) == 1:
+            release.wait(10)  # the first forward is busy until the burst is queued
+        return x + 1
+
+    async def main():
+        batcher = DynamicBatcher(model, max_batch_size=64, max_queue_delay_ms=3_600_000)
+        await batcher.start()
+        first = asyncio.ensure_future(batcher.submit(np.zeros((1, 2))))
+        await asyncio.sleep(0.05)
+        burst = [asyncio.ensure_future(batcher.submit(np.full((1, 2), i))) for i in range(10)]
+        await asyncio.sleep(0.05)
+        release.set()
+        answers = await asyncio.wait_for(asyncio.gather(first, *burst), timeout=60)
+        await batcher.stop()
+        return answers
+
+    answers = run(main())
+    assert batches == [1, 10]
+    assert [a.tolist() for a in answers[1:]] == [[[i + 1.0, i + 1.0]] for i in range(10)]
+
+
+def test_fast_models_run_on_the_event_loop_and_slow_ones_on_the_model_thread():
+    import threading
+    import time
+
+    def check(delay_s):
+        threads = []
+
+        def model(x):
+            threads.append(threading.get_ident())
+            time.sleep(delay_s)
+            return x
+
+        async def main():
+            batcher = DynamicBatcher(model, inline_max_ms=10)
+            await batcher.start()
+            for _ in range(5):  # one at a time: each finds the model idle
+                await batcher.submit(np.ones((1, 1)))
+            await batcher.stop()
+            return threading.get_ident()
+
+        loop_thread = run(main())
+        return [t == loop_thread for t in threads]
+
+    assert check(0.0) == [False, True, True, True, True]  # measured once on the thread, then inline
+    assert check(0.03) == [False] * 5
+
+
+def test_a_burst_after_quiet_traffic_is_still_batched():
+    batches = []
+
+    def model(x):
+        batches.append(len(x))
+        return x * 3
+
+    async def main():
+        batcher = DynamicBatcher(model, max_batch_size=64)
+        await batcher.start()
+        for i in range(40):  # a lone client: every request runs alone, inline
+            await batcher.submit(np.full((1, 1), i))
+        quiet = len(batches)
+        inputs = [np.full((1, 1), i) for i in range(200)]
+        outputs = await asyncio.gather(*(batcher.submit(x) for x in inputs))
+        await batcher.stop()
+        return quiet, inputs, outputs
+
+    quiet, inputs, outputs = run(main())
+    assert quiet == 40 and all(np.array_equal(o, x * 3) for x, o in zip(inputs, outputs))
+    burst = batches[quiet:]
+    assert sum(burst) == 200 and len(burst) <= 40 and max(burst) >= 32
+
+
 def test_queue_full_and_queue_timeout():
     import threading
 
@@ -164,7 +244,49 @@ def test_queue_full_and_queue_timeout():
     assert all(isinstance(r, QueueTimeout) for r in results)
 
 
-def test_drift_psi_and_out_of_range():
+def regression_inputs(n, seed):
+    """A 10-feature regression's inputs: correlated, skewed and scaled features, as real data are."""
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=(n, 10))
+    x = base @ np.random.default_rng(99).normal(size=(10, 10)) * 0.3 + base
+    x[:, 0] = np.exp(x[:, 0] / 2)  # a skewed feature
+    x[:, 1] *= 1000.0
+    return x
+
+
+def test_drift_never_alarms_on_in_distribution_traffic_at_any_window_size():
+    reference = reference_stats(regression_inputs(2048, seed=0))  # what the export keeps
+    held_out = regression_inputs(1000, seed=1)  # the model's own validation split
+    monitor = DriftMonitor(reference)
+    readings = []
+    for row in held_out:  # one sample per request, the alert read after every one
+        monitor.observe(row[None])
+        readings.append(monitor.read())
+    assert not any(r["alert"] for r in readings)
+    assert [r["samples"] for r in readings[:3]] == [1, 2, 3] and readings[-1]["samples"] == 500  # the window
+    assert max(max(r["score"]) for r in readings) < 0.8  # not a near miss
+
+
+@pytest.mark.parametrize("feature", [0, 1, 7])
+def test_one_feature_shifted_by_two_sigma_alerts_within_200_requests(feature):
+    train = regression_inputs(2048, seed=0)
+    monitor = DriftMonitor(reference_stats(train))
+    for row in regression_inputs(500, seed=2):  # a full window of normal traffic first
+        monitor.observe(row[None])
+    assert not monitor.read()["alert"]
+    shifted = regression_inputs(200, seed=3)
+    shifted[:, feature] += 2 * train[:, feature].std()
+    for i, row in enumerate(shifted, start=1):
+        monitor.observe(row[None])
+        reading = monitor.read()
+        if reading["alert"]:
+            break
+    assert reading["alert"], "no alert after 200 shifted requests"
+    assert int(np.argmax(reading["score"])) == feature and reading["score"][feature] > 1
+    assert i <= 200
+
+
+def test_drift_psi_and_out_of_range_are_reported_per_feature():
     rng = np.random.default_rng(0)
     reference = reference_stats(rng.normal(size=(5000, 3)))
     same, shifted = DriftMonitor(reference), DriftMonitor(reference)
@@ -174,12 +296,30 @@ def test_drift_psi_and_out_of_range():
     calm, drifted = same.read(), shifted.read()
     assert not calm["alert"] and max(calm["psi"]) < 0.05 and max(calm["out_of_range"]) < 0.01
     assert drifted["alert"] and drifted["psi"][2] > 1.0 and drifted["psi"][0] < 0.05
-    assert drifted["out_of_range"][2] > 0.3
+    assert drifted["out_of_range"][2] > 0.3 and drifted["score"][2] > 1 > drifted["score"][0]
+
+
+def test_too_few_samples_never_alert():
+    reference = reference_stats(np.random.default_rng(0).normal(size=(2000, 4)))
+    monitor = DriftMonitor(reference)
+    monitor.observe(np.full((monitor.min_samples - 1, 4), 50.0))  # far out, but not enough samples
+    assert not monitor.read()["alert"]
+    monitor.observe(np.full((1, 4), 50.0))
+    assert monitor.read()["alert"]
 
 
 def test_drift_per_channel_for_images():
     reference = reference_stats(np.random.default_rng(0).uniform(size=(100, 2, 4, 4)))
     assert reference["layout"] == "channels" and len(reference["features"]) == 2
     monitor = DriftMonitor(reference)
-    monitor.observe(np.zeros((1, 2, 4, 4)))  # a CDN that zeroed every pixel
-    assert monitor.read()["alert"]
+    for _ in range(monitor.min_samples - 1):
+        monitor.observe(np.random.default_rng(1).uniform(size=(1, 2, 4, 4)))
+    assert monitor.read()["samples"] == monitor.min_samples - 1  # a sample is an image, not a pixel
+    calm = DriftMonitor(reference)
+    for i in range(300):
+        calm.observe(np.random.default_rng(i + 10).uniform(size=(1, 2, 4, 4)))
+        assert not calm.read()["alert"]
+    zeroed = DriftMonitor(reference)
+    for _ in range(zeroed.min_samples):
+        zeroed.observe(np.zeros((1, 2, 4, 4)))  # a CDN that zeroed every pixel
+    assert zeroed.read()["alert"]

@@ -40,7 +40,8 @@ PLATFORMS = {"torchscript": "pytorch_libtorch", "onnx": "onnxruntime_onnx", "tor
 @dataclass
 class ServeOptions:
     max_batch_size: int = 64
-    max_queue_delay_ms: float = 2.0
+    max_queue_delay_ms: float = 0.0
+    inline_max_ms: float = 10.0
     max_queue: int = 1024
     queue_timeout_ms: float = 10_000.0
     max_body_mb: float = 16.0
@@ -63,24 +64,19 @@ class ModelServer:
         self.drift = DriftMonitor(self.meta["reference"]) if self.meta.get("reference") else None
         self.batcher = DynamicBatcher(
             self.run, max_batch_size=options.max_batch_size, max_queue_delay_ms=options.max_queue_delay_ms,
-            max_queue=options.max_queue, queue_timeout_ms=options.queue_timeout_ms, on_batch=self._on_batch,
+            max_queue=options.max_queue, queue_timeout_ms=options.queue_timeout_ms,
+            inline_max_ms=options.inline_max_ms, on_batch=self._on_batch,
         )
         self.metrics = ServerMetrics(self.name, VERSION, self.drift, pending=lambda: self.batcher.pending)
         self.ready = False
 
-    def _on_batch(self, stats: BatchStats) -> None:
-        m = self.metrics
-        m.add("nv_inference_exec_count")
-        m.add("nv_inference_count", stats.batch_size)
-        m.add("nv_inference_compute_infer_duration_us", stats.compute_s * 1e6 * stats.num_requests)
-        m.add("nv_inference_queue_duration_us", sum(stats.queue_s) * 1e6)
-        m.batch_size.labels(self.name).observe(stats.batch_size)
+    def _on_batch(self, stats: BatchStats, inputs: np.ndarray) -> None:
+        self.metrics.batch_done(stats.batch_size, stats.num_requests, stats.compute_s, sum(stats.queue_s))
+        if self.drift is not None:  # once per batch, not per request
+            self.drift.observe(inputs)
 
     async def predict(self, inputs: np.ndarray) -> np.ndarray:
-        outputs = await self.batcher.submit(inputs)
-        if self.drift is not None:
-            self.drift.observe(inputs)
-        return outputs
+        return await self.batcher.submit(inputs)
 
 
 def create_app(export_dir: str | Path, options: ServeOptions | None = None) -> Starlette:
@@ -100,28 +96,24 @@ def create_app(export_dir: str | Path, options: ServeOptions | None = None) -> S
 
     async def model_call(request: Request, protocol: str, handler) -> Response:
         start = time.perf_counter()
-        server.metrics.in_flight.labels(server.name).inc()
+        server.metrics.request_started()
+        failure = None
         try:
-            response = await handler()
-            server.metrics.add("nv_inference_request_success")
-            return response
+            return await handler()
         except ProtocolError as exc:
-            server.metrics.add("nv_inference_request_failure", reason="OTHER")
+            failure = "OTHER"
             return error(exc.status, str(exc), exc.headers)
         except QueueFull as exc:
-            server.metrics.add("nv_inference_request_failure", reason="REJECTED")
+            failure = "REJECTED"
             return error(503, f"server busy: {exc}; retry later", {"Retry-After": "1"})
         except QueueTimeout as exc:
-            server.metrics.add("nv_inference_request_failure", reason="REJECTED")
+            failure = "REJECTED"
             return error(503, f"request timed out in the queue: {exc}", {"Retry-After": "1"})
         except Exception as exc:  # noqa: BLE001 - the model failed: a server error, named
-            server.metrics.add("nv_inference_request_failure", reason="BACKEND")
+            failure = "BACKEND"
             return error(500, f"model execution failed: {type(exc).__name__}: {exc}")
         finally:
-            elapsed = time.perf_counter() - start
-            server.metrics.in_flight.labels(server.name).dec()
-            server.metrics.add("nv_inference_request_duration_us", elapsed * 1e6)
-            server.metrics.latency.labels(server.name, protocol).observe(elapsed)
+            server.metrics.request_done(protocol, time.perf_counter() - start, failure)
 
     async def read_body(request: Request) -> bytes:
         """The body, or a 413 the client can read: what is left of an oversized body is read and
@@ -216,7 +208,10 @@ def create_app(export_dir: str | Path, options: ServeOptions | None = None) -> S
     async def metrics(request: Request) -> Response:
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    routes = [
+    routes = [  # the inference routes first: Starlette tries them in order on every request
+        Route("/v2/models/{name}/infer", infer, methods=["POST"]),
+        Route("/v1/models/{spec}", v1_model, methods=["GET", "POST"]),
+        Route("/v2/models/{name}/versions/{version}/infer", infer, methods=["POST"]),
         Route("/v2", v2_server),
         Route("/v2/health/live", live),
         Route("/v2/health/ready", ready),
@@ -224,9 +219,6 @@ def create_app(export_dir: str | Path, options: ServeOptions | None = None) -> S
         Route("/v2/models/{name}/versions/{version}", model_metadata),
         Route("/v2/models/{name}/ready", model_ready),
         Route("/v2/models/{name}/versions/{version}/ready", model_ready),
-        Route("/v2/models/{name}/infer", infer, methods=["POST"]),
-        Route("/v2/models/{name}/versions/{version}/infer", infer, methods=["POST"]),
-        Route("/v1/models/{spec}", v1_model, methods=["GET", "POST"]),
         Route("/metrics", metrics),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_allowed})

@@ -1,27 +1,47 @@
-"""Input drift against the training reference in ``model.json``.
+"""Input drift against the training reference in ``model.json``, with a known false-alarm rate.
 
-Per feature (or channel): the share of recent values outside the training [min, max], and the
-population stability index (PSI) of the recent values' histogram over the training bins,
-both over a sliding window of requests. PSI above 0.25 is the usual "significant shift" mark.
+Per feature (or channel), over a sliding window of the most recent samples:
+
+- ``out_of_range``: the share of values outside the training [min, max];
+- ``psi``: the population stability index against the training histogram (descriptive only:
+  from tens of samples it is mostly noise, so it never raises the alert on its own);
+- ``score``: a two-sample chi-square test of homogeneity between the window's histogram and the
+  training one, divided by its critical value. Sparse tail bins are merged until each holds at
+  least 5 % of the training samples, so that every expected count is at least 5 once the window
+  holds ``min_samples``. The test compares against the reference *sample* (its counts), so the
+  noise in the reference histogram itself is accounted for.
+
+``alert`` is raised when the window holds at least ``min_samples`` samples and any feature's
+score is above 1. The critical values use a Bonferroni correction over the features, so that
+under in-distribution traffic one reading alerts with probability at most
+``false_alarm_rate`` (default 1e-6), however many features the model has.
+
+For image-like inputs (``[N, C, ...]``) the pixels of one sample are not independent draws: each
+sample counts once, its pixels spread over the bins, in the window as in the reference.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 
 from torchkeel.export.stats import feature_matrix
 
-PSI_ALERT = 0.25
+MIN_BIN_SHARE = 0.05  # of the training samples, per merged bin
+MIN_EXPECTED = 5.0  # expected window count per merged bin before the test is trusted
+CHUNK_SAMPLES = 64
 _EPS = 1e-4
 
 
 class DriftMonitor:
-    """Accumulates per-feature bin counts of recent inputs; reads out PSI and out-of-range shares."""
+    """Accumulates per-feature bin counts of recent inputs; reads out drift per feature and the alert."""
 
-    def __init__(self, reference: dict[str, Any], window_requests: int = 500) -> None:
+    def __init__(self, reference: dict[str, Any], window_samples: int = 500,
+                 false_alarm_rate: float = 1e-6) -> None:
         features = reference["features"]
         edges = np.array([f["bin_edges"] for f in features], dtype=np.float64)  # equal-width bins
         self.num_features, self.num_bins = edges.shape[0], edges.shape[1] - 1
@@ -29,29 +49,115 @@ class DriftMonitor:
         self.width = (edges[:, -1] - edges[:, 0]) / self.num_bins
         self.low = np.array([f["min"] for f in features])
         self.high = np.array([f["max"] for f in features])
-        ref = np.array([f["bin_counts"] for f in features], dtype=np.float64)
-        self.reference = (ref + _EPS) / (ref + _EPS).sum(axis=1, keepdims=True)
-        self.window: deque[tuple[np.ndarray, np.ndarray, int]] = deque(maxlen=window_requests)
+        counts = np.array([f["bin_counts"] for f in features], dtype=np.float64)
+        self.reference = (counts + _EPS) / (counts + _EPS).sum(axis=1, keepdims=True)
+        # One reference sample per training sample, also for images (see the module docstring).
+        num_samples = float(reference.get("num_samples") or counts.sum(axis=1).max())
+        self.reference_counts = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1) * num_samples
+        self.groups = [_merge_bins(row / max(row.sum(), 1)) for row in counts]
+        min_share = min((min(_group_sums(row / max(row.sum(), 1), g)) for row, g in zip(counts, self.groups)
+                         if len(g) > 1), default=1.0)
+        self.min_samples = max(30, math.ceil(MIN_EXPECTED / min_share))
+        per_feature = false_alarm_rate / self.num_features  # Bonferroni
+        self.critical = np.array([chi2_quantile(1 - per_feature, len(g) - 1) if len(g) > 1 else math.inf
+                                  for g in self.groups])
+        self.window_samples = window_samples
+        self._pending: list[np.ndarray] = []  # batches not yet binned: binning is done in chunks
+        self._pending_samples = 0
+        self._window: deque[tuple[np.ndarray, np.ndarray, int]] = deque()
+        self._counts = np.zeros((self.num_features, self.num_bins))
+        self._outside = np.zeros(self.num_features)
+        self._samples = 0
 
     def observe(self, inputs: np.ndarray) -> None:
-        """Record one request's inputs (first dimension: samples)."""
-        columns = feature_matrix(np.asarray(inputs, dtype=np.float64))
+        """Record a batch of inputs (first dimension: samples).
+
+        Cheap on the request path: batches are kept (by reference) and binned together once
+        ``CHUNK_SAMPLES`` have come, or when the monitor is read.
+        """
+        self._pending.append(inputs)
+        self._pending_samples += len(inputs)
+        if self._pending_samples >= CHUNK_SAMPLES:
+            self._bin_pending()
+
+    def _bin_pending(self) -> None:
+        if not self._pending:
+            return
+        inputs = np.concatenate(self._pending).astype(np.float64, copy=False)
+        self._pending, self._pending_samples = [], 0
+        samples = inputs.shape[0]
+        if samples == 0:
+            return
+        columns = feature_matrix(inputs)
+        values_per_sample = columns.shape[0] // samples
         # Values outside the training range count in the outermost bins (and as out of range).
         bins = np.clip(((columns - self.edges0) / self.width).astype(np.int64), 0, self.num_bins - 1)
         flat = (bins + np.arange(self.num_features) * self.num_bins).ravel()
         counts = np.bincount(flat, minlength=self.num_features * self.num_bins).reshape(self.num_features, self.num_bins)
-        out_of_range = ((columns < self.low) | (columns > self.high)).sum(axis=0)
-        self.window.append((counts, out_of_range, columns.shape[0]))
+        counts = counts / values_per_sample
+        outside = ((columns < self.low) | (columns > self.high)).sum(axis=0) / values_per_sample
+        self._window.append((counts, outside, samples))
+        self._counts += counts
+        self._outside += outside
+        self._samples += samples
+        while self._samples - self._window[0][2] >= self.window_samples:
+            old_counts, old_outside, old_samples = self._window.popleft()
+            self._counts -= old_counts
+            self._outside -= old_outside
+            self._samples -= old_samples
 
     def read(self) -> dict[str, Any]:
-        """``psi`` and ``out_of_range`` per feature over the window, and ``alert`` (any PSI > 0.25)."""
-        if not self.window:
-            n = self.num_features
-            return {"psi": [0.0] * n, "out_of_range": [0.0] * n, "alert": False, "samples": 0}
-        counts = sum(c for c, _, _ in self.window)
-        outside = sum(o for _, o, _ in self.window)
-        samples = sum(n for _, _, n in self.window)
+        """Per feature ``psi``, ``out_of_range`` and ``score`` over the window; ``alert``; ``samples``."""
+        self._bin_pending()
+        n = self.num_features
+        if self._samples == 0:
+            return {"psi": [0.0] * n, "out_of_range": [0.0] * n, "score": [0.0] * n, "alert": False, "samples": 0}
+        counts = np.maximum(self._counts, 0.0)  # running sums: clear float residue below 0
         live = (counts + _EPS) / (counts + _EPS).sum(axis=1, keepdims=True)
         psi = ((live - self.reference) * np.log(live / self.reference)).sum(axis=1)
-        return {"psi": psi.tolist(), "out_of_range": (outside / samples).tolist(),
-                "alert": bool((psi > PSI_ALERT).any()), "samples": int(samples)}
+        statistic = np.array([_homogeneity(self.reference_counts[i], counts[i], g) for i, g in enumerate(self.groups)])
+        score = np.where(np.isfinite(self.critical), statistic / self.critical, 0.0)
+        alert = self._samples >= self.min_samples and bool((score > 1.0).any())
+        return {"psi": psi.tolist(), "out_of_range": (self._outside / self._samples).tolist(),
+                "score": score.tolist(), "alert": alert, "samples": int(self._samples)}
+
+
+def chi2_quantile(q: float, df: int) -> float:
+    """The ``q`` quantile of the chi-square distribution (Wilson–Hilferty; within a few % in the tail)."""
+    z = NormalDist().inv_cdf(q)
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _merge_bins(shares: np.ndarray) -> list[list[int]]:
+    """Adjacent bins grouped so that each group holds at least ``MIN_BIN_SHARE`` of the reference."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    mass = 0.0
+    for i, share in enumerate(shares):
+        current.append(i)
+        mass += share
+        if mass >= MIN_BIN_SHARE:
+            groups.append(current)
+            current, mass = [], 0.0
+    if current:
+        if groups:
+            groups[-1].extend(current)
+        else:
+            groups.append(current)
+    return groups
+
+
+def _group_sums(values: np.ndarray, groups: list[list[int]]) -> np.ndarray:
+    return np.array([values[g].sum() for g in groups])
+
+
+def _homogeneity(reference: np.ndarray, window: np.ndarray, groups: list[list[int]]) -> float:
+    """Pearson's chi-square statistic for two samples sharing one distribution over ``groups``."""
+    if len(groups) < 2:
+        return 0.0
+    table = np.stack([_group_sums(reference, groups), _group_sums(window, groups)])
+    totals = table.sum(axis=1, keepdims=True)
+    expected = totals * table.sum(axis=0, keepdims=True) / max(table.sum(), 1e-12)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(expected > 0, (table - expected) ** 2 / expected, 0.0)
+    return float(terms.sum())

@@ -1,8 +1,10 @@
 """Prometheus metrics: Triton's names and labels where Triton has them, ``torchkeel_*`` for the rest.
 
-Triton exposes its counters without the ``_total`` suffix that ``prometheus_client`` adds, so
-those are rendered by a small collector with the exact names, so that existing Triton dashboards
-work unchanged. Every server has its own registry (tests run several in one process).
+Triton exposes its counters without the ``_total`` suffix, with ``# HELP``/``# TYPE`` lines that
+name the samples. ``prometheus_client`` would add ``_total`` to those lines (and Prometheus would
+then read the samples as untyped), so the Triton counters are rendered here as Triton renders
+them, so that existing Triton dashboards work unchanged; everything else goes through the
+registry. Every server has its own registry (tests run several in one process).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ TRITON_COUNTERS = {
 # Triton's failure reasons: queue full or timed out, cancelled, the model failed, anything else
 # (for us: an invalid request).
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+PROTOCOLS = ("v1", "v2")
 
 
 class ServerMetrics:
@@ -53,13 +56,71 @@ class ServerMetrics:
                                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self.in_flight = Gauge("torchkeel_inflight_requests", "Requests being handled", ["model"], registry=self.registry)
 
-    def add(self, name: str, value: float = 1.0, **extra: str) -> None:
-        key = (name, tuple(sorted({**self.labels, **extra}.items())))
+        # Label children and counter keys, bound once: the request path only adds numbers.
+        self.requests_in_flight = 0
+        self.in_flight.labels(model).set_function(lambda: self.requests_in_flight)
+        self._batch_size = self.batch_size.labels(model)
+        self._latency = {p: self.latency.labels(model, p) for p in PROTOCOLS}
+        self._keys: dict[tuple[str, str | None], tuple[str, tuple[tuple[str, str], ...]]] = {}
+
+    def add(self, name: str, value: float = 1.0, reason: str | None = None) -> None:
+        """Add to one of Triton's counters (``reason`` for ``nv_inference_request_failure``)."""
+        key = self._key(name, reason)
         with self._lock:
             self._counts[key] += value
 
+    def request_started(self) -> None:
+        self.requests_in_flight += 1
+
+    def request_done(self, protocol: str, seconds: float, failure: str | None = None) -> None:
+        """One request answered: success or failure (Triton's ``reason``), its duration."""
+        self.requests_in_flight -= 1
+        outcome = self._key("nv_inference_request_success") if failure is None else \
+            self._key("nv_inference_request_failure", failure)
+        duration = self._key("nv_inference_request_duration_us")
+        with self._lock:
+            self._counts[outcome] += 1
+            self._counts[duration] += seconds * 1e6
+        self._latency[protocol].observe(seconds)
+
+    def batch_done(self, batch_size: int, num_requests: int, compute_s: float, queue_s: float) -> None:
+        """One model execution: its samples, requests, compute time and the requests' total queue time."""
+        counts, key = self._counts, self._key
+        with self._lock:
+            counts[key("nv_inference_exec_count")] += 1
+            counts[key("nv_inference_count")] += batch_size
+            counts[key("nv_inference_compute_infer_duration_us")] += compute_s * 1e6 * num_requests
+            counts[key("nv_inference_queue_duration_us")] += queue_s * 1e6
+        self._batch_size.observe(batch_size)
+
+    def _key(self, name: str, reason: str | None = None) -> tuple[str, tuple[tuple[str, str], ...]]:
+        key = self._keys.get((name, reason))
+        if key is None:
+            labels = {**self.labels, **({"reason": reason} if reason else {})}
+            key = self._keys[(name, reason)] = (name, tuple(sorted(labels.items())))
+        return key
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return self._render_triton_counters().encode() + generate_latest(self.registry)
+
+    def _render_triton_counters(self) -> str:
+        with self._lock:
+            counts = dict(self._counts)
+        lines = []
+        for name, help_text in TRITON_COUNTERS.items():
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+            label_sets = [{}] if name != "nv_inference_request_failure" else [{"reason": r} for r in FAILURE_REASONS]
+            for extra in label_sets:  # every series exists from the start, at 0
+                counts.setdefault((name, tuple(sorted({**self.labels, **extra}.items()))), 0.0)
+            for (n, labels), value in sorted(counts.items()):
+                if n == name:
+                    text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+                    lines.append(f"{name}{{{text}}} {float(value)!r}")
+        return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 class _Collector:
@@ -68,18 +129,6 @@ class _Collector:
 
     def collect(self) -> Any:
         m = self.metrics
-        with m._lock:
-            counts = dict(m._counts)
-        for name, help_text in TRITON_COUNTERS.items():
-            family = Metric(name, help_text, "counter")
-            label_sets = [{}] if name != "nv_inference_request_failure" else [{"reason": r} for r in FAILURE_REASONS]
-            for extra in label_sets:  # every series exists from the start, at 0
-                key = (name, tuple(sorted({**m.labels, **extra}.items())))
-                counts.setdefault(key, 0.0)
-            for (n, labels), value in sorted(counts.items()):
-                if n == name:
-                    family.add_sample(name, dict(labels), value)
-            yield family
         pending = Metric("nv_inference_pending_request_count", "Instantaneous number of pending requests awaiting execution", "gauge")
         pending.add_sample("nv_inference_pending_request_count", dict(m.labels), m.pending())
         yield pending
@@ -90,6 +139,13 @@ class _Collector:
             for i, (p, o) in enumerate(zip(reading["psi"], reading["out_of_range"])):
                 psi.add_sample("torchkeel_input_psi", {"model": m.labels["model"], "feature": str(i)}, p)
                 outside.add_sample("torchkeel_input_out_of_range_ratio", {"model": m.labels["model"], "feature": str(i)}, o)
-            alert = Metric("torchkeel_drift_alert", "1 when any feature's PSI is above 0.25", "gauge")
+            score = Metric("torchkeel_input_drift_score", "Chi-square drift statistic per feature over its "
+                           "critical value (above 1: drifted)", "gauge")
+            for i, value in enumerate(reading["score"]):
+                score.add_sample("torchkeel_input_drift_score", {"model": m.labels["model"], "feature": str(i)}, value)
+            samples = Metric("torchkeel_drift_window_samples", "Samples in the drift window", "gauge")
+            samples.add_sample("torchkeel_drift_window_samples", {"model": m.labels["model"]}, reading["samples"])
+            alert = Metric("torchkeel_drift_alert", "1 when the window holds enough samples and any feature's "
+                           "drift score is above 1 (false alarms at most 1e-6 per reading)", "gauge")
             alert.add_sample("torchkeel_drift_alert", {"model": m.labels["model"]}, float(reading["alert"]))
-            yield from (psi, outside, alert)
+            yield from (psi, outside, score, samples, alert)
