@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +24,40 @@ _CHUNK_BYTES = 64 * 1024 * 1024
 
 def write_bytes_atomic(path: str | Path, data: bytes | memoryview, hook: WriteHook | None = None) -> None:
     """Write ``data`` to ``path`` atomically and durably (see the module docstring)."""
+    view = memoryview(data).cast("B")
+    write_chunks_atomic(path, (view[i: i + _CHUNK_BYTES] for i in range(0, len(view), _CHUNK_BYTES)), len(view), hook)
+
+
+def write_chunks_atomic(path: str | Path, chunks: Iterable[bytes | memoryview], total_bytes: int,
+                        hook: WriteHook | None = None, hasher: Any = None, sync_dir: bool = True,
+                        temp_dir: str | Path | None = None) -> None:
+    """Write the concatenation of ``chunks`` (``total_bytes`` in all) to ``path`` atomically and
+    durably, without ever holding more than one chunk; ``hasher.update`` sees every byte as it goes.
+
+    ``mid_write`` is reached once about half the bytes are out. ``sync_dir=False`` leaves the
+    directory's fsync to the caller, who writes several files and syncs the directory once.
+    ``temp_dir`` (same filesystem) holds the temporary file instead of the target's directory.
+    """
     target = Path(path)
     _point(hook, "before_temp")
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    temp_parent = target.parent if temp_dir is None else Path(temp_dir)
+    prefix = f".{target.name}." if temp_dir is None else f".{target.parent.name}.{target.name}."
+    fd, tmp = tempfile.mkstemp(dir=temp_parent, prefix=prefix, suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            view = memoryview(data)
-            half = len(view) // 2
-            f.write(view[:half])
-            f.flush()
-            _point(hook, "mid_write")
-            for start in range(half, len(view), _CHUNK_BYTES):
-                f.write(view[start : start + _CHUNK_BYTES])
-            f.flush()
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            written, half_done = 0, hook is None
+            for chunk in chunks:
+                if hasher is not None:
+                    hasher.update(chunk)
+                view = memoryview(chunk)
+                while view:  # a raw file may write less than asked
+                    view = view[f.write(view):]
+                written += len(chunk)
+                if not half_done and written * 2 >= total_bytes:
+                    half_done = True
+                    _point(hook, "mid_write")
+            if not half_done:
+                _point(hook, "mid_write")
             _point(hook, "after_write")
             os.fsync(f.fileno())
         _point(hook, "after_fsync")
@@ -45,7 +66,8 @@ def write_bytes_atomic(path: str | Path, data: bytes | memoryview, hook: WriteHo
         Path(tmp).unlink(missing_ok=True)
         raise
     _point(hook, "after_replace")
-    fsync_dir(target.parent)
+    if sync_dir:
+        fsync_dir(target.parent)
 
 
 def write_text_atomic(path: str | Path, text: str, hook: WriteHook | None = None) -> None:

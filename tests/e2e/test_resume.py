@@ -190,8 +190,8 @@ def chaos(tmp_path, reference, num_kills: int, seed: int, epochs: int = 3) -> No
             time.sleep(0.01)  # wait until this process has trained a step
         want_write = kills % 3 == 0
         if want_write:  # a temporary file this process created: a write is under way
-            stale = set(run.run_dir.glob("checkpoints/step-*/.*.tmp"))
-            while proc.poll() is None and not set(run.run_dir.glob("checkpoints/step-*/.*.tmp")) - stale:
+            stale = set(run.run_dir.glob("checkpoints/.step-*.tmp"))
+            while proc.poll() is None and not set(run.run_dir.glob("checkpoints/.step-*.tmp")) - stale:
                 time.sleep(0.002)
         else:
             time.sleep(rng.uniform(0.0, 0.15))

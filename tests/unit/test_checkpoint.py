@@ -6,6 +6,7 @@ import json
 import os
 import random
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -155,13 +156,13 @@ CASES = [
         ("one-byte", _truncate(1), "bytes"),
         ("half", lambda b: b[: len(b) // 2], "bytes"),
         ("size-1", _truncate(-1), "bytes"),
-        ("flip-header", _flip(10), "sha256"),
-        ("flip-data", _flip(-3), "sha256"),
-        ("zero-page", _zero_page, "sha256"),
+        ("flip-header", _flip(10), "xxh3_128"),
+        ("flip-data", _flip(-3), "xxh3_128"),
+        ("zero-page", _zero_page, "xxh3_128"),
     ]
 ] + [
-    ("model.safetensors", "hostile-header-len", _hostile_header, "sha256"),
-    ("state.safetensors", "hostile-header-len", _hostile_header, "sha256"),
+    ("model.safetensors", "hostile-header-len", _hostile_header, "xxh3_128"),
+    ("state.safetensors", "hostile-header-len", _hostile_header, "xxh3_128"),
     ("model.safetensors", "deleted", None, "missing"),
 ]
 
@@ -196,11 +197,11 @@ def test_corrupt_file_is_named_and_skipped(two_checkpoints, file, name, corrupt,
         ("missing", lambda p: p.unlink(), "manifest.json is missing"),
         ("empty", lambda p: p.write_text(""), "is unreadable"),
         ("not-json", lambda p: p.write_bytes(b"\x00\xff{"), "is unreadable"),
-        ("wrong-version", lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "format_version": 9})), "not a torchkeel format 1"),
+        ("wrong-version", lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "format_version": 9})), "not a torchkeel manifest of format 1 or 2"),
         ("no-files", lambda p: p.write_text(json.dumps({k: v for k, v in json.loads(p.read_text()).items() if k != "files"})), "lacks its step or file list"),
-        ("wrong-hash", lambda p: p.write_text(p.read_text().replace('"sha256": "', '"sha256": "0', 1)), "sha256"),
+        ("wrong-hash", lambda p: p.write_text(p.read_text().replace('"xxh3_128": "', '"xxh3_128": "0', 1)), "xxh3_128"),
         ("wrong-size", lambda p: p.write_text(json.dumps(_resize(json.loads(p.read_text())))), "the manifest says"),
-        ("list", lambda p: p.write_text("[1, 2]"), "not a torchkeel format"),
+        ("list", lambda p: p.write_text("[1, 2]"), "not a torchkeel manifest"),
     ],
 )
 def test_bad_manifest_is_named_and_skipped(two_checkpoints, name, mutate, message):
@@ -219,7 +220,7 @@ def _resize(manifest):
 
 def test_hostile_header_with_a_matching_manifest_is_a_typed_error(two_checkpoints):
     """Someone rewrote the manifest to match a crafted file: the parser still fails cleanly."""
-    import hashlib
+    from torchkeel.checkpoint.format import file_digest
 
     store = two_checkpoints
     for corrupt, file in ((_hostile_header, "model.safetensors"), (_header_points_past_end, "state.safetensors")):
@@ -229,12 +230,115 @@ def test_hostile_header_with_a_matching_manifest_is_a_typed_error(two_checkpoint
         data = corrupt(original)
         path.write_bytes(data)
         manifest = json.loads(original_manifest)
-        manifest["files"][file] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        manifest["files"][file] = {"bytes": len(data), "xxh3_128": file_digest(path)}
         manifest_path.write_text(json.dumps(manifest))
         with pytest.raises(CheckpointError, match=f"'{path}' is not valid safetensors"):
             ck.read_checkpoint(store.path_for(2))
         path.write_bytes(original)
         manifest_path.write_text(original_manifest)
+
+
+# --- format 2 on disk, format 1 still read, memory bounds ------------------------------------
+
+V1 = Path(__file__).resolve().parents[1] / "data" / "checkpoint-v1" / "step-00000003"
+
+
+def test_a_format_1_checkpoint_still_loads_and_resumes_exactly():
+    """Written by the format-1 code (sha256, whole files) and committed; restored bitwise."""
+    found = ck.read_checkpoint(V1)
+    assert found.manifest["format_version"] == 1 and found.step == 3
+    model, opt, sched = trained()
+    model2, opt2, sched2 = trained(seed=1)
+    assert ck.restore_training_state(found.state, model2, opt2, sched2) == {"step": 3, "epoch": 0}
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert torch.equal(a, b)
+    for a, b in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert sched2.state_dict()["last_epoch"] == 3
+
+
+def test_a_corrupt_format_1_file_fails_its_sha256_check(tmp_path):
+    import shutil
+
+    copy = tmp_path / "step-00000003"
+    shutil.copytree(V1, copy)
+    data = bytearray((copy / "state.safetensors").read_bytes())
+    data[-3] ^= 1
+    (copy / "state.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"state.safetensors' fails its sha256 check"):
+        ck.read_checkpoint(copy)
+
+
+def test_format_2_files_are_plain_safetensors_of_every_dtype(tmp_path):
+    import safetensors.torch
+
+    weights = {
+        "f32": torch.randn(3, 4), "bf16": torch.randn(5).to(torch.bfloat16), "f16": torch.randn(2, 2).half(),
+        "i8": torch.tensor([-3, 7], dtype=torch.int8), "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5, dtype=torch.float64), "empty": torch.zeros(0, 3), "u8": torch.arange(4, dtype=torch.uint8),
+        "strided": torch.arange(12.0).reshape(3, 4).t(), "i64": torch.tensor([2**40]),
+    }
+    path = ck.CheckpointStore(tmp_path).save({"model": weights}, step=1, epoch=0)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format_version"] == 2 and set(manifest["files"]["model.safetensors"]) == {"bytes", "xxh3_128"}
+    for loaded in (safetensors.torch.load_file(path / "model.safetensors"), ck.read_checkpoint(path).state["model"]):
+        assert set(loaded) == set(weights)
+        for name, tensor in weights.items():
+            assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    with pytest.raises(TypeError, match="tensor 'c' of dtype torch.complex64"):
+        ck.CheckpointStore(tmp_path / "bad").save({"model": {"c": torch.zeros(2, dtype=torch.complex64)}}, step=1, epoch=0)
+
+
+def _peak_rss_above_start(fn) -> tuple[int, object]:
+    """Run ``fn`` while a thread samples this process's RSS every millisecond."""
+    import threading
+    import time
+
+    from torchkeel.train.memory import rss_bytes
+
+    start, peak, done = rss_bytes(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    try:
+        result = fn()
+    finally:
+        done.set()
+        thread.join()
+    return max(peak[0], rss_bytes()) - start, result
+
+
+def test_saves_and_loads_stream_with_bounded_memory(tmp_path):
+    """A 320 MB state: a sync save holds no copy of it, an async save one (its snapshot), a load
+    with every byte verified no more than the state itself."""
+    import gc
+
+    state = {"model": {f"w{i}": torch.randn(20 * 2**20 // 4 * 4 // 4) for i in range(16)}}  # 16 x 20 MB
+    state_bytes = sum(t.numel() * t.element_size() for t in state["model"].values())
+    store = ck.CheckpointStore(tmp_path, keep_last=1, save_top_k=0)
+    sync_peak, _ = _peak_rss_above_start(lambda: store.save(state, step=1, epoch=0))
+    saver = ck.AsyncSaver(store)
+    async_peak, _ = _peak_rss_above_start(lambda: (saver.save(state, step=2, epoch=0), saver.wait()))
+    gc.collect()
+
+    def load_and_touch():
+        found = ck.read_checkpoint(store.path_for(2))
+        assert [float(t.sum()) for t in found.state["model"].values()] == [float(t.sum()) for t in state["model"].values()]
+        return found
+
+    load_peak, found = _peak_rss_above_start(load_and_touch)
+    for name, tensor in state["model"].items():
+        assert torch.equal(found.state["model"][name], tensor)
+    print(f"state {state_bytes / 2**20:.0f} MB; peak RSS above start: sync save {sync_peak / 2**20:.0f} MB, "
+          f"async save {async_peak / 2**20:.0f} MB, load {load_peak / 2**20:.0f} MB")
+    assert sync_peak <= 0.10 * state_bytes, (sync_peak, state_bytes)
+    assert async_peak <= 1.25 * state_bytes, (async_peak, state_bytes)
+    assert load_peak <= 1.25 * state_bytes, (load_peak, state_bytes)
 
 
 # --- foreign weights --------------------------------------------------------------------------

@@ -6,10 +6,17 @@ Layout of ``step-00000120/``::
     state.safetensors   every other tensor: optimizer moments, RNG states, ...
     state.json          everything else: structure, scalars, counters, python/numpy RNG
     manifest.json       step, epoch, metrics, versions, git commit, config hash, creation
-                        time, and the size and sha256 of every file above
+                        time, and the size and xxh3-128 hash of every file above
 
 A checkpoint is valid only if its manifest is present and every file matches its hash.
 Safetensors has no checksum of its own, hence the manifest. Nothing here unpickles.
+
+Format 2 (this one) streams each tensor file to disk, hashing the bytes on their way out, and
+reads it back through a memory map after one hashing pass, so neither a save nor a load ever
+holds a serialized copy of the state. The hash is xxh3-128: it guards against torn writes and
+bit rot at memory speed (tens of GB/s); it is not a signature — whoever can rewrite a file can
+rewrite the manifest too, which is why loading never runs code whatever the files hold.
+Format 1 (sha256, whole files in memory) is still read.
 """
 
 from __future__ import annotations
@@ -23,14 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
+import xxhash
 
 from torchkeel.checkpoint.codec import decode, encode
+from torchkeel.checkpoint.tensorfile import CHUNK_BYTES, load_tensor_file, tensor_file_chunks
 from torchkeel.errors import CheckpointError, first_line
-from torchkeel.io import fsync_dir, write_bytes_atomic, write_json_atomic
+from torchkeel.io import fsync_dir, write_chunks_atomic, write_json_atomic
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+HASHES = {2: "xxh3_128", 1: "sha256"}  # format version → the hash its manifest holds per file
+_HASHERS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 MANIFEST = "manifest.json"
 MODEL_FILE, STATE_TENSORS, STATE_JSON = "model.safetensors", "state.safetensors", "state.json"
 PointHook = Callable[[str], None]
@@ -57,7 +67,9 @@ def write_checkpoint(
 ) -> Path:
     """Write ``state`` (whose ``"model"`` entry is the model's state_dict) into ``directory``.
 
-    ``state`` must hold CPU tensors that share no storage (``snapshot`` makes such a copy).
+    ``state`` may hold live tensors, on any device, shared or not: each is streamed to disk
+    from its own memory (a device tensor through one CPU copy at a time), so the caller must
+    not change them during the call — ``AsyncSaver`` hands over a ``snapshot``.
     ``manifest`` holds the descriptive fields; file hashes and the format version are added.
     An existing ``directory`` is replaced. The manifest is written last: a kill at any point
     before it leaves a directory that ``read_checkpoint`` rejects.
@@ -69,15 +81,23 @@ def write_checkpoint(
     fsync_dir(target.parent)
     model_json, model_tensors = encode(state["model"])
     rest_json, rest_tensors = encode({k: v for k, v in state.items() if k != "model"})
-    payloads = {
-        MODEL_FILE: safetensors.torch.save(model_tensors),
-        STATE_TENSORS: safetensors.torch.save(rest_tensors),
-        STATE_JSON: json.dumps({"model": model_json, "state": rest_json}).encode("utf-8"),
+    structure = json.dumps({"model": model_json, "state": rest_json}).encode("utf-8")
+    parts = {
+        MODEL_FILE: tensor_file_chunks(model_tensors),
+        STATE_TENSORS: tensor_file_chunks(rest_tensors),
+        STATE_JSON: (iter([memoryview(structure)]), len(structure)),
     }
+    algorithm = HASHES[FORMAT_VERSION]
     files = {}
-    for name, data in payloads.items():
-        write_bytes_atomic(target / name, data, _prefixed(hook, name))
-        files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    for name, (chunks, size) in parts.items():
+        hasher = _HASHERS[algorithm]()
+        # The temporary file lives beside the checkpoint directories, not in the new one: ext4
+        # places a new directory's files in a fresh block group, and on thin-provisioned cloud
+        # disks first writes to fresh blocks are several times slower than to reused ones.
+        write_chunks_atomic(target / name, chunks, size, _prefixed(hook, name), hasher, sync_dir=False,
+                            temp_dir=target.parent)
+        files[name] = {"bytes": size, algorithm: hasher.hexdigest()}
+    fsync_dir(target)  # the files' names are durable before the manifest that vouches for them
     _point(hook, "before_manifest")
     write_json_atomic(
         target / MANIFEST,
@@ -101,8 +121,9 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         manifest = json.loads(path.read_bytes())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"checkpoint manifest '{path}' is unreadable ({type(exc).__name__})") from None
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint manifest '{path}' is not a torchkeel format {FORMAT_VERSION} manifest")
+    if not isinstance(manifest, dict) or manifest.get("format_version") not in HASHES:
+        raise CheckpointError(f"checkpoint manifest '{path}' is not a torchkeel manifest of format "
+                              f"{' or '.join(map(str, sorted(HASHES)))}")
     files = manifest.get("files")
     if not isinstance(manifest.get("step"), int) or not isinstance(files, dict) or set(files) != {
         MODEL_FILE, STATE_TENSORS, STATE_JSON
@@ -121,11 +142,13 @@ def read_checkpoint(directory: str | Path) -> Checkpoint:
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint '{directory}' does not exist or is not a directory")
     manifest = read_manifest(directory)
-    data = {name: _verified_bytes(directory / name, entry) for name, entry in manifest["files"].items()}
-    model_tensors = _load_tensors(directory / MODEL_FILE, data[MODEL_FILE])
-    rest_tensors = _load_tensors(directory / STATE_TENSORS, data[STATE_TENSORS])
+    algorithm = HASHES[manifest["format_version"]]
+    for name, entry in manifest["files"].items():
+        _verify(directory / name, entry, algorithm)
+    model_tensors = _load_tensors(directory / MODEL_FILE)
+    rest_tensors = _load_tensors(directory / STATE_TENSORS)
     try:
-        structure = json.loads(data[STATE_JSON])
+        structure = json.loads((directory / STATE_JSON).read_bytes())
         state = decode(structure["state"], rest_tensors)
         state["model"] = decode(structure["model"], model_tensors)
     except (ValueError, KeyError, TypeError) as exc:
@@ -135,43 +158,59 @@ def read_checkpoint(directory: str | Path) -> Checkpoint:
     return Checkpoint(directory, manifest, state)
 
 
-def _verified_bytes(path: Path, entry: Any) -> bytes:
-    if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
-        raise CheckpointError(f"checkpoint manifest has no hash for '{path}'")
+def file_digest(path: str | Path, algorithm: str = HASHES[FORMAT_VERSION]) -> str:
+    """The hex digest of a file's bytes, read in chunks (memory stays flat)."""
+    hasher = _HASHERS[algorithm]()
+    buffer = memoryview(bytearray(CHUNK_BYTES))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            hasher.update(buffer[:n])
+    return hasher.hexdigest()
+
+
+def _verify(path: Path, entry: Any, algorithm: str) -> None:
+    if not isinstance(entry, dict) or not isinstance(entry.get(algorithm), str):
+        raise CheckpointError(f"checkpoint manifest has no {algorithm} hash for '{path}'")
     try:
-        data = path.read_bytes()
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            raise CheckpointError(
+                f"checkpoint file '{path}' has {size} bytes, the manifest says {entry.get('bytes')} (truncated?)"
+            )
+        digest = file_digest(path, algorithm)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file '{path}' is missing") from None
     except OSError as exc:
         raise CheckpointError(f"checkpoint file '{path}' is unreadable ({exc.strerror})") from None
-    if len(data) != entry.get("bytes"):
-        raise CheckpointError(
-            f"checkpoint file '{path}' has {len(data)} bytes, the manifest says {entry.get('bytes')} (truncated?)"
-        )
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise CheckpointError(f"checkpoint file '{path}' fails its sha256 check (corrupted)")
-    return data
+    if digest != entry[algorithm]:
+        raise CheckpointError(f"checkpoint file '{path}' fails its {algorithm} check (corrupted)")
 
 
-def _load_tensors(path: Path, data: bytes) -> dict[str, torch.Tensor]:
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
-        return safetensors.torch.load(data)
+        return load_tensor_file(path)
     except Exception as exc:  # noqa: BLE001 - the library raises several types for bad headers
         raise CheckpointError(f"checkpoint file '{path}' is not valid safetensors ({first_line(exc)})") from None
 
 
-def snapshot(state: Any) -> Any:
+def snapshot(state: Any, reuse: Any = None) -> Any:
     """A copy of ``state`` with every tensor detached, contiguous, on the CPU and unshared.
 
-    Safetensors refuses tensors that share storage (tied weights), and an asynchronous save
-    needs a copy the training loop cannot change under it.
+    An asynchronous save needs a copy the training loop cannot change under it. ``reuse`` is an
+    earlier snapshot of the same structure that nobody reads any more: tensors of the same shape
+    and dtype are copied into its memory, which skips allocating (and faulting in) a fresh copy.
     """
     if isinstance(state, torch.Tensor):
+        if (isinstance(reuse, torch.Tensor) and reuse.shape == state.shape and reuse.dtype == state.dtype
+                and reuse.device.type == "cpu"):
+            return reuse.copy_(state.detach())
         return state.detach().to("cpu", copy=True).contiguous()
     if isinstance(state, dict):
-        return {k: snapshot(v) for k, v in state.items()}
+        old = reuse if isinstance(reuse, dict) else {}
+        return {k: snapshot(v, old.get(k)) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(snapshot(v) for v in state)
+        old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(state) else [None] * len(state)
+        return type(state)(snapshot(v, o) for v, o in zip(state, old))
     return state
 
 

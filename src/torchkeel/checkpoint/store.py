@@ -26,6 +26,12 @@ from torchkeel.checkpoint.format import (
 from torchkeel.errors import CheckpointError
 
 _NAME = re.compile(r"^step-(\d+)$")
+_TRASH = ".removing-"  # a pruned checkpoint on its way out
+
+
+def _remove_all(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class CheckpointStore:
@@ -64,14 +70,18 @@ class CheckpointStore:
         self, state: Mapping[str, Any], *, step: int, epoch: int,
         metrics: Mapping[str, float] | None = None, meta: Mapping[str, Any] | None = None,
     ) -> Path:
-        """Write a checkpoint of ``state`` now, then prune; return its directory."""
-        return self.write(snapshot(state), step=step, epoch=epoch, metrics=metrics, meta=meta)
+        """Write a checkpoint of ``state`` now, then prune; return its directory.
+
+        The tensors are streamed from where they are (no copy of the state is made), so the
+        caller waits for the write and must not change them meanwhile; ``AsyncSaver`` does not wait.
+        """
+        return self.write(state, step=step, epoch=epoch, metrics=metrics, meta=meta)
 
     def write(
         self, state: Mapping[str, Any], *, step: int, epoch: int,
         metrics: Mapping[str, float] | None = None, meta: Mapping[str, Any] | None = None,
     ) -> Path:
-        """``save`` for a state that is already a ``snapshot`` (CPU tensors, no shared storage)."""
+        """``save`` without the docstring's caveat when ``state`` is a ``snapshot`` nobody else changes."""
         self.directory.mkdir(parents=True, exist_ok=True)
         manifest = {"step": step, "epoch": epoch, "metrics": dict(metrics or {}), **(meta or {})}
         path = write_checkpoint(self.path_for(step), state, manifest, self.hook)
@@ -96,13 +106,17 @@ class CheckpointStore:
         return None, problems
 
     def prune(self) -> None:
-        """Remove incomplete checkpoints and complete ones that are neither recent nor best."""
+        """Remove incomplete checkpoints and complete ones that are neither recent nor best.
+
+        A removed checkpoint is renamed out of the ``step-*`` namespace at once and deleted on a
+        background thread: unlinking gigabytes takes long, and the training loop need not wait.
+        """
         complete: list[tuple[int, Path, dict[str, Any]]] = []
         for step, path in self.steps():
             try:
                 complete.append((step, path, read_manifest(path)))
             except CheckpointError:
-                shutil.rmtree(path, ignore_errors=True)  # a write that was killed: never valid
+                self._discard(path)  # a write that was killed: never valid
         keep = {path for _, path, _ in complete[: self.keep_last]}
         scored = [(m["metrics"][self.monitor], step, path) for step, path, m in complete
                   if isinstance(m.get("metrics", {}).get(self.monitor), (int, float))]
@@ -110,24 +124,38 @@ class CheckpointStore:
         keep.update(path for _, _, path in scored[: self.save_top_k])
         for _, path, _ in complete:
             if path not in keep:
-                shutil.rmtree(path, ignore_errors=True)
+                self._discard(path)
+        for temp in self.directory.glob(".step-*.tmp"):  # a write that was killed; none is in flight now
+            temp.unlink(missing_ok=True)
+        leftovers = [p for p in self.directory.glob(f"{_TRASH}*") if p.is_dir()]  # from a run that was killed
+        if leftovers:
+            threading.Thread(target=_remove_all, args=(leftovers,), name="torchkeel-prune", daemon=True).start()
+
+    def _discard(self, path: Path) -> None:
+        trash = path.with_name(f"{_TRASH}{path.name}")
+        try:
+            path.rename(trash)
+        except OSError:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class AsyncSaver:
     """Saves through a ``CheckpointStore`` on a background thread, one save in flight at a time.
 
     ``save`` blocks only to copy the state to CPU memory (and for a previous save still being
-    written). An error in the background is raised by the next ``save`` or ``wait``.
+    written). The copy's memory is kept and reused by the next save, so that copying is a
+    memcpy, not an allocation. An error in the background is raised by the next ``save`` or ``wait``.
     """
 
     def __init__(self, store: CheckpointStore) -> None:
         self.store = store
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._staging: Any = None  # the last snapshot, written: its memory serves the next one
 
     def save(self, state: Mapping[str, Any], **kwargs: Any) -> None:
         self.wait()
-        copy = snapshot(state)
+        copy = self._staging = snapshot(state, self._staging)
         self._thread = threading.Thread(target=self._run, args=(copy, kwargs), name="torchkeel-checkpoint")
         self._thread.start()
 

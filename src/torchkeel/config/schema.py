@@ -96,9 +96,15 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     enabled: bool = True
-    """Save checkpoints (at ``every_steps``, each epoch end and the end of training)."""
+    """Save checkpoints: at ``every_steps``, the end of training, a stop signal, and as the
+    cadence allows (epoch ends, ``every_s``; see ``max_overhead``)."""
     every_steps: int = 0
-    """Also save every N optimizer steps (0: only at epoch ends and the end)."""
+    """Also save every N optimizer steps, always (0: off)."""
+    every_s: float = 600.0
+    """Save once this many seconds of training passed since the last save (0: off), within ``max_overhead``."""
+    max_overhead: float = 0.02
+    """Epoch-end and ``every_s`` saves wait until the training time since the last save is the
+    last save's cost / this share: saving never takes more of the run than this."""
     keep_last: int = 2
     """Keep this many newest checkpoints (at least 1), so a corrupt newest one has a fallback."""
     save_top_k: int = 1
@@ -217,6 +223,9 @@ class KeelConfig:
         _at_least("checkpoint.every_steps", self.checkpoint.every_steps, 0)
         _positive("checkpoint.keep_last", self.checkpoint.keep_last)
         _at_least("checkpoint.save_top_k", self.checkpoint.save_top_k, 0)
+        _at_least("checkpoint.every_s", self.checkpoint.every_s, 0)
+        if not 0 < self.checkpoint.max_overhead <= 1:
+            raise ConfigError(f"checkpoint.max_overhead must be in (0, 1], got {self.checkpoint.max_overhead}")
         g, m = self.guard, self.memory
         _positive("guard.max_consecutive", g.max_consecutive)
         _at_least("guard.max_rollbacks", g.max_rollbacks, 0)

@@ -14,11 +14,17 @@ import torch.distributed as dist
 
 def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     """True on every rank if ``flag`` is true on any rank (a stop signal, a non-finite step...)."""
+    return any_rank_flags([flag], device)[0]
+
+
+def any_rank_flags(flags: list[bool], device: torch.device | None = None) -> list[bool]:
+    """``any_rank`` of several flags in one collective. A decision only rank 0 can take (by its
+    clock, say) is passed as ``decision if rank.is_main else False``."""
     if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    value = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())  # host sync: the decision is needed on the host
+        return list(flags)
+    values = torch.tensor([int(f) for f in flags], device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in values.tolist()]  # host sync: the decisions are needed on the host
 
 
 def read_finite(values: torch.Tensor) -> tuple[list[float], list[bool]]:

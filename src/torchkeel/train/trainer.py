@@ -23,7 +23,7 @@ from torchkeel.checkpoint.format import PointHook
 from torchkeel.config.load import config_hash, to_dict
 from torchkeel.config.schema import KeelConfig
 from torchkeel.data.loader import EpochLoader
-from torchkeel.dist import RankInfo, agree_min, any_rank
+from torchkeel.dist import RankInfo, agree_min, any_rank, any_rank_flags
 from torchkeel.io import write_json_atomic, write_text_atomic
 from torchkeel.provenance import provenance
 from torchkeel.train.accumulate import iter_groups, total_steps
@@ -38,6 +38,7 @@ from torchkeel.train.metrics import MetricsWriter, Progress
 from torchkeel.train.optim import build_optimizer
 from torchkeel.train.precision import make_precision
 from torchkeel.train.preempt import StopSignals
+from torchkeel.train.cadence import SaveCadence
 from torchkeel.train.resume import find_checkpoint, truncate_metrics
 from torchkeel.train.rundir import prepare_run_dir
 from torchkeel.train.schedule import build_scheduler
@@ -115,6 +116,7 @@ class Trainer:
             monitor=ck.monitor, mode=ck.mode, hook=checkpoint_hook,
         )
         self.saver = AsyncSaver(self.store) if ck.async_save else None
+        self.cadence = SaveCadence(ck.every_s, ck.max_overhead)
         g, mem = cfg.guard, cfg.memory
         self.guard = NonFiniteGuard(g.on_nonfinite, g.max_consecutive, g.lr_backoff, g.max_rollbacks)
         self.spikes = SpikeDetector(g.spike_factor) if g.spike_factor else None
@@ -216,17 +218,17 @@ class Trainer:
                     window_samples, window_start = 0, time.perf_counter()
                 if train.val_every and self.step % train.val_every == 0:
                     self._validate()
-                every = self.config.checkpoint.every_steps
-                if every and self.step % every == 0 and self.batch_in_epoch < num_batches:
-                    self._save()  # at an epoch's end the epoch-end save follows instead
-                if any_rank(self._signals.requested is not None, self.device):
-                    self._save()
+                stop, due = any_rank_flags([self._signals.requested is not None, self._is_save_due(False)], self.device)
+                if stop or ((due or self._is_every_steps()) and self.batch_in_epoch < num_batches):
+                    self._save()  # at an epoch's last batch the epoch-end save decides instead
+                if stop:
                     return
             else:
                 if not train.val_every:
                     self._validate()
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-                self._save()
+                if any_rank(self._is_save_due(True), self.device) or self._is_every_steps():
+                    self._save()
         if self.validated_at != self.step:
             self._validate()
         if self.config.guard.enabled and not all(bool(torch.isfinite(p).all()) for p in self.params):
@@ -312,6 +314,14 @@ class Trainer:
         )
         self._log({"kind": "val", "step": self.step, "epoch": self.epoch, **self.val_metrics})
 
+    def _is_every_steps(self) -> bool:
+        every = self.config.checkpoint.every_steps
+        return bool(every) and self.step % every == 0
+
+    def _is_save_due(self, at_epoch_end: bool) -> bool:
+        # Rank 0's clock decides; the other ranks learn it in the agreement that follows.
+        return self.rank.is_main and self.config.checkpoint.enabled and self.cadence.is_due(at_epoch_end)
+
     def _save(self) -> None:
         """Checkpoint the current state (rank 0 writes); once per step at most."""
         if not self.config.checkpoint.enabled or self.saved_at == self.step or not self.rank.is_main:
@@ -324,10 +334,12 @@ class Trainer:
             self.model, self.optimizer, self.scheduler, self.precision.scaler, progress, protections
         )
         kwargs = {"step": self.step, "epoch": self.epoch, "metrics": self.val_metrics, "meta": self._provenance}
+        start = time.perf_counter()
         if self.saver is not None:
             self.saver.save(state, **kwargs)
         else:
             self.store.save(state, **kwargs)
+        self.cadence.saved(time.perf_counter() - start)
 
     def _restore(self, found: Checkpoint) -> None:
         progress = restore_training_state(found.state, self.model, self.optimizer, self.scheduler, self.precision.scaler)
