@@ -347,7 +347,7 @@ def test_censuses_are_spaced_to_cost_at_most_their_share_of_time():
             return None
 
     detector = LeakDetector(every_steps=1, warmup_steps=0, window=3, max_overhead=0.1, first_cost_s=5.0,
-                            probe=SlowCensus(), clock=lambda: now[0])
+                            signal_every_steps=0, probe=SlowCensus(), clock=lambda: now[0])
     census_steps = []
     for step in range(200):
         now[0] += 1.0  # each step "takes" 1 s

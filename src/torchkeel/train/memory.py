@@ -16,7 +16,6 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -24,11 +23,16 @@ import torch
 
 
 
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def rss_bytes() -> int:
     """Resident memory of this process (Linux: /proc; elsewhere: the peak from getrusage)."""
-    statm = Path("/proc/self/statm")
-    if statm.exists():
-        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/self/statm", "rb") as statm:  # read every few steps: kept cheap (~5 us)
+            return int(statm.read().split()[1]) * _PAGE_SIZE
+    except FileNotFoundError:
+        pass
     import resource  # POSIX only; Linux took the branch above
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -179,9 +183,19 @@ class LeakDetector:
     """Reports memory that grows over ``window`` censuses in a row, after ``warmup_steps``.
 
     A CPU census walks every object the garbage collector tracks (tens to hundreds of
-    milliseconds in a large process), so censuses are spaced by time as well as by steps: the
-    next one waits until the last one's cost is at most ``max_overhead`` of the time since it
-    (the first assumes ``first_cost_s``: with the defaults, 20 s into training). On CUDA the
+    milliseconds in a large process), so it is spent where it pays:
+
+    - a cheap signal is read every ``signal_every_steps`` steps (0: never) — process RSS, or CUDA allocated
+      bytes on CUDA (microseconds). When its maximum rises by more than ``min_growth_bytes`` in
+      each of ``rising_windows`` windows of ``window_s`` seconds, a leak is suspected and
+      censuses come as often as ``suspect_overhead`` of the time allows, until 3 of them in a row
+      confirm it (the cheap signal counts as the rest of the ``window``) — or one refutes it: the
+      suspicion is dropped and the windows double in length;
+    - without suspicion, a census comes only when its cost is at most ``max_overhead`` of the
+      time since the last one (the first assumes ``first_cost_s``: with the defaults, 20 s into
+      training), which catches leaks that do not show in the cheap signal.
+
+    A kept step output on the CPU is reported within about 20 s of training. On CUDA the census
     signal is allocated bytes; on the CPU, live tensors and autograd graph nodes. Each leak is
     reported once.
     """
@@ -194,6 +208,11 @@ class LeakDetector:
         window: int = 4,
         max_overhead: float = 0.01,
         first_cost_s: float = 0.2,
+        signal_every_steps: int = 10,
+        window_s: float = 2.0,
+        rising_windows: int = 3,
+        min_growth_bytes: int = 256 * 2**10,
+        suspect_overhead: float = 0.1,
         device: torch.device | None = None,
         probe: MemoryProbe | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -201,32 +220,80 @@ class LeakDetector:
         self.every_steps = every_steps
         self.window = window
         self.max_overhead = max_overhead
+        self.signal_every_steps = signal_every_steps
+        self.window_s = window_s
+        self.rising_windows = rising_windows
+        self.min_growth_bytes = min_growth_bytes
+        self.suspect_overhead = suspect_overhead
         self.device = device or torch.device("cpu")
         self.probe = probe or SystemProbe()
         self.clock = clock
         self.history: list[Census] = []
         self.reported = False
+        self.suspected_at_step: int | None = None
+        self._warmup_steps = warmup_steps
         self._next_step = warmup_steps
         self._cost = first_cost_s
-        self._last_end = clock()
+        self._last_end = self._started = clock()
+        self._window_start: float | None = None
+        self._window_max = 0
+        self._window_maxes: list[int] = []
 
     def observe(self, step: int) -> dict[str, Any] | None:
         """Call once per step; returns a finding (plain data) the first time growth is sustained."""
-        if self.reported or step < self._next_step:
+        if self.reported or step < self._warmup_steps:
             return None
         start = self.clock()
-        if self._cost > self.max_overhead * (start - self._last_end):
+        if self.signal_every_steps and step % self.signal_every_steps == 0:
+            self._watch(start, step)
+        elapsed = start - self._last_end
+        if self.suspected_at_step is not None:
+            if self._cost > self.suspect_overhead * elapsed:
+                return None
+        elif step < self._next_step or self._cost > self.max_overhead * elapsed:
             return None  # not yet: the census would cost more than its share of the time
         cuda = self.probe.cuda(self.device)
         self.history = (self.history + [tensor_census(step, cuda["allocated"] if cuda else None)])[-self.window:]
         self._last_end = self.clock()
         self._cost = self._last_end - start
         self._next_step = step + self.every_steps
-        return self._finding()
+        finding = self._finding()
+        if finding is None and self.suspected_at_step is not None and len(self.history) >= 2 and not self._grew():
+            self._drop_suspicion()
+        return finding
+
+    def _watch(self, now: float, step: int) -> None:
+        """Feed the cheap signal into windows of ``window_s``; suspect a leak if it keeps rising."""
+        cuda = self.probe.cuda(self.device)
+        value = cuda["allocated"] if cuda else self.probe.rss_bytes()
+        if self._window_start is None or now - self._window_start >= self.window_s:
+            if self._window_start is not None:
+                self._window_maxes = (self._window_maxes + [self._window_max])[-(self.rising_windows + 1):]
+            self._window_start, self._window_max = now, value
+            maxes = self._window_maxes
+            rising = len(maxes) > self.rising_windows and all(
+                b - a > self.min_growth_bytes for a, b in zip(maxes, maxes[1:]))
+            if rising and self.suspected_at_step is None:
+                self.suspected_at_step = step
+        else:
+            self._window_max = max(self._window_max, value)
+
+    def _grew(self) -> bool:
+        a, b = self.history[-2], self.history[-1]
+        if a.cuda_allocated_bytes is not None:
+            return a.cuda_allocated_bytes < b.cuda_allocated_bytes
+        return a.graph_nodes < b.graph_nodes or a.num_tensors < b.num_tensors
+
+    def _drop_suspicion(self) -> None:
+        self.suspected_at_step = None
+        self._window_maxes = []
+        self.window_s *= 2  # a signal that rises without a leak behind it: look less often
 
     def _finding(self) -> dict[str, Any] | None:
-        if len(self.history) < self.window:
+        needed = self.window if self.suspected_at_step is None else min(self.window, 3)
+        if len(self.history) < needed:
             return None
+        self.history = self.history[-needed:]
         first, last = self.history[0], self.history[-1]
         on_cuda = first.cuda_allocated_bytes is not None
         signals = ["cuda_allocated_bytes"] if on_cuda else ["graph_nodes", "num_tensors"]
@@ -241,6 +308,8 @@ class LeakDetector:
         return {
             "signal": growing[0],
             "steps": [first.step, last.step],
+            "suspected_at_step": self.suspected_at_step,
+            "elapsed_s": self.clock() - self._started,
             "graph_nodes_per_step": (last.graph_nodes - first.graph_nodes) / steps,
             "tensors_per_step": (last.num_tensors - first.num_tensors) / steps,
             "bytes_per_step": added_bytes / steps,

@@ -1,0 +1,71 @@
+"""The leak detector with the real clock and the Trainer's defaults: a kept step output is found
+within 30 s of training, a clean loop is never reported."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from hand_written_loop import make_data, make_model
+from torchkeel.config.schema import MemoryConfig
+from torchkeel.train.memory import LeakDetector
+
+
+class KeepsOutputs(nn.Module):
+    """``self.kept.append(out)`` in ``forward``: every step's output and its graph stay alive."""
+
+    def __init__(self, keep: bool) -> None:
+        super().__init__()
+        self.net, self.keep, self.kept = make_model(), keep, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        if self.keep:
+            self.kept.append(out)
+        return out
+
+
+def train_for(seconds: float, keep: bool) -> tuple[dict | None, float, int]:
+    """A hand-written loop with the Trainer's default detector; stops at a finding or the time."""
+    torch.manual_seed(0)
+    mem = MemoryConfig()
+    detector = LeakDetector(every_steps=mem.leak_every_steps, warmup_steps=mem.leak_warmup_steps,
+                            window=mem.leak_window, max_overhead=mem.leak_max_overhead)
+    model = KeepsOutputs(keep)
+    train, _ = make_data()
+    loader = torch.utils.data.DataLoader(train, batch_size=16, shuffle=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    start, step = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step += 1
+            finding = detector.observe(step)
+            if finding is not None:
+                return finding, time.perf_counter() - start, step
+    return None, time.perf_counter() - start, step
+
+
+def test_a_kept_step_output_is_reported_within_30_s_of_training():
+    finding, elapsed, step = train_for(60.0, keep=True)
+    assert finding is not None, f"no leak found in {elapsed:.0f} s ({step} steps)"
+    assert elapsed <= 30.0, f"found after {elapsed:.1f} s"
+    assert finding["signal"] in ("graph_nodes", "num_tensors") and finding["suspected_at_step"] is not None
+    assert finding["top_groups"][0]["holds_graph"] and finding["top_groups"][0]["shape"] == [16, 4]
+
+
+def test_a_clean_loop_is_not_reported():
+    finding, elapsed, _ = train_for(30.0, keep=False)
+    assert finding is None and elapsed >= 30.0
+
+
+@pytest.mark.slow
+def test_a_clean_loop_of_several_minutes_is_not_reported():
+    finding, elapsed, _ = train_for(240.0, keep=False)
+    assert finding is None and elapsed >= 240.0
