@@ -148,3 +148,59 @@ def test_init_from_a_malicious_pickle_is_refused(cfg, tmp_path):
     assert result.returncode == 3
     assert "disallowed global 'posix.system'" in result.stderr
     assert not marker.exists()
+
+
+def test_overrides_after_flags(cfg, tmp_path):
+    first = keel("train", str(cfg), "--no-progress", "train.max_epochs=null", "train.max_steps=3", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    again = keel("train", str(cfg), "--overwrite", "train.max_epochs=null", "--no-progress", "train.max_steps=4",
+                 cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    summary = json.loads((tmp_path / "runs" / "tiny" / "summary.json").read_text())
+    assert summary["steps"] == 4
+    wrong = keel("train", str(cfg), "--overwrite", "--bogus", cwd=tmp_path)
+    assert wrong.returncode == 2 and "unrecognized arguments: --bogus" in wrong.stderr
+    assert keel("doctor", "train.max_steps=4", cwd=tmp_path).returncode == 2  # doctor takes no overrides
+
+
+BROKEN_DATA = """\
+import torch
+from torch.utils.data import Dataset
+
+from torchkeel.errors import DataError
+
+
+class Broken(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        raise DataError(f"sample {i} cannot be decoded")
+
+
+def make_data():
+    return Broken(), Broken()
+"""
+
+
+def test_a_failing_overwrite_rerun_puts_the_previous_run_back(cfg, tmp_path):
+    from torchkeel.checkpoint import CheckpointStore
+
+    assert keel("train", str(cfg), "--no-progress", cwd=tmp_path).returncode == 0
+    run = tmp_path / "runs" / "tiny"
+    assert keel("export", str(run), "--format", "torchscript", cwd=tmp_path).returncode == 0
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    (tmp_path / "broken.py").write_text(BROKEN_DATA)
+    failed = keel("train", str(cfg), "--overwrite", "data.target=broken:make_data", "--no-progress", cwd=tmp_path)
+    assert failed.returncode == 1
+    line = failed.stderr.strip().splitlines()[-1]
+    assert "cannot be decoded" in line and "the previous run was put back in 'runs/tiny'" in line
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    found, problems = CheckpointStore(run / "checkpoints").latest_valid()
+    assert found is not None and problems == [] and found.step == 15
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+    assert not (tmp_path / "runs" / ".tiny.previous").exists()
+    ok = keel("train", str(cfg), "--overwrite", "train.max_epochs=null", "train.max_steps=2", "--no-progress",
+              cwd=tmp_path)
+    assert ok.returncode == 0 and not (tmp_path / "runs" / ".tiny.previous").exists()
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2

@@ -35,15 +35,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``keel``'s arguments. ``KEY=VALUE`` overrides may stand anywhere after the
+    subcommand, before or after its flags (``keel train cfg.yaml --overwrite train.max_epochs=9``)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+    unknown = [a for a in extra if a not in overrides]
+    if overrides and not hasattr(args, "overrides"):
+        unknown = extra
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``keel``; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return args.run(args)
     except KeelError as exc:
         if args.debug:
             traceback.print_exc()
-        print(f"keel: error: {exc}", file=sys.stderr)
+        print(f"keel: error: {'; '.join([str(exc), *getattr(exc, '__notes__', [])])}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("keel: interrupted", file=sys.stderr)

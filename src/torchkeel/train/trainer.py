@@ -40,7 +40,7 @@ from torchkeel.train.precision import make_precision
 from torchkeel.train.preempt import StopSignals
 from torchkeel.train.cadence import SaveCadence
 from torchkeel.train.resume import find_checkpoint, truncate_metrics
-from torchkeel.train.rundir import prepare_run_dir
+from torchkeel.train.rundir import PreviousRun, prepare_run_dir
 from torchkeel.train.schedule import build_scheduler
 from torchkeel.train.seed import seed_everything
 from torchkeel.train.step import train_step
@@ -139,6 +139,7 @@ class Trainer:
         # step goes non-finite the newer one may already be on the diverging path.
         self.snapshots: list[Snapshot] = []
         self.incidents = IncidentLog(None)
+        self._previous: PreviousRun | None = None  # the run --overwrite set aside, until this one is safe
 
     def fit(self) -> dict[str, Any]:
         """Train to the configured limit; return the summary that is also written to ``summary.json``.
@@ -150,7 +151,8 @@ class Trainer:
         self._progress = Progress(self.total_steps, enabled=self.show_progress and is_main)
         found = find_checkpoint(self.store, self.resume, self._progress.warn) if self.resume else None
         if is_main:
-            prepare_run_dir(cfg.out_dir, cfg.name, overwrite=self.overwrite, resume=self.resume is not None)
+            _, self._previous = prepare_run_dir(cfg.out_dir, cfg.name, overwrite=self.overwrite,
+                                                resume=self.resume is not None)
             write_text_atomic(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
             for name in ("metrics.jsonl", "incidents.jsonl"):
                 truncate_metrics(self.run_dir / name, found.step if found else 0)
@@ -163,23 +165,40 @@ class Trainer:
             self._log({"kind": "resume", "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                        "samples": self.samples, "checkpoint": str(found.path)})
         summary: dict[str, Any] = {"status": "failed"}
+        error: BaseException | None = None
         try:
             with StopSignals() as self._signals:
                 self._train()
             if self.saver is not None:
                 self.saver.wait()  # the final save is on disk before the run reports done
             summary = {"status": "preempted", "signal": self._signals.name} if self._signals.requested else {"status": "completed"}
-        except KeyboardInterrupt:
-            summary = {"status": "interrupted"}
+        except KeyboardInterrupt as exc:
+            summary, error = {"status": "interrupted"}, exc
             raise
         except Exception as exc:
+            error = exc
             summary = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
             if isinstance(exc, TrainingDiverged):
                 summary["diagnosis"] = exc.diagnosis
             raise
         finally:
             summary = self._finish(summary)
+            if self._settle_previous_run(summary["status"]) and error is not None:
+                error.__notes__ = [*getattr(error, "__notes__", []),
+                                   f"the previous run was put back in '{self.run_dir}'"]
         return summary
+
+    def _settle_previous_run(self, status: str) -> bool:
+        """Discard the run ``--overwrite`` set aside once the new one is safe, else put it back
+        (and return True)."""
+        previous, self._previous = self._previous, None
+        if previous is None:
+            return False
+        if status in ("completed", "preempted"):
+            previous.discard()
+            return False
+        previous.restore()
+        return True
 
     def _train(self) -> None:
         train, num_batches = self.config.train, len(self.train_loader)
@@ -337,9 +356,14 @@ class Trainer:
         start = time.perf_counter()
         if self.saver is not None:
             self.saver.save(state, **kwargs)
+            if self._previous is not None:
+                self.saver.wait()  # the first checkpoint must be on disk before the previous run goes
         else:
             self.store.save(state, **kwargs)
         self.cadence.saved(time.perf_counter() - start)
+        if self._previous is not None:
+            self._previous.discard()
+            self._previous = None
 
     def _restore(self, found: Checkpoint) -> None:
         progress = restore_training_state(found.state, self.model, self.optimizer, self.scheduler, self.precision.scaler)
