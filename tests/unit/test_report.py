@@ -71,3 +71,27 @@ def test_cli(run_with_incidents):
     result = subprocess.run([sys.executable, "-m", "torchkeel.cli.main", "report", str(run_with_incidents)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.startswith(f"report: {run_with_incidents / 'report.html'} (6 charts)")
+
+
+def test_numbers_are_rounded_for_people_and_no_incidents_reads_none(tiny_config, tmp_path):
+    import json
+
+    tk.Trainer(tiny_config("memory.every_steps=5"), progress=False).fit()
+    run = tmp_path / "runs" / "tiny"
+    page = build_report(run, tmp_path / "report").path.read_text()
+    cells = dict(re.findall(r"<tr><th>([^<]+)</th><td>([^<]*)</td></tr>", page))
+    summary = json.loads((run / "summary.json").read_text())
+    assert cells["incidents"] == "none"
+    for key in ("val_loss", "wall_s"):
+        digits = re.sub(r"e[+-]\d+$", "", cells[key]).replace(".", "").replace("-", "").lstrip("0")
+        assert len(digits) <= 4 and float(cells[key]) == pytest.approx(summary[key], rel=1e-3), cells[key]
+
+
+def test_format_value_and_memory_range():
+    from torchkeel.report.build import format_value, memory_ylim
+
+    assert format_value(0.021995102265504506) == "0.022" and format_value(123456.789) == "1.235e+05"
+    assert format_value({}) == "none" and format_value({"nonfinite": 2, "leak": 1}) == "nonfinite: 2, leak: 1"
+    assert format_value(15) == "15" and format_value([]) == "none"
+    low, high = memory_ylim([0.4902, 0.4905, 0.4908])  # flat memory must look flat
+    assert low == 0 and (0.4908 - 0.4902) / (high - low) < 0.01 and high >= 0.4908

@@ -82,6 +82,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
         values = [p[1] for _, points in lines for p in points]
         if log_scale or (min(values) > 0 and max(values) / min(values) > 1e3):
             ax.set_yscale("log")  # a diverging run spans many orders of magnitude
+        elif name == "memory":
+            ax.set_ylim(*memory_ylim([v / scale for v in values]))
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
@@ -92,6 +94,26 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
         report.images.append(path)
     report.path.write_text(_html(run, summary, incidents, report), encoding="utf-8")
     return report
+
+
+def memory_ylim(values: list[float]) -> tuple[float, float]:
+    """A y-range that starts at 0 — so that flat memory looks flat, not like a leak — with room
+    above the highest value."""
+    return 0.0, max(max(values) * 1.1, 1e-9)
+
+
+def format_value(value: Any) -> str:
+    """A number for people: 4 significant digits (``0.022``, ``1.235e+05``), counts as they are;
+    an empty mapping or list is "none", a mapping is ``key: value`` pairs."""
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {format_value(v)}" for k, v in value.items()) if value else "none"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(format_value(v) for v in value) if value else "none"
+    return str(value)
 
 
 def _json(path: Path) -> Any:
@@ -119,7 +141,7 @@ def _html(run: Path, summary: Any, incidents: list[dict[str, Any]], report: Repo
         "git commit": (manifest.get("git_commit") or "not a git repository")
         + (" (dirty)" if manifest.get("git_dirty") else ""),
     }
-    rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(str(v))}</td></tr>" for k, v in facts.items() if v is not None)
+    rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(format_value(v))}</td></tr>" for k, v in facts.items() if v is not None)
     missing = "".join(f"<li>{esc(m)}</li>" for m in report.missing)
     images = "".join(f'<figure><img src="{esc(p.name)}" width="800" height="300" alt="{esc(p.stem)}"></figure>'
                      for p in report.images)
