@@ -32,6 +32,7 @@ test-slow: setup
 bench: setup
 	$(PY) bench/trainer_overhead.py
 	$(PY) bench/checkpoint.py
+	$(PY) bench/serve.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

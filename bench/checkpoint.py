@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from torchkeel.checkpoint import AsyncSaver, CheckpointStore, capture_training_state, read_checkpoint, snapshot
+from torchkeel.train.memory import peak_rss_during
 
 
 def make_state() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -48,27 +49,9 @@ def timed(fn) -> float:
 
 
 def peak_rss_above(fn) -> int:
-    """Peak RSS above the level before ``fn``, sampled every millisecond by a thread."""
-    import threading
-
-    from torchkeel.train.memory import rss_bytes
-
+    """Peak RSS above the level before ``fn`` (after a collection), sampled every millisecond."""
     gc.collect()
-    start, peak, done = rss_bytes(), [0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], rss_bytes())
-            time.sleep(0.001)
-
-    thread = threading.Thread(target=sample)
-    thread.start()
-    try:
-        fn()
-    finally:
-        done.set()
-        thread.join()
-    return max(peak[0], rss_bytes()) - start
+    return peak_rss_during(fn)[0]
 
 
 def keel_load(path: Path) -> None:

@@ -20,7 +20,10 @@ from serveproc import Server, eager_rows, exported  # noqa: F401 - exported is a
 
 @pytest.fixture(scope="module")
 def server(exported):
-    srv = Server(exported[0], "--max-queue-delay-ms", "5")
+    # The model on its worker thread: requests that arrive during a forward queue up and are
+    # batched, which the concurrency test checks. (The tiny model inline is faster than the
+    # test's clients, so it would never need to batch; the fuzz and 413 servers run inline.)
+    srv = Server(exported[0], "--max-queue-delay-ms", "5", "--inline-max-ms", "0")
     yield srv
     assert srv.stop() == 0
 

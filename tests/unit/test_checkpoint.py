@@ -289,41 +289,19 @@ def test_format_2_files_are_plain_safetensors_of_every_dtype(tmp_path):
         ck.CheckpointStore(tmp_path / "bad").save({"model": {"c": torch.zeros(2, dtype=torch.complex64)}}, step=1, epoch=0)
 
 
-def _peak_rss_above_start(fn) -> tuple[int, object]:
-    """Run ``fn`` while a thread samples this process's RSS every millisecond."""
-    import threading
-    import time
-
-    from torchkeel.train.memory import rss_bytes
-
-    start, peak, done = rss_bytes(), [0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], rss_bytes())
-            time.sleep(0.001)
-
-    thread = threading.Thread(target=sample)
-    thread.start()
-    try:
-        result = fn()
-    finally:
-        done.set()
-        thread.join()
-    return max(peak[0], rss_bytes()) - start, result
-
-
 def test_saves_and_loads_stream_with_bounded_memory(tmp_path):
     """A 320 MB state: a sync save holds no copy of it, an async save one (its snapshot), a load
     with every byte verified no more than the state itself."""
     import gc
 
+    from torchkeel.train.memory import peak_rss_during
+
     state = {"model": {f"w{i}": torch.randn(20 * 2**20 // 4 * 4 // 4) for i in range(16)}}  # 16 x 20 MB
     state_bytes = sum(t.numel() * t.element_size() for t in state["model"].values())
     store = ck.CheckpointStore(tmp_path, keep_last=1, save_top_k=0)
-    sync_peak, _ = _peak_rss_above_start(lambda: store.save(state, step=1, epoch=0))
+    sync_peak, _ = peak_rss_during(lambda: store.save(state, step=1, epoch=0))
     saver = ck.AsyncSaver(store)
-    async_peak, _ = _peak_rss_above_start(lambda: (saver.save(state, step=2, epoch=0), saver.wait()))
+    async_peak, _ = peak_rss_during(lambda: (saver.save(state, step=2, epoch=0), saver.wait()))
     gc.collect()
 
     def load_and_touch():
@@ -331,7 +309,7 @@ def test_saves_and_loads_stream_with_bounded_memory(tmp_path):
         assert [float(t.sum()) for t in found.state["model"].values()] == [float(t.sum()) for t in state["model"].values()]
         return found
 
-    load_peak, found = _peak_rss_above_start(load_and_touch)
+    load_peak, found = peak_rss_during(load_and_touch)
     for name, tensor in state["model"].items():
         assert torch.equal(found.state["model"][name], tensor)
     print(f"state {state_bytes / 2**20:.0f} MB; peak RSS above start: sync save {sync_peak / 2**20:.0f} MB, "

@@ -39,6 +39,29 @@ def rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def peak_rss_during(fn: Callable[[], Any], interval_s: float = 0.001) -> tuple[int, Any]:
+    """Run ``fn``; return how far the RSS rose above its level before the call at its peak
+    (sampled every ``interval_s`` by a thread), and ``fn``'s result. For measuring what a save,
+    a load or a step costs in memory."""
+    import threading
+
+    start, peak, done = rss_bytes(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(interval_s)
+
+    thread = threading.Thread(target=sample, name="torchkeel-rss", daemon=True)
+    thread.start()
+    try:
+        result = fn()
+    finally:
+        done.set()
+        thread.join()
+    return max(peak[0], rss_bytes()) - start, result
+
+
 class MemoryProbe(Protocol):
     """Where the figures come from; tests pass a fake to play a CUDA machine on a CPU."""
 
