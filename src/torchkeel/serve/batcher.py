@@ -119,7 +119,12 @@ class DynamicBatcher:
                 future = asyncio.get_running_loop().create_future()
                 item = _Item(inputs, future, time.perf_counter())
                 self._items.append(item)
-                await asyncio.sleep(0)
+                try:
+                    await asyncio.sleep(0)
+                except asyncio.CancelledError:  # the client went away: take its request back
+                    if item in self._items:
+                        self._items.remove(item)
+                    raise
                 alone = len(self._items) == 1 and self._items[0] is item and not self.in_flight
                 self._company = 0.8 * self._company + (0.0 if alone else 0.2)
                 if not alone:

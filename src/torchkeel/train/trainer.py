@@ -27,6 +27,7 @@ from torchkeel.dist import RankInfo, agree_min, any_rank, any_rank_flags
 from torchkeel.io import write_json_atomic, write_text_atomic
 from torchkeel.provenance import provenance
 from torchkeel.train.accumulate import iter_groups, total_steps
+from torchkeel.train.cadence import SaveCadence
 from torchkeel.train.build import build_datasets, build_loss, build_model, resolve_device
 from torchkeel.errors import TrainingDiverged
 from torchkeel.train.compile import CompiledOrEager
@@ -38,7 +39,6 @@ from torchkeel.train.metrics import MetricsWriter, Progress
 from torchkeel.train.optim import build_optimizer
 from torchkeel.train.precision import make_precision
 from torchkeel.train.preempt import StopSignals
-from torchkeel.train.cadence import SaveCadence
 from torchkeel.train.resume import find_checkpoint, truncate_metrics
 from torchkeel.train.rundir import PreviousRun, prepare_run_dir
 from torchkeel.train.schedule import build_scheduler
