@@ -81,7 +81,7 @@ class CheckpointStore:
         self, state: Mapping[str, Any], *, step: int, epoch: int,
         metrics: Mapping[str, float] | None = None, meta: Mapping[str, Any] | None = None,
     ) -> Path:
-        """``save`` without the docstring's caveat when ``state`` is a ``snapshot`` nobody else changes."""
+        """What ``save`` does; ``AsyncSaver`` calls it from its thread with a ``snapshot`` only it holds."""
         self.directory.mkdir(parents=True, exist_ok=True)
         manifest = {"step": step, "epoch": epoch, "metrics": dict(metrics or {}), **(meta or {})}
         path = write_checkpoint(self.path_for(step), state, manifest, self.hook)
@@ -127,7 +127,7 @@ class CheckpointStore:
                 self._discard(path)
         for temp in self.directory.glob(".step-*.tmp"):  # a write that was killed; none is in flight now
             temp.unlink(missing_ok=True)
-        leftovers = [p for p in self.directory.glob(f"{_TRASH}*") if p.is_dir()]  # from a run that was killed
+        leftovers = [p for p in self.directory.glob(f"{_TRASH}*") if p.is_dir()]  # just renamed, or left by a kill
         if leftovers:
             threading.Thread(target=_remove_all, args=(leftovers,), name="torchkeel-prune", daemon=True).start()
 
