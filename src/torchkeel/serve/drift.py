@@ -7,23 +7,28 @@ Per feature (or channel), over a sliding window of the most recent samples:
   from tens of samples it is mostly noise, so it never raises the alert on its own);
 - ``score``: a two-sample chi-square test of homogeneity between the window's histogram and the
   training one, divided by its critical value. Sparse tail bins are merged until each holds at
-  least 5 % of the training samples, so that every expected count is at least 5 once the window
+  least 10 % of the training samples, so that every expected count is at least 10 once the window
   holds ``min_samples``. The test compares against the reference *sample* (its counts), so the
   noise in the reference histogram itself is accounted for.
 
 ``alert`` is raised when the window holds at least ``min_samples`` samples and any feature's
 score is above 1. The critical values use a Bonferroni correction over the features, so that
 under in-distribution traffic one reading alerts with probability at most
-``false_alarm_rate`` (default 1e-6), however many features the model has.
+``false_alarm_rate`` (default 1e-6), however many features the model has. The window is the
+last 300 samples (``window_samples``): short enough that a shift fills it within a few hundred
+requests, long enough for the test.
 
 For image-like inputs (``[N, C, ...]``) the pixels of one sample are not independent draws: each
-sample counts once, its pixels spread over the bins, in the window as in the reference.
+sample counts once, its pixels spread over the bins, in the window as in the reference. Likewise
+repeats of one input are not new evidence: the test weighs the window's shares by its number of
+distinct samples, but at least 20 (so a client cycling through its validation set raises no
+alarm, while a shift of those same inputs does, and so does a stream stuck on one input).
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from statistics import NormalDist
 from typing import Any
 
@@ -31,16 +36,17 @@ import numpy as np
 
 from torchkeel.export.stats import feature_matrix
 
-MIN_BIN_SHARE = 0.05  # of the training samples, per merged bin
-MIN_EXPECTED = 5.0  # expected window count per merged bin before the test is trusted
+MIN_BIN_SHARE = 0.1  # of the training samples, per merged bin
+MIN_EXPECTED = 10.0  # expected window count per merged bin before the test is trusted
 CHUNK_SAMPLES = 64
+MIN_DISTINCT = 20  # the least weight a window's samples have in the test, however repetitive
 _EPS = 1e-4
 
 
 class DriftMonitor:
     """Accumulates per-feature bin counts of recent inputs; reads out drift per feature and the alert."""
 
-    def __init__(self, reference: dict[str, Any], window_samples: int = 500,
+    def __init__(self, reference: dict[str, Any], window_samples: int = 300,
                  false_alarm_rate: float = 1e-6) -> None:
         features = reference["features"]
         edges = np.array([f["bin_edges"] for f in features], dtype=np.float64)  # equal-width bins
@@ -64,7 +70,8 @@ class DriftMonitor:
         self.window_samples = window_samples
         self._pending: list[np.ndarray] = []  # batches not yet binned: binning is done in chunks
         self._pending_samples = 0
-        self._window: deque[tuple[np.ndarray, np.ndarray, int]] = deque()
+        self._window: deque[tuple[np.ndarray, np.ndarray, int, list[int]]] = deque()
+        self._distinct: Counter[int] = Counter()  # hashes of the window's samples → occurrences
         self._counts = np.zeros((self.num_features, self.num_bins))
         self._outside = np.zeros(self.num_features)
         self._samples = 0
@@ -96,30 +103,43 @@ class DriftMonitor:
         counts = np.bincount(flat, minlength=self.num_features * self.num_bins).reshape(self.num_features, self.num_bins)
         counts = counts / values_per_sample
         outside = ((columns < self.low) | (columns > self.high)).sum(axis=0) / values_per_sample
-        self._window.append((counts, outside, samples))
+        keys = [hash(row.tobytes()) for row in inputs.reshape(samples, -1)]
+        self._window.append((counts, outside, samples, keys))
         self._counts += counts
         self._outside += outside
         self._samples += samples
+        self._distinct.update(keys)
         while self._samples - self._window[0][2] >= self.window_samples:
-            old_counts, old_outside, old_samples = self._window.popleft()
+            old_counts, old_outside, old_samples, old_keys = self._window.popleft()
             self._counts -= old_counts
             self._outside -= old_outside
             self._samples -= old_samples
+            self._distinct.subtract(old_keys)
+            for key in old_keys:
+                if self._distinct[key] <= 0:
+                    del self._distinct[key]
 
     def read(self) -> dict[str, Any]:
         """Per feature ``psi``, ``out_of_range`` and ``score`` over the window; ``alert``; ``samples``."""
         self._bin_pending()
         n = self.num_features
         if self._samples == 0:
-            return {"psi": [0.0] * n, "out_of_range": [0.0] * n, "score": [0.0] * n, "alert": False, "samples": 0}
+            return {"psi": [0.0] * n, "out_of_range": [0.0] * n, "score": [0.0] * n, "alert": False, "samples": 0,
+                    "distinct_samples": 0}
         counts = np.maximum(self._counts, 0.0)  # running sums: clear float residue below 0
         live = (counts + _EPS) / (counts + _EPS).sum(axis=1, keepdims=True)
         psi = ((live - self.reference) * np.log(live / self.reference)).sum(axis=1)
-        statistic = np.array([_homogeneity(self.reference_counts[i], counts[i], g) for i, g in enumerate(self.groups)])
+        # Repeats of one input are not independent evidence: the window's shares count at the
+        # weight of its distinct samples (a client that cycles through a small set of inputs),
+        # but at least MIN_DISTINCT's, so that a stream stuck on one input is still drift.
+        weight = min(self._samples, max(len(self._distinct), MIN_DISTINCT))
+        distinct = counts * (weight / self._samples)
+        statistic = np.array([_homogeneity(self.reference_counts[i], distinct[i], g) for i, g in enumerate(self.groups)])
         score = np.where(np.isfinite(self.critical), statistic / self.critical, 0.0)
         alert = self._samples >= self.min_samples and bool((score > 1.0).any())
         return {"psi": psi.tolist(), "out_of_range": (self._outside / self._samples).tolist(),
-                "score": score.tolist(), "alert": alert, "samples": int(self._samples)}
+                "score": score.tolist(), "alert": alert, "samples": int(self._samples),
+                "distinct_samples": len(self._distinct)}
 
 
 def chi2_quantile(q: float, df: int) -> float:
