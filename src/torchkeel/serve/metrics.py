@@ -62,6 +62,10 @@ class ServerMetrics:
         self._batch_size = self.batch_size.labels(model)
         self._latency = {p: self.latency.labels(model, p) for p in PROTOCOLS}
         self._keys: dict[tuple[str, str | None], tuple[str, tuple[tuple[str, str], ...]]] = {}
+        key = self._key
+        self._success, self._duration = key("nv_inference_request_success"), key("nv_inference_request_duration_us")
+        self._exec, self._count = key("nv_inference_exec_count"), key("nv_inference_count")
+        self._compute, self._queue = key("nv_inference_compute_infer_duration_us"), key("nv_inference_queue_duration_us")
 
     def add(self, name: str, value: float = 1.0, reason: str | None = None) -> None:
         """Add to one of Triton's counters (``reason`` for ``nv_inference_request_failure``)."""
@@ -75,22 +79,20 @@ class ServerMetrics:
     def request_done(self, protocol: str, seconds: float, failure: str | None = None) -> None:
         """One request answered: success or failure (Triton's ``reason``), its duration."""
         self.requests_in_flight -= 1
-        outcome = self._key("nv_inference_request_success") if failure is None else \
-            self._key("nv_inference_request_failure", failure)
-        duration = self._key("nv_inference_request_duration_us")
+        outcome = self._success if failure is None else self._key("nv_inference_request_failure", failure)
         with self._lock:
             self._counts[outcome] += 1
-            self._counts[duration] += seconds * 1e6
+            self._counts[self._duration] += seconds * 1e6
         self._latency[protocol].observe(seconds)
 
     def batch_done(self, batch_size: int, num_requests: int, compute_s: float, queue_s: float) -> None:
         """One model execution: its samples, requests, compute time and the requests' total queue time."""
-        counts, key = self._counts, self._key
+        counts = self._counts
         with self._lock:
-            counts[key("nv_inference_exec_count")] += 1
-            counts[key("nv_inference_count")] += batch_size
-            counts[key("nv_inference_compute_infer_duration_us")] += compute_s * 1e6 * num_requests
-            counts[key("nv_inference_queue_duration_us")] += queue_s * 1e6
+            counts[self._exec] += 1
+            counts[self._count] += batch_size
+            counts[self._compute] += compute_s * 1e6 * num_requests
+            counts[self._queue] += queue_s * 1e6
         self._batch_size.observe(batch_size)
 
     def _key(self, name: str, reason: str | None = None) -> tuple[str, tuple[tuple[str, str], ...]]:
