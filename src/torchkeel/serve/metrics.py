@@ -67,12 +67,6 @@ class ServerMetrics:
         self._exec, self._count = key("nv_inference_exec_count"), key("nv_inference_count")
         self._compute, self._queue = key("nv_inference_compute_infer_duration_us"), key("nv_inference_queue_duration_us")
 
-    def add(self, name: str, value: float = 1.0, reason: str | None = None) -> None:
-        """Add to one of Triton's counters (``reason`` for ``nv_inference_request_failure``)."""
-        key = self._key(name, reason)
-        with self._lock:
-            self._counts[key] += value
-
     def request_started(self) -> None:
         self.requests_in_flight += 1
 
