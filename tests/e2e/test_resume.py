@@ -20,7 +20,7 @@ CONFIG = """\
 name: run
 seed: 3
 model: {{target: hand_written_loop:make_model}}
-data: {{target: chaosdata:make_data, args: {{log_path: {log}, delay_s: {delay}}}}}
+data: {{target: chaosdata:make_data, args: {{log_path: {log}, delay_s: {delay}}}, num_workers: 0}}
 optim: {{lr: 3.0e-3}}
 schedule: {{warmup_steps: 5}}
 train: {{max_epochs: {epochs}, batch_size: 16, accumulate: 2, log_every: 1}}

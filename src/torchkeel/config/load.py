@@ -119,8 +119,14 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         options = typing.get_args(tp)
         if value is None and type(None) in options:
             return None
-        (inner,) = [o for o in options if o is not type(None)]
-        return _convert(inner, value, key)
+        inner = [o for o in options if o is not type(None)]
+        errors = []
+        for option in inner:
+            try:
+                return _convert(option, value, key)
+            except ConfigError as exc:
+                errors.append(str(exc).split(" must be ", 1)[-1].split(", got ")[0])
+        raise ConfigError(f"{key} must be {' or '.join(errors)}, got {_describe(value)}")
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -129,6 +135,11 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             extra = f"; did you mean '{hint[0]}'?" if hint else ""
             raise ConfigError(f"{key} must be one of {names}, got {value!r}{extra}")
         return value
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {_describe(value)}")
+        return [_convert(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key} must be a mapping of keyword arguments, got {_describe(value)}")

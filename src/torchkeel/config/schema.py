@@ -7,7 +7,7 @@ names the key to change. Loading from YAML and overrides lives in ``torchkeel.co
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from torchkeel.errors import ConfigError
 
@@ -31,12 +31,53 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    format: Literal["map", "parquet", "webdataset"] = "map"
+    """``map``: ``target`` returns map-style datasets; ``parquet`` / ``webdataset``: stream the
+    files of ``train`` / ``val``."""
     target: Optional[str] = None
-    """``module:callable`` that returns ``(train_dataset, val_dataset)``; items are ``(input, target)``."""
+    """Format ``map``: ``module:callable`` that returns ``(train_dataset, val_dataset)``.
+    Streaming formats: the label column (Parquet) or sample key (WebDataset, e.g. ``cls``);
+    ``null`` for samples without a label."""
     args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for ``target``."""
-    num_workers: int = 0
-    """DataLoader worker processes (0 loads in the training process)."""
+    train: Union[str, list[str], None] = None
+    """Streaming formats: the training files — a glob, a brace pattern (``train-{000..099}.tar``),
+    a directory, or a list of them."""
+    val: Union[str, list[str], None] = None
+    """Streaming formats: the validation files (``null``: no validation)."""
+    input: Union[str, list[str], None] = None
+    """Parquet: the feature columns (stacked into one vector) or one list-valued column.
+    WebDataset: the sample key of the input (``npy``); ``null`` yields the decoded sample as a dict."""
+    image: Optional[str] = None
+    """WebDataset: decode images with this ``webdataset`` spec (``rgb8``, ``torchrgb``...; needs Pillow)."""
+    transform: Optional[str] = None
+    """``module:callable`` applied to each sample (a sample that makes it raise is skipped and named)."""
+    batch_transform: Optional[str] = None
+    """Parquet: ``module:callable`` applied to each block of rows, already tensors (vectorized)."""
+    collate: str = "default"
+    """``default`` (stack), ``pad`` (pad variable lengths; dict batches gain ``lengths`` and
+    ``attention_mask``) or ``module:callable`` taking the list of samples."""
+    pad_value: float = 0.0
+    """The value ``collate: pad`` fills with."""
+    bucket_by: Optional[str] = None
+    """Group samples of similar length: a list-valued column (Parquet), or a dict key / ``input``
+    / ``target`` of the sample (map-style datasets; lengths are read once at the start)."""
+    bucket_window: int = 4096
+    """Samples sorted by length together when bucketing (a window of the seeded order)."""
+    shuffle_buffer: int = 1000
+    """WebDataset: samples held by the seeded shuffle buffer within a shard (0: shard order).
+    Parquet row groups are shuffled whole."""
+    drop_last: bool = False
+    """Drop the last short batch (of each worker's stream, for streaming formats)."""
+    num_workers: Union[int, Literal["auto"]] = "auto"
+    """DataLoader worker processes (0 loads in the training process); ``auto`` times 0, 1, 2, …
+    up to the usable CPUs on the real data at the start and keeps the fastest (cached per data
+    and machine)."""
+    prefetch_factor: int = 2
+    """Batches each worker prepares ahead."""
+    max_bad_fraction: float = 0.001
+    """Stop with an error listing them when more than this share of an epoch's samples are bad
+    (fail to read, decode or transform); below it they are skipped and recorded as incidents."""
     shuffle: bool = True
     """Shuffle the training set each epoch (the order depends only on ``seed`` and the epoch)."""
 
@@ -49,6 +90,13 @@ class LossConfig:
     The loss must be a mean over the batch: accumulation weights it by micro-batch size."""
     args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for ``target``."""
+    step_fn: Optional[str] = None
+    """``module:callable`` ``(model, batch)`` returning ``loss``, ``(loss, {name: value})``,
+    ``(loss_sum, count)`` or ``(loss_sum, count, {name: value})``; replaces ``loss(model(input),
+    target)`` in training and validation (dict batches, ``model(**batch).loss``, several inputs)."""
+    count_key: Optional[str] = None
+    """A batch key holding the number of elements the loss is a mean over (e.g. ``lengths``, or
+    non-padding tokens); accumulation weighs micro-batches by it instead of by samples."""
 
 
 @dataclass
@@ -197,7 +245,23 @@ class KeelConfig:
         _positive("train.accumulate", t.accumulate)
         _positive("train.log_every", t.log_every)
         _at_least("train.val_every", t.val_every, 0)
-        _at_least("data.num_workers", self.data.num_workers, 0)
+        d = self.data
+        if d.num_workers != "auto":
+            _at_least("data.num_workers", d.num_workers, 0)
+        _positive("data.prefetch_factor", d.prefetch_factor)
+        _positive("data.bucket_window", d.bucket_window)
+        _at_least("data.shuffle_buffer", d.shuffle_buffer, 0)
+        if not 0 <= d.max_bad_fraction <= 1:
+            raise ConfigError(f"data.max_bad_fraction must be in [0, 1], got {d.max_bad_fraction}")
+        if d.format == "map" and d.train is not None:
+            raise ConfigError("data.train is for streaming formats; set data.format=parquet or webdataset")
+        if d.format == "parquet" and d.input is None and d.train is not None:
+            raise ConfigError("data.format=parquet needs data.input: the feature columns or one list-valued column")
+        if d.format == "webdataset" and d.bucket_by is not None:
+            raise ConfigError("data.bucket_by works with parquet and map-style data; for webdataset, "
+                              "write shards grouped by length or drop data.bucket_by")
+        if d.batch_transform is not None and d.format != "parquet":
+            raise ConfigError("data.batch_transform applies to parquet row blocks; use data.transform per sample")
         _at_least("schedule.warmup_steps", self.schedule.warmup_steps, 0)
         _at_least("optim.weight_decay", self.optim.weight_decay, 0)
         _at_least("schedule.min_lr", self.schedule.min_lr, 0)

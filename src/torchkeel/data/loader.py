@@ -1,8 +1,10 @@
-"""Data loading whose order depends only on ``(seed, epoch)`` and that can start mid-epoch.
+"""Data loading of map-style datasets whose order depends only on ``(seed, epoch)`` and that can
+start mid-epoch.
 
 Because the order of epoch ``e`` is a pure function of the seed and ``e``, a resumed run sees
 exactly the batches an uninterrupted run would, and the global RNG is never consumed by the
-loader, so a hand-written loop and the Trainer draw the same numbers.
+loader, so a hand-written loop and the Trainer draw the same numbers. Worker processes persist
+across epochs: the sampler, in the main process, is told each epoch's order.
 """
 
 from __future__ import annotations
@@ -10,17 +12,77 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-from torchkeel.errors import DataError
+from torchkeel.data.batch import num_samples, to_device  # noqa: F401  (re-exported)
+from torchkeel.data.collate import DefaultCollate
+from torchkeel.data.order import bucket_order, epoch_seed
+from torchkeel.errors import DataError, first_line
+
+MAX_LISTED_BAD = 10
+
+
+@dataclass
+class _BadItem:
+    index: int
+    error: str
+
+
+class _Guarded(Dataset):
+    """The user's dataset, with an item that raises turned into a record of it (never a stand-in)."""
+
+    def __init__(self, dataset: Dataset[Any]) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        try:
+            return self.dataset[index]
+        except Exception as exc:
+            return _BadItem(index, f"{type(exc).__name__}: {first_line(exc)}")
+
+
+class _Collate:
+    """Collate the good samples; hand back the bad ones beside them."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, items: list[Any]) -> tuple[Any, list[_BadItem]]:
+        good = [item for item in items if not isinstance(item, _BadItem)]
+        bad = [item for item in items if isinstance(item, _BadItem)]
+        return (self.collate(good) if good else None), bad
+
+
+class _EpochSampler(Sampler[int]):
+    """Yields the indices it was last given; lives in the main process, so persistent workers
+    follow each epoch's order."""
+
+    def __init__(self) -> None:
+        self.order: list[int] = []
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
 
 
 class EpochLoader:
     """Batches of a map-style dataset for one epoch at a time.
+
+    A sample whose ``__getitem__`` raises is skipped and listed in ``new_bad`` (the Trainer
+    records it as an incident); past ``max_bad_fraction`` of the dataset in one epoch, a
+    ``DataError`` lists the first ten. ``bucket_by`` (a dict key or tuple index of the sample)
+    sorts windows of ``bucket_window`` samples by that field's length: batches of similar
+    lengths, in an order that is still a function of ``(seed, epoch)``.
 
     Example::
 
@@ -40,6 +102,12 @@ class EpochLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        drop_last: bool = False,
+        bucket_by: str | int | None = None,
+        bucket_window: int = 4096,
+        max_bad_fraction: float = 0.001,
+        start_method: str | None = None,
+        prefetch_factor: int = 2,
     ) -> None:
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise DataError(
@@ -51,61 +119,124 @@ class EpochLoader:
         self.shuffle = shuffle
         self.num_workers = num_workers
         self.pin_memory = pin_memory
-        self.collate_fn = collate_fn
+        self.collate_fn = collate_fn or DefaultCollate()
+        self.drop_last = drop_last
+        self.bucket_by, self.bucket_window = bucket_by, bucket_window
+        self.max_bad_fraction = max_bad_fraction
+        self.start_method, self.prefetch_factor = start_method, prefetch_factor
         self.num_samples = len(dataset)  # type: ignore[arg-type]
         if self.num_samples == 0:
             raise DataError(f"dataset {type(dataset).__name__} is empty")
+        self.num_bad = 0
+        self.bad_samples: list[tuple[str, str]] = []
+        self.new_bad: list[tuple[str, str]] = []
+        """Bad samples met since the caller last cleared this list, ``(where, error)``."""
+        self._lengths: np.ndarray | None = None
+        self._sampler = _EpochSampler()
+        self._loader: DataLoader | None = None
+        self._epoch = -1
+        self._origins: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
-        """Batches per epoch (the last one may be short)."""
-        return math.ceil(self.num_samples / self.batch_size)
+        """Batches per epoch (the last one may be short, unless ``drop_last``)."""
+        round_ = math.floor if self.drop_last else math.ceil
+        return round_(self.num_samples / self.batch_size)
 
     def indices(self, epoch: int) -> list[int]:
         """The sample order of ``epoch``."""
         if not self.shuffle:
-            return list(range(self.num_samples))
-        generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
-        return torch.randperm(self.num_samples, generator=generator).tolist()
+            order = list(range(self.num_samples))
+        else:
+            generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+            order = torch.randperm(self.num_samples, generator=generator).tolist()
+        if self.bucket_by is None:
+            return order
+        rng = np.random.default_rng([epoch_seed(self.seed, epoch), 1])
+        return bucket_order(np.array(order), self.lengths(), self.bucket_window, rng).tolist()
+
+    def lengths(self) -> np.ndarray:
+        """The ``bucket_by`` length of every sample, read once (a dataset may offer ``lengths``)."""
+        if self._lengths is None:
+            given = getattr(self.dataset, "lengths", None)
+            if given is not None and len(given) == self.num_samples:
+                self._lengths = np.asarray(given, dtype=np.int64)
+            else:
+                self._lengths = np.array([_length(self.dataset[i], self.bucket_by) for i in range(self.num_samples)])
+        return self._lengths
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
         """Iterate the batches of ``epoch``, beginning with batch number ``start_batch``."""
-        order = self.indices(epoch)[start_batch * self.batch_size :]
-        loader = DataLoader(
-            self.dataset,
-            batch_size=self.batch_size,
-            sampler=order,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            collate_fn=self.collate_fn,
-            worker_init_fn=seed_worker if self.num_workers else None,
-            # The loader draws its worker base seed from this generator, not the global RNG.
-            generator=torch.Generator().manual_seed(epoch_seed(self.seed, epoch) + 1),
-        )
-        return iter(loader)
+        if epoch != self._epoch:
+            self._epoch, self.num_bad, self.bad_samples = epoch, 0, []
+        order = self.indices(epoch)
+        if self.drop_last:
+            order = order[: len(self) * self.batch_size]
+        self._sampler.order = order[start_batch * self.batch_size:]
+        return self._iterate(self._sampler.order)
+
+    def _iterate(self, order: list[int]) -> Iterator[Any]:
+        for number, (batch, bad) in enumerate(self._data_loader()):
+            if bad:
+                self._record_bad([(f"dataset index {b.index}", b.error) for b in bad])
+            if batch is not None:
+                skipped = {b.index for b in bad}
+                chunk = order[number * self.batch_size:(number + 1) * self.batch_size]
+                self._origins[id(batch)] = [i for i in chunk if i not in skipped]
+                while len(self._origins) > 64:
+                    del self._origins[next(iter(self._origins))]
+                yield batch
+
+    def _record_bad(self, bad: list[tuple[str, str]]) -> None:
+        self.num_bad += len(bad)
+        self.bad_samples = (self.bad_samples + bad)[:MAX_LISTED_BAD]
+        self.new_bad += bad
+        if self.num_bad > self.max_bad_fraction * self.num_samples:
+            listed = "; ".join(f"{where}: {error}" for where, error in self.bad_samples)
+            raise DataError(
+                f"{self.num_bad} bad samples in epoch {self._epoch}, more than data.max_bad_fraction="
+                f"{self.max_bad_fraction:g} of {self.num_samples} samples allows; first "
+                f"{len(self.bad_samples)}: {listed}. Fix or remove them, or raise data.max_bad_fraction"
+            )
+
+    def origin(self, batch: Any, index: int) -> str | None:
+        """Which dataset index sample ``index`` of a recent batch is (``None``: unknown batch)."""
+        indices = self._origins.get(id(batch))
+        return f"dataset index {indices[index]}" if indices is not None and index < len(indices) else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch's bad-sample count (the position itself is the caller's ``batch_in_epoch``)."""
+        return {"num_bad": self.num_bad, "bad_samples": [list(b) for b in self.bad_samples]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.num_bad = int(state.get("num_bad", 0))
+        self.bad_samples = [tuple(b) for b in state.get("bad_samples", [])]
+
+    def worker_pids(self) -> list[int]:
+        """The PIDs of the live worker processes (empty with ``num_workers=0``)."""
+        iterator = getattr(self._loader, "_iterator", None) if self._loader is not None else None
+        return [w.pid for w in getattr(iterator, "_workers", [])]
+
+    def _data_loader(self) -> DataLoader:
+        if self._loader is None:
+            from torchkeel.data.stream import worker_context
+
+            workers = self.num_workers
+            self._loader = DataLoader(
+                _Guarded(self.dataset), batch_size=self.batch_size, sampler=self._sampler,
+                num_workers=workers, pin_memory=self.pin_memory, collate_fn=_Collate(self.collate_fn),
+                worker_init_fn=seed_worker if workers else None, persistent_workers=workers > 0,
+                prefetch_factor=self.prefetch_factor if workers else None,
+                multiprocessing_context=worker_context(self.start_method) if workers else None,
+                # The loader draws its worker base seed from this generator, not the global RNG.
+                generator=torch.Generator().manual_seed(epoch_seed(self.seed, 0) + 1),
+            )
+        return self._loader
 
 
-def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor in a (nested) tuple/list/dict batch to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device, non_blocking) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
-    return batch
-
-
-def num_samples(batch: Any) -> int:
-    """Samples in an ``(input, target)`` batch: the first dimension of the target (or the input)."""
-    for part in (batch[1], batch[0]) if isinstance(batch, (list, tuple)) else (batch,):
-        if isinstance(part, torch.Tensor) and part.dim() > 0:
-            return part.shape[0]
-        if isinstance(part, (list, tuple)):
-            return len(part)
-    raise DataError(
-        f"cannot tell the batch size of a {type(batch).__name__} batch; "
-        "datasets must yield (input, target) with tensors that have a batch dimension"
-    )
+def _length(sample: Any, key: str | int | None) -> int:
+    field_ = sample[key] if isinstance(sample, dict) or isinstance(key, int) else (
+        sample[0] if key == "input" else sample[1] if key == "target" else getattr(sample, str(key)))
+    return int(field_.shape[0]) if hasattr(field_, "shape") else len(field_)
 
 
 def seed_worker(worker_id: int) -> None:
@@ -118,7 +249,3 @@ def seed_worker(worker_id: int) -> None:
     random.seed(worker_seed)
     np.random.seed(worker_seed)
 
-
-def epoch_seed(seed: int, epoch: int) -> int:
-    """A seed that depends only on the run seed and the epoch (data order, worker seeds)."""
-    return (seed * 1_000_003 + epoch * 7_919 + 17) % 2**63

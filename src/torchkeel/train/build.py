@@ -7,10 +7,12 @@ from typing import Any
 
 import torch
 
-from torchkeel.config.imports import build_target
-from torchkeel.config.schema import DataConfig, LossConfig, ModelConfig
+from torchkeel.config.imports import build_target, resolve_target
+from torchkeel.config.schema import LossConfig, ModelConfig
+from torchkeel.data.build import build_datasets  # noqa: F401  (used by export)
 from torchkeel.errors import ConfigError
 from torchkeel.dist.rank import RankInfo
+from torchkeel.train.objective import Objective
 
 
 def resolve_device(name: str, rank: RankInfo | None = None) -> torch.device:
@@ -54,29 +56,11 @@ def build_model(cfg: ModelConfig) -> torch.nn.Module:
     return model
 
 
-def build_datasets(cfg: DataConfig) -> tuple[Any, Any]:
-    """Call ``data.target(**data.args)``; it must return ``(train_dataset, val_dataset)``.
-
-    ``val_dataset`` may be ``None`` (no validation). Both must be map-style (``__len__`` and
-    ``__getitem__``) so that data order can be reproduced and resumed.
-    """
-    if cfg.target is None:
-        raise ConfigError("data.target is not set; give a 'module:callable' that returns (train, val) datasets")
-    result = build_target(cfg.target, cfg.args, "data")
-    if not (isinstance(result, (tuple, list)) and len(result) == 2):
-        raise ConfigError(
-            f"data.target={cfg.target!r} returned {type(result).__name__}; "
-            "it must return a pair (train_dataset, val_dataset)"
-        )
-    for which, dataset in zip(("train", "val"), result):
-        if dataset is None and which == "val":
-            continue
-        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            raise ConfigError(
-                f"data.target={cfg.target!r} returned a {which} dataset of type "
-                f"{type(dataset).__name__} without __len__/__getitem__; return map-style datasets"
-            )
-    return result[0], result[1]
+def build_objective(cfg: LossConfig, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Objective:
+    """The ``Objective``: ``loss.step_fn`` if set, else ``loss_fn`` (or ``loss.target``), with ``loss.count_key``."""
+    if cfg.step_fn is not None:
+        return Objective(step_fn=resolve_target(cfg.step_fn, "loss.step_fn"), count_key=cfg.count_key)
+    return Objective(loss_fn if loss_fn is not None else build_loss(cfg), count_key=cfg.count_key)
 
 
 def build_loss(cfg: LossConfig) -> Callable[[Any, Any], torch.Tensor]:

@@ -16,15 +16,16 @@ from typing import Any
 import torch
 
 from torchkeel.checkpoint.state import capture_rng, restore_rng
-from torchkeel.data.loader import num_samples, to_device
+from torchkeel.data.batch import num_samples, tensors
 from torchkeel.errors import first_line
+from torchkeel.train.objective import Objective
 from torchkeel.train.precision import Precision
 
 
 def diagnose_nonfinite(
     model: torch.nn.Module,
     group: Sequence[Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | Objective,
     *,
     precision: Precision,
     device: torch.device,
@@ -45,14 +46,16 @@ def diagnose_nonfinite(
         "nonfinite_grads": [], "backward_anomaly": None,
     }
     try:
+        objective = Objective.of(loss_fn)
         offset = 0
-        for inputs, targets in group:
+        for batch in group:
+            is_pair = isinstance(batch, (tuple, list)) and len(batch) == 2
+            inputs, targets = batch if is_pair else (batch, None)
             result["input_nonfinite_samples"] += [offset + i for i in _bad_rows(inputs)]
             result["target_nonfinite_samples"] += [offset + i for i in _bad_rows(targets)]
-            offset += num_samples((inputs, targets))
-        for inputs, targets in group:
-            inputs, targets = to_device(inputs, device), to_device(targets, device)
-            if _replay(model, inputs, targets, loss_fn, precision, result):
+            offset += num_samples(batch)
+        for batch in group:
+            if _replay(model, batch, objective, precision, device, result):
                 break
     finally:
         with torch.no_grad():
@@ -65,7 +68,7 @@ def diagnose_nonfinite(
     return result
 
 
-def _replay(model, inputs, targets, loss_fn, precision, result) -> bool:
+def _replay(model, batch, objective, precision, device, result) -> bool:
     """One micro-batch; True once it showed a non-finite loss or gradient."""
     names = {module: name or "<model>" for name, module in model.named_modules()}
     handles = [m.register_forward_hook(_make_hook(names[m], result)) for m in names]
@@ -73,7 +76,7 @@ def _replay(model, inputs, targets, loss_fn, precision, result) -> bool:
         for p in model.parameters():
             p.grad = None
         with precision.autocast():
-            loss = loss_fn(model(inputs), targets)
+            loss = objective(model, batch, device).loss
     finally:
         for handle in handles:
             handle.remove()
@@ -89,7 +92,7 @@ def _replay(model, inputs, targets, loss_fn, precision, result) -> bool:
         warnings.simplefilter("ignore")  # anomaly mode warns when enabled and for every node it traces
         with torch.autograd.detect_anomaly(check_nan=True):
             with precision.autocast():
-                loss = loss_fn(model(inputs), targets)
+                loss = objective(model, batch, device).loss
             try:
                 loss.backward()
             except RuntimeError as exc:  # anomaly mode names the backward function that made NaN
@@ -118,10 +121,12 @@ def _all_finite(obj: Any) -> bool:
 
 
 def _bad_rows(obj: Any) -> list[int]:
-    if isinstance(obj, torch.Tensor) and obj.is_floating_point() and obj.dim() > 0:
-        bad = ~torch.isfinite(obj.reshape(obj.shape[0], -1)).all(dim=1)
-        return bad.nonzero().flatten().tolist()
-    return []
+    """Samples (rows of dim 0) with a NaN/Inf in any floating-point tensor of ``obj``."""
+    rows: set[int] = set()
+    for t in tensors(obj):
+        if t.is_floating_point() and t.dim() > 0:
+            rows.update((~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)).nonzero().flatten().tolist())
+    return sorted(rows)
 
 
 def _summary(r: dict[str, Any]) -> str:

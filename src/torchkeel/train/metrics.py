@@ -58,7 +58,7 @@ class Progress:
 
     def log(self, row: dict[str, Any]) -> None:
         """Show a metrics row: bar postfix on a TTY, a plain line otherwise."""
-        if not self.enabled or row.get("kind") == "memory":  # memory rows are for the file and the report
+        if not self.enabled or row.get("kind") in _FILE_ONLY:
             return
         text = " ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k not in ("kind", "wall_s"))
         prefix = _PREFIXES.get(row.get("kind"), "")
@@ -68,6 +68,15 @@ class Progress:
             self.bar.write(f"{prefix}{text}", file=self.stream)
         else:
             print(f"{prefix}{text}", file=self.stream, flush=True)
+
+    def note(self, message: str) -> None:
+        """A line of information for a person (progress output on)."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(f"keel: {message}", file=self.stream)
+        else:
+            print(f"keel: {message}", file=self.stream, flush=True)
 
     def warn(self, message: str) -> None:
         """A warning for a person; shown even when progress output is off."""
@@ -81,6 +90,8 @@ class Progress:
             self.bar.close()
 
 
+# Rows for the file and the report only (the worker trial has a line of its own).
+_FILE_ONLY = ("memory", "data_workers")
 # Rows other than training steps get a line of their own, with a prefix.
 _PREFIXES = {"val": "validation: ", "resume": "resumed: "}
 

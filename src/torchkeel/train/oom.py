@@ -16,19 +16,6 @@ import torch
 from torchkeel.errors import SampleTooLarge
 
 
-def split_batch(batch: Any, size: int) -> list[Any]:
-    """Cut every tensor of a (nested) batch along dim 0 into pieces of at most ``size`` samples."""
-    if isinstance(batch, torch.Tensor):
-        return list(torch.split(batch, size))
-    if isinstance(batch, (list, tuple)):
-        columns = [split_batch(b, size) for b in batch]
-        return [type(batch)(parts) for parts in zip(*columns)]
-    if isinstance(batch, dict):
-        columns = {k: split_batch(v, size) for k, v in batch.items()}
-        return [dict(zip(columns, parts)) for parts in zip(*columns.values())]
-    raise TypeError(f"cannot split a {type(batch).__name__} batch; use tensors, tuples, lists or dicts")
-
-
 def smaller_size(failed_size: int, device: torch.device) -> int:
     """Half of the micro-batch size that ran out of memory.
 

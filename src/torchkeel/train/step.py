@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from torchkeel.data.loader import num_samples, to_device
+from torchkeel.data.batch import num_samples, split_batch
 from torchkeel.dist.agree import read_finite
 from torchkeel.train.clipping import clip_grad_norm
-from torchkeel.train.oom import free_memory, smaller_size, split_batch
+from torchkeel.train.objective import LabelOutOfRange, Objective
+from torchkeel.train.oom import free_memory, smaller_size
 from torchkeel.train.precision import Precision
 
 
@@ -25,7 +26,7 @@ class StepResult:
     """What one optimizer step produced. Tensors stay on the device until someone reads them."""
 
     loss: torch.Tensor
-    """Mean loss over the group's samples (detached)."""
+    """Mean loss over the group's samples — or counted elements, see ``Objective`` (detached)."""
     grad_norm: torch.Tensor
     """Global gradient norm before clipping, of the unscaled gradients."""
     num_samples: int
@@ -39,13 +40,15 @@ class StepResult:
     micro_batch_size: int | None = None
     """The micro-batch size that fit (``None``: whole loader batches)."""
     num_oom_splits: int = 0
+    metrics: dict[str, torch.Tensor] | None = None
+    """The step function's metrics, averaged over the group like the loss."""
 
 
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     group: Sequence[Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | Objective,
     *,
     params: Sequence[torch.nn.Parameter],
     precision: Precision,
@@ -57,9 +60,11 @@ def train_step(
     micro_batch_size: int | None = None,
     before_forward: Callable[[int], None] | None = None,
 ) -> StepResult:
-    """One optimizer step over ``group``, a list of ``(input, target)`` micro-batches.
+    """One optimizer step over ``group``, a list of micro-batches.
 
-    Each piece's loss is weighted by its share of the group's samples, so the update equals a
+    ``loss_fn`` is ``loss(output, target)`` for ``(input, target)`` batches, or an ``Objective``
+    (a step function, batches of any shape, a count other than samples). Each piece's loss is
+    weighted by its share of the group's count (samples by default), so the update equals a
     single step on the concatenated batch, including a short last group. ``params`` are the
     trainable parameters (measured and clipped). With ``check_finite``, a step whose loss or
     gradients are NaN/Inf is not applied: parameters, optimizer state and step counts stay as
@@ -69,12 +74,14 @@ def train_step(
     """
     if not group:
         raise ValueError("train_step needs at least one micro-batch")
+    objective = Objective.of(loss_fn)
     sizes = [num_samples(batch) for batch in group]
-    total, num_splits = sum(sizes), 0
+    weights = [objective.weight(batch) for batch in group] if objective.count_key else [float(n) for n in sizes]
+    num_splits = 0
     while True:
         try:
-            loss_sum = _forward_backward(
-                model, group, sizes, total, loss_fn, precision, device, micro_batch_size, before_forward
+            loss_sum, metrics = _forward_backward(
+                model, group, sizes, weights, objective, precision, device, micro_batch_size, before_forward, params
             )
             break
         except torch.OutOfMemoryError:
@@ -101,9 +108,9 @@ def train_step(
     if scheduler is not None and status == "ok":
         scheduler.step()
     return StepResult(
-        loss=loss_sum, grad_norm=grad_norm, num_samples=total, num_micro_batches=len(group), status=status,
+        loss=loss_sum, grad_norm=grad_norm, num_samples=sum(sizes), num_micro_batches=len(group), status=status,
         loss_value=loss_value, grad_norm_value=norm_value, micro_batch_size=micro_batch_size,
-        num_oom_splits=num_splits,
+        num_oom_splits=num_splits, metrics=metrics,
     )
 
 
@@ -111,30 +118,60 @@ def _forward_backward(
     model: torch.nn.Module,
     group: Sequence[Any],
     sizes: Sequence[int],
-    total: int,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    weights: Sequence[float],
+    objective: Objective,
     precision: Precision,
     device: torch.device,
     micro_batch_size: int | None,
     before_forward: Callable[[int], None] | None,
-) -> torch.Tensor:
-    """Forward and backward of every piece, weighted by its samples; returns the mean loss."""
+    params: Sequence[torch.nn.Parameter],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    """Forward and backward of every piece, weighted by its count; returns the mean loss and metrics.
+
+    A mean loss is scaled by its piece's share of the group's count before its backward. Summed
+    losses (a step function that returns ``loss_sum, count``) are backpropagated as they are and
+    the gradients divided by the group's total count at the end, since it is known only then.
+    """
     non_blocking = device.type == "cuda"
+    total = sum(weights)
     loss_sum: torch.Tensor | None = None
-    for batch, size in zip(group, sizes):
+    metric_sums: dict[str, torch.Tensor] = {}
+    counted: torch.Tensor | float = 0.0
+    kinds: set[bool] = set()
+    for index, (batch, size, weight) in enumerate(zip(group, sizes, weights)):
         pieces = [batch] if micro_batch_size is None or size <= micro_batch_size else split_batch(batch, micro_batch_size)
-        for inputs, targets in pieces:
-            n = size if len(pieces) == 1 else num_samples((inputs, targets))
+        offset = 0
+        for piece in pieces:
+            n = size if len(pieces) == 1 else num_samples(piece)
+            share = weight if len(pieces) == 1 else objective.weight(piece)
             if before_forward is not None:
                 before_forward(n)
-            inputs = to_device(inputs, device, non_blocking)
-            targets = to_device(targets, device, non_blocking)
-            with precision.autocast():
-                loss = loss_fn(model(inputs), targets)
-            if n != total:
-                loss = loss * (n / total)
+            try:
+                with precision.autocast():
+                    out = objective(model, piece, device, non_blocking)
+            except LabelOutOfRange as exc:
+                exc.micro_batch, exc.sample = index, exc.sample + offset
+                raise
+            offset += n
+            kinds.add(out.is_sum)
+            if len(kinds) > 1:
+                raise ValueError("loss.step_fn returned a mean for one micro-batch and a (sum, count) for another")
+            loss = out.loss if out.is_sum or share == total else out.loss * (share / total)
             precision.backward(loss)
             detached = loss.detach().float()
             loss_sum = detached if loss_sum is None else loss_sum + detached
+            scale = 1.0 if out.is_sum else share / total
+            for name, value in out.metrics.items():
+                value = torch.as_tensor(value, device=device).detach().float() * scale
+                metric_sums[name] = metric_sums[name] + value if name in metric_sums else value
+            if out.is_sum:
+                counted = counted + torch.as_tensor(out.count, device=device).float()
     assert loss_sum is not None  # group is not empty
-    return loss_sum
+    if True in kinds:
+        counted = torch.clamp(torch.as_tensor(counted), min=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(counted)
+        loss_sum = loss_sum / counted
+        metric_sums = {name: value / counted for name, value in metric_sums.items()}
+    return loss_sum, metric_sums or None

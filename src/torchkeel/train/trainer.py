@@ -22,19 +22,21 @@ from torchkeel.checkpoint import (
 from torchkeel.checkpoint.format import PointHook
 from torchkeel.config.load import config_hash, to_dict
 from torchkeel.config.schema import KeelConfig
-from torchkeel.data.loader import EpochLoader
+from torchkeel.data.build import build_loaders
 from torchkeel.dist import RankInfo, agree_min, any_rank, any_rank_flags
 from torchkeel.io import write_json_atomic, write_text_atomic
 from torchkeel.provenance import provenance
 from torchkeel.train.accumulate import iter_groups, total_steps
 from torchkeel.train.cadence import SaveCadence
-from torchkeel.train.build import build_datasets, build_loss, build_model, resolve_device
+from torchkeel.train.build import build_model, build_objective, resolve_device
 from torchkeel.errors import TrainingDiverged
 from torchkeel.train.compile import CompiledOrEager
 from torchkeel.train.diagnose import diagnose_nonfinite
 from torchkeel.train.guards import Action, NonFiniteGuard, Snapshot, SpikeDetector, apply_lr_scale
 from torchkeel.train.incidents import IncidentLog
+from torchkeel.train.inputbound import InputBoundDetector, TimedBatches
 from torchkeel.train.memory import LeakDetector, MemoryMonitor, MemoryProbe
+from torchkeel.train.objective import LabelOutOfRange
 from torchkeel.train.metrics import MetricsWriter, Progress
 from torchkeel.train.optim import build_optimizer
 from torchkeel.train.precision import make_precision
@@ -54,8 +56,8 @@ PROGRESS = ("step", "epoch", "batch_in_epoch", "samples", "val_metrics", "valida
 class Trainer:
     """Trains the model a ``KeelConfig`` describes, with every protection on.
 
-    Objects passed in (``model``, ``train_data``/``val_data``, ``loss_fn``) take the place of
-    the config's import paths. Build order — seed, data, model, loss, optimizer — is fixed, so a
+    Objects passed in (``model``, ``train_data``/``val_data`` — map-style datasets or streaming
+    sources —, ``loss_fn``) take the place of the config's import paths. Build order — seed, data, model, loss, optimizer — is fixed, so a
     hand-written loop that follows it draws the same random numbers. ``resume`` is ``"auto"``
     (the newest valid checkpoint of the run, or a fresh start) or a checkpoint directory.
 
@@ -85,23 +87,16 @@ class Trainer:
         self.device = resolve_device(cfg.device, self.rank)
         self.precision = make_precision(cfg.precision, self.device)
         seed_everything(cfg.seed, cfg.deterministic)
-        if train_data is None:
-            train_data, val_data = build_datasets(cfg.data)
+        self.data = build_loaders(cfg.data, batch_size=cfg.train.batch_size, seed=cfg.seed, device=self.device,
+                                  train_data=train_data, val_data=val_data)
+        self.train_loader, self.val_loader = self.data.train, self.data.val
         self.model = (model if model is not None else build_model(cfg.model)).to(self.device)
         if cfg.model.init_from:
             self._init_weights(cfg.model.init_from, cfg.model.init_strict)
         self.forward_model = CompiledOrEager(self.model) if cfg.compile else self.model
-        self.loss_fn = loss_fn if loss_fn is not None else build_loss(cfg.loss)
+        self.objective = build_objective(cfg.loss, loss_fn)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(cfg.optim, self.params)
-        pin = self.device.type == "cuda"
-        self.train_loader = EpochLoader(
-            train_data, cfg.train.batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle,
-            num_workers=cfg.data.num_workers, pin_memory=pin,
-        )
-        self.val_loader = None if val_data is None else EpochLoader(
-            val_data, cfg.train.batch_size, shuffle=False, num_workers=cfg.data.num_workers, pin_memory=pin
-        )
         self.total_steps = total_steps(
             len(self.train_loader), cfg.train.accumulate, cfg.train.max_epochs, cfg.train.max_steps
         )
@@ -127,6 +122,7 @@ class Trainer:
             every_steps=mem.leak_every_steps, warmup_steps=mem.leak_warmup_steps, window=mem.leak_window,
             max_overhead=mem.leak_max_overhead, device=self.device, probe=memory_probe,
         ) if mem.leak_check else None
+        self.input_bound = InputBoundDetector()
         self.oom_hook = oom_hook
         self.resume, self.overwrite, self.show_progress = resume, overwrite, progress
         # Progress counters: all a resumed run needs to continue with the very next batch.
@@ -160,6 +156,9 @@ class Trainer:
         self.incidents = IncidentLog(self.run_dir / "incidents.jsonl" if is_main else None)
         self._provenance = provenance(config_hash(cfg))
         self._start = time.perf_counter()
+        if self.data.tuning is not None:
+            self._log({"step": 0, **self.data.tuning.row()})
+            self._progress.note(f"data.num_workers=auto: {self.data.tuning.num_workers} ({self.data.tuning.reason})")
         if found is not None:
             self._restore(found)
             self._log({"kind": "resume", "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
@@ -204,35 +203,31 @@ class Trainer:
         train, num_batches = self.config.train, len(self.train_loader)
         window_samples, window_start = 0, time.perf_counter()
         self._take_snapshot()
-        while self.step < self.total_steps:
-            batches = self.train_loader.epoch(self.epoch, start_batch=self.batch_in_epoch)
+        while self.step < self.total_steps and (train.max_epochs is None or self.epoch < train.max_epochs):
+            batches = TimedBatches(self.train_loader.epoch(self.epoch, start_batch=self.batch_in_epoch))
+            self.input_bound.start()
             for group in iter_groups(batches, train.accumulate):
                 if self.step >= self.total_steps:
                     break
                 is_log = (self.step + 1) % train.log_every == 0 or self.step + 1 == self.total_steps
                 lr = self.optimizer.param_groups[0]["lr"] if is_log else 0.0
-                result = train_step(
-                    self.forward_model, self.optimizer, group, self.loss_fn, params=self.params,
-                    precision=self.precision, device=self.device,
-                    clip_grad_norm_max=train.clip_grad_norm, scheduler=self.scheduler,
-                    check_finite=self.config.guard.enabled, split_on_oom=self.config.oom.auto_split,
-                    micro_batch_size=self.micro_batch_size, before_forward=self.oom_hook,
-                )
+                result = self._step(group)
                 self.step += 1
                 self.batch_in_epoch += len(group)
                 self.samples += result.num_samples
                 window_samples += result.num_samples
                 self._progress.advance(1)
-                self._protect(result, group)
+                self._protect(result, group, batches.take())
                 if is_log:
                     loss, grad_norm = result.loss_value, result.grad_norm_value
                     if loss is None:  # the guard is off: read them now (host sync, log steps only)
                         loss, grad_norm = result.loss.item(), result.grad_norm.item()
                     now = time.perf_counter()
+                    metrics = {k: v.item() for k, v in (result.metrics or {}).items()}  # host sync, log steps only
                     self._log({
                         "kind": "train", "step": self.step, "epoch": self.epoch, "loss": loss, "lr": lr,
                         "grad_norm": grad_norm, "samples": self.samples,
-                        "samples_per_s": window_samples / max(now - window_start, 1e-9),
+                        "samples_per_s": window_samples / max(now - window_start, 1e-9), **metrics,
                     })
                     window_samples, window_start = 0, time.perf_counter()
                 if train.val_every and self.step % train.val_every == 0:
@@ -254,8 +249,35 @@ class Trainer:
             raise TrainingDiverged("the weights are non-finite at the end of training; see incidents.jsonl")
         self._save()
 
-    def _protect(self, result: Any, group: list[Any]) -> None:
-        """Act on what the step reported: OOM splits, non-finite steps, spikes, memory, leaks."""
+    def _step(self, group: list[Any]) -> Any:
+        """``train_step`` with the run's settings; a label out of range is named with its sample."""
+        train = self.config.train
+        try:
+            return train_step(
+                self.forward_model, self.optimizer, group, self.objective, params=self.params,
+                precision=self.precision, device=self.device,
+                clip_grad_norm_max=train.clip_grad_norm, scheduler=self.scheduler,
+                check_finite=self.config.guard.enabled, split_on_oom=self.config.oom.auto_split,
+                micro_batch_size=self.micro_batch_size, before_forward=self.oom_hook,
+            )
+        except LabelOutOfRange as exc:
+            origin = self.train_loader.origin(group[exc.micro_batch], exc.sample)
+            exc.add_note(f"step {self.step + 1}, micro-batch {exc.micro_batch}: {origin or 'origin unknown'}")
+            raise
+
+    def _protect(self, result: Any, group: list[Any], wait_s: float) -> None:
+        """Act on what the step and the data reported: bad samples, OOM splits, non-finite steps,
+        spikes, memory, leaks, waiting for input."""
+        loader = self.train_loader
+        for where, error in loader.new_bad:
+            self._incident("bad_sample", f"skipped a bad sample: {where}: {error}", where=where, error=error)
+        loader.new_bad.clear()
+        waiting = self.input_bound.observe(wait_s)
+        if waiting is not None:
+            self._incident("input_bound", f"input-bound: {waiting['wait_fraction']:.0%} of the time went to waiting "
+                           f"for the next batch ({waiting['wait_s_per_step'] * 1e3:.1f} ms a step, the step itself "
+                           f"{waiting['compute_s_per_step'] * 1e3:.1f} ms); raise data.num_workers (now "
+                           f"{loader.num_workers}), make __getitem__ cheaper, or cache the decoded data", **waiting)
         if result.num_oom_splits:
             self._incident("oom_split", f"out of memory: the step was redone in micro-batches of "
                            f"{result.micro_batch_size} samples, kept for the following steps",
@@ -293,7 +315,7 @@ class Trainer:
         diagnosis = None
         if self.config.guard.diagnose and self.diagnosis is None:  # the first non-finite step only
             diagnosis = self.diagnosis = diagnose_nonfinite(
-                self.model, group, self.loss_fn, precision=self.precision, device=self.device
+                self.model, group, self.objective, precision=self.precision, device=self.device
             )
         action = self.guard.observe(False, can_roll_back=bool(self.snapshots))
         self._incident("nonfinite", f"non-finite loss or gradients: step skipped ({action.value})"
@@ -329,7 +351,7 @@ class Trainer:
         if self.val_loader is None:
             return
         self.val_metrics = evaluate(
-            self.model, self.val_loader.epoch(0), self.loss_fn, device=self.device, precision=self.precision
+            self.model, self.val_loader.epoch(0), self.objective, device=self.device, precision=self.precision
         )
         self._log({"kind": "val", "step": self.step, "epoch": self.epoch, **self.val_metrics})
 
@@ -347,6 +369,7 @@ class Trainer:
             return
         self.saved_at = self.step
         progress = {name: getattr(self, name) for name in PROGRESS}
+        progress["data"] = self.train_loader.state_dict()
         protections = {"guard": self.guard.state_dict(), "incidents": dict(self.incidents.counts),
                        "spikes": self.spikes.state_dict() if self.spikes else None}
         state = capture_training_state(
@@ -369,6 +392,8 @@ class Trainer:
         progress = restore_training_state(found.state, self.model, self.optimizer, self.scheduler, self.precision.scaler)
         for name in PROGRESS:
             setattr(self, name, progress[name])
+        if progress.get("data"):
+            self.train_loader.load_state_dict(progress["data"])
         protections = found.state.get("protections") or {}
         self.guard.load_state_dict(protections.get("guard", {}))
         self.incidents.counts.update(protections.get("incidents", {}))

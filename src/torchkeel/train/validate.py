@@ -7,54 +7,62 @@ from typing import Any
 
 import torch
 
-from torchkeel.data.loader import num_samples, to_device
+from torchkeel.train.objective import Objective
 from torchkeel.train.precision import Precision
 
 
 def evaluate(
     model: torch.nn.Module,
     batches: Iterable[Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | Objective,
     *,
     device: torch.device,
     precision: Precision | None = None,
 ) -> dict[str, float]:
     """Mean loss (and accuracy, for class-index targets) over every sample of ``batches``.
 
-    Batches are weighted by their size, so a short last batch counts for what it holds. Dropout
-    and batch-norm updates are off during the pass; the model's previous mode is restored after.
-    Returns ``{"val_loss": ..., "val_accuracy": ...}`` (accuracy only for classification:
-    integer targets of shape ``[batch]`` and outputs of shape ``[batch, classes]``).
+    Batches are weighted by their count (samples, or what the ``Objective`` counts), so a short
+    last batch counts for what it holds. A step function's metrics come back as ``val_<name>``.
+    Dropout and batch-norm updates are off during the pass; the model's previous mode is
+    restored after. Returns ``{"val_loss": ..., "val_accuracy": ...}`` (accuracy only for
+    classification: integer targets of shape ``[batch]`` and outputs of shape ``[batch, classes]``).
     The values are read back to the host once, at the end.
     """
+    objective = Objective.of(loss_fn)
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    metric_sums: dict[str, torch.Tensor] = {}
     correct = torch.zeros((), dtype=torch.int64, device=device)
-    count = 0
+    count: torch.Tensor | float = 0.0
+    samples = 0
     is_classification = True
     try:
         with torch.inference_mode():
-            for inputs, targets in batches:
-                size = num_samples((inputs, targets))
-                inputs = to_device(inputs, device)
-                targets = to_device(targets, device)
+            for batch in batches:
                 with (precision or Precision(device.type)).autocast():
-                    outputs = model(inputs)
-                    loss = loss_fn(outputs, targets)
-                loss_sum += loss.double() * size
-                count += size
-                if is_classification and _is_class_index(outputs, targets):
-                    correct += (outputs.argmax(dim=1) == targets).sum()
+                    out = objective(model, batch, device)
+                weight = torch.as_tensor(out.count, device=device).double() if out.is_sum else objective.weight(batch)
+                scale = 1.0 if out.is_sum else weight
+                loss_sum += out.loss.double() * scale
+                for name, value in out.metrics.items():
+                    value = torch.as_tensor(value, device=device).double() * scale
+                    metric_sums[name] = metric_sums[name] + value if name in metric_sums else value
+                count = count + weight
+                if is_classification and _is_class_index(out.outputs, out.targets):
+                    correct += (out.outputs.argmax(dim=1) == out.targets).sum()
+                    samples += out.targets.shape[0]
                 else:
                     is_classification = False
     finally:
         model.train(was_training)
-    if count == 0:
+    total = float(count)
+    if total == 0:
         return {}
-    metrics = {"val_loss": loss_sum.item() / count}
-    if is_classification:
-        metrics["val_accuracy"] = correct.item() / count
+    metrics = {"val_loss": loss_sum.item() / total}
+    metrics.update({f"val_{name}": value.item() / total for name, value in metric_sums.items()})
+    if is_classification and samples:
+        metrics["val_accuracy"] = correct.item() / samples
     return metrics
 
 

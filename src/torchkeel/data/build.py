@@ -1,0 +1,154 @@
+"""The data side of a run, from the config: sources or datasets, collate, transforms, loaders,
+and the worker count (``auto``: timed once, cached). The Trainer asks for ``build_loaders``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchkeel.config.imports import build_target, resolve_target
+from torchkeel.config.schema import DataConfig
+from torchkeel.data.collate import build_collate
+from torchkeel.data.loader import EpochLoader
+from torchkeel.data.stream import StreamLoader
+from torchkeel.data.tune import TuneResult, tune_workers
+from torchkeel.errors import ConfigError
+
+Loader = EpochLoader | StreamLoader
+
+
+@dataclass
+class Loaders:
+    train: Loader
+    val: Loader | None
+    tuning: TuneResult | None
+    """How ``num_workers: auto`` chose (``None`` when the count was given)."""
+
+
+def is_source(data: Any) -> bool:
+    """A streaming source (``ParquetSource``, ``WebDatasetSource`` or one like them)."""
+    return callable(getattr(data, "units", None)) and callable(getattr(data, "read", None))
+
+
+def build_datasets(cfg: DataConfig) -> tuple[Any, Any]:
+    """Call ``data.target(**data.args)``; it must return ``(train_dataset, val_dataset)``.
+
+    ``val_dataset`` may be ``None`` (no validation). Each must be map-style (``__len__`` and
+    ``__getitem__``) or a streaming source, so that data order can be reproduced and resumed.
+    """
+    if cfg.target is None:
+        raise ConfigError("data.target is not set; give a 'module:callable' that returns (train, val) datasets")
+    result = build_target(cfg.target, cfg.args, "data")
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        raise ConfigError(
+            f"data.target={cfg.target!r} returned {type(result).__name__}; "
+            "it must return a pair (train_dataset, val_dataset)"
+        )
+    for which, dataset in zip(("train", "val"), result):
+        if dataset is None and which == "val":
+            continue
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")) and not is_source(dataset):
+            raise ConfigError(
+                f"data.target={cfg.target!r} returned a {which} dataset of type "
+                f"{type(dataset).__name__} without __len__/__getitem__; return map-style datasets"
+            )
+    return result[0], result[1]
+
+
+def build_sources(cfg: DataConfig) -> tuple[Any, Any]:
+    """The train and val sources of a streaming format."""
+    if cfg.train is None:
+        raise ConfigError(f"data.format={cfg.format} needs data.train: the files to train on")
+
+    def make(paths: Any, key: str) -> Any:
+        if cfg.format == "parquet":
+            from torchkeel.data.sources.parquet import ParquetSource
+
+            return ParquetSource(paths, input=cfg.input, target=cfg.target, bucket_by=cfg.bucket_by,
+                                 bucket_window=cfg.bucket_window, key=key)
+        from torchkeel.data.sources.webdataset import WebDatasetSource
+
+        return WebDatasetSource(paths, input=cfg.input if isinstance(cfg.input, str) or cfg.input is None
+                                else _one(cfg.input), target=cfg.target, shuffle_buffer=cfg.shuffle_buffer,
+                                image=cfg.image, key=key)
+
+    return make(cfg.train, "data.train"), (make(cfg.val, "data.val") if cfg.val is not None else None)
+
+
+def build_loaders(
+    cfg: DataConfig,
+    *,
+    batch_size: int,
+    seed: int,
+    device: torch.device,
+    train_data: Any = None,
+    val_data: Any = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Loaders:
+    """Loaders for ``train_data``/``val_data`` (datasets or sources), or those the config names."""
+    if train_data is None:
+        if cfg.format == "map":
+            train_data, val_data = build_datasets(cfg)
+        else:
+            train_data, val_data = build_sources(cfg)
+    collate = build_collate(cfg.collate, cfg.pad_value) if cfg.collate != "default" else None
+    transform = resolve_target(cfg.transform, "data.transform") if cfg.transform else None
+    batch_transform = resolve_target(cfg.batch_transform, "data.batch_transform") if cfg.batch_transform else None
+
+    def make(data: Any, num_workers: int, *, train: bool) -> Loader:
+        common = dict(seed=seed, num_workers=num_workers, collate_fn=collate, pin_memory=device.type == "cuda",
+                      prefetch_factor=cfg.prefetch_factor, max_bad_fraction=cfg.max_bad_fraction,
+                      shuffle=cfg.shuffle and train, drop_last=cfg.drop_last and train)
+        if is_source(data):
+            return StreamLoader(data, batch_size, transform=transform, batch_transform=batch_transform,
+                                rank=rank, world_size=world_size, **common)
+        if transform is not None:
+            data = _Transformed(data, transform)
+        return EpochLoader(data, batch_size, bucket_by=_bucket_key(cfg.bucket_by), bucket_window=cfg.bucket_window,
+                           **common)
+
+    tuning = None
+    num_workers = cfg.num_workers
+    if num_workers == "auto":
+        tuning = tune_workers(lambda n: make(train_data, n, train=True),
+                              fingerprint=_fingerprint(train_data, cfg, batch_size))
+        num_workers = tuning.num_workers
+    assert isinstance(num_workers, int)
+    train = make(train_data, num_workers, train=True)
+    val = make(val_data, num_workers, train=False) if val_data is not None else None
+    return Loaders(train, val, tuning)
+
+
+class _Transformed(torch.utils.data.Dataset):
+    """A map-style dataset with ``data.transform`` applied to each item."""
+
+    def __init__(self, dataset: Any, transform: Callable[[Any], Any]) -> None:
+        self.dataset, self.transform = dataset, transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.transform(self.dataset[index])
+
+
+def _fingerprint(data: Any, cfg: DataConfig, batch_size: int) -> str:
+    what = data.fingerprint() if is_source(data) else [
+        f"{type(data).__module__}.{type(data).__qualname__}", len(data), cfg.target, cfg.args]
+    return json.dumps([what, batch_size, cfg.collate, cfg.transform, cfg.batch_transform, cfg.prefetch_factor],
+                      default=str, sort_keys=True)
+
+
+def _bucket_key(key: str | None) -> str | int | None:
+    return int(key) if key is not None and key.isdigit() else key
+
+
+def _one(values: list[str]) -> str:
+    if len(values) != 1:
+        raise ConfigError(f"data.input for webdataset is one sample key, got {values}")
+    return values[0]

@@ -1,0 +1,88 @@
+"""Streaming sources: data cut into units of work (Parquet row groups, WebDataset shards).
+
+A source lists its units and reads one from a position. It yields ``Rows`` (a columnar block of
+samples, already tensors) or ``Sample`` (one sample), and ``Bad`` for a sample it could not read
+or decode — never a replacement for it. ``torchkeel.data.stream`` turns them into batches.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from torchkeel.data.order import Unit
+from torchkeel.errors import ConfigError
+
+
+@dataclass
+class Rows:
+    """Samples as one columnar block: ``data`` is a batch (tensors with ``len(ends)`` rows);
+    row ``i`` ends at unit position ``ends[i]``; ``rows`` are the rows' numbers in the unit."""
+
+    data: Any
+    ends: np.ndarray
+    rows: np.ndarray
+
+
+@dataclass
+class Sample:
+    """One sample; ``end`` is the unit position after it, ``where`` names it for errors."""
+
+    data: Any
+    end: int
+    where: str
+
+
+@dataclass
+class Bad:
+    """A sample that could not be read, decoded or transformed: where it is and why."""
+
+    where: str
+    error: str
+    end: int
+
+
+class Source(Protocol):
+    """What the stream loader needs from a source (see ``ParquetSource``, ``WebDatasetSource``)."""
+
+    def units(self) -> list[Unit]:
+        """The units of work, each with its number of samples."""
+
+    def read(self, unit: int, first: int, rng: np.random.Generator, *, as_samples: bool) -> Iterator[Rows | Sample | Bad]:
+        """Unit ``unit`` in its seeded order (``rng``), from position ``first`` to its end."""
+
+    def fingerprint(self) -> str:
+        """Identifies the data (paths, sizes, modification times, columns) for caches."""
+
+    def where(self, unit: int, row: int) -> str:
+        """Names sample ``row`` of ``unit`` for a person."""
+
+
+def expand_paths(pattern: str | Sequence[str], key: str, suffix: str) -> list[str]:
+    """Files of a glob, a brace pattern (``train-{000..099}.tar``), a directory or a list of them."""
+    from braceexpand import braceexpand
+
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
+    paths: list[str] = []
+    for item in patterns:
+        for expanded in braceexpand(os.path.expanduser(item)):
+            if os.path.isdir(expanded):
+                paths += sorted(glob.glob(os.path.join(expanded, f"*{suffix}")))
+            elif any(ch in expanded for ch in "*?["):
+                paths += sorted(glob.glob(expanded))
+            elif os.path.isfile(expanded):
+                paths.append(expanded)
+            else:
+                raise ConfigError(f"{key}: file '{expanded}' not found; check the path or pattern")
+    if not paths:
+        raise ConfigError(f"{key}={pattern!r} matches no {suffix} file; check the path or pattern")
+    return paths
+
+
+def files_fingerprint(paths: Sequence[str]) -> list[Any]:
+    return [[os.path.abspath(p), os.path.getsize(p), int(os.path.getmtime(p))] for p in paths]

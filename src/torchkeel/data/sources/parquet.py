@@ -1,0 +1,177 @@
+"""Parquet files through ``pyarrow.dataset``: row groups are the units of work.
+
+A row group is read once with only the needed columns, put in its seeded order (a permutation
+of its rows, or length buckets with ``bucket_by``) and turned into tensors column by column —
+no Python loop per value, unless samples are wanted one by one (a per-sample transform, a
+ragged column, a custom collate).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchkeel.data.order import Unit, bucket_order
+from torchkeel.data.sources import Bad, Rows, Sample, expand_paths, files_fingerprint
+from torchkeel.errors import ConfigError, MissingExtraError, first_line
+
+
+class ParquetSource:
+    """Samples ``(input, target)`` from Parquet files.
+
+    Args:
+        paths: files, globs, brace patterns or directories.
+        input: the feature columns (stacked into one float vector per row) or one list-valued
+            column (a vector or a variable-length sequence per row).
+        target: the label column (``None``: samples are the input alone).
+        bucket_by: a list-valued column whose lengths group similar rows (see ``docs/data.md``).
+        bucket_window: rows sorted together when bucketing.
+
+    Example::
+
+        source = ParquetSource("data/train/*.parquet", input=["f0", "f1"], target="label")
+    """
+
+    def __init__(
+        self,
+        paths: str | Sequence[str],
+        *,
+        input: str | Sequence[str],
+        target: str | None = None,
+        bucket_by: str | None = None,
+        bucket_window: int = 4096,
+        key: str = "data.train",
+    ) -> None:
+        try:
+            import pyarrow.dataset as ds
+        except ImportError:
+            raise MissingExtraError("data", "pyarrow", "format: parquet") from None
+        self.paths = expand_paths(paths, key, ".parquet")
+        self.input = [input] if isinstance(input, str) else list(input)
+        self.target = target
+        self.bucket_by = bucket_by
+        self.bucket_window = bucket_window
+        dataset = ds.dataset(self.paths, format="parquet")
+        names = set(dataset.schema.names)
+        for what, column in [*(("input", c) for c in self.input), ("target", target), ("bucket_by", bucket_by)]:
+            if column is not None and column not in names:
+                raise ConfigError(f"data.{what}: column '{column}' is not in '{self.paths[0]}' "
+                                  f"(columns: {', '.join(sorted(names))})")
+        self.columns = list(dict.fromkeys([*self.input, *([target] if target else []),
+                                           *([bucket_by] if bucket_by else [])]))
+        self._units: list[Unit] = []
+        self._groups: list[tuple[int, int, int]] = []  # (file, row group, first row in the file)
+        for file_index, fragment in enumerate(dataset.get_fragments()):
+            offset = 0
+            for group in fragment.row_groups:
+                self._units.append(Unit(f"{self.paths[file_index]} row group {group.id}", group.num_rows))
+                self._groups.append((file_index, group.id, offset))
+                offset += group.num_rows
+        self._fragments: list[Any] | None = None  # opened lazily in each worker
+
+    def units(self) -> list[Unit]:
+        return self._units
+
+    def fingerprint(self) -> str:
+        return json.dumps(["parquet", files_fingerprint(self.paths), self.columns])
+
+    def where(self, unit: int, row: int) -> str:
+        file_index, _, offset = self._groups[unit]
+        return f"{self.paths[file_index]} row {offset + row}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fragments": None}
+
+    def read(self, unit: int, first: int, rng: np.random.Generator, *, as_samples: bool) -> Iterator[Rows | Sample | Bad]:
+        table = self._read_table(unit)
+        n = table.num_rows
+        order = self._order(table, rng)
+        bad_rows = self._null_rows(table)
+        positions = np.arange(first, n)
+        rows = order[first:]
+        if bad_rows.size:
+            is_bad = np.isin(rows, bad_rows)
+            for pos in positions[is_bad]:
+                yield Bad(self.where(unit, int(order[pos])), "a null value in a needed column", int(pos) + 1)
+            positions, rows = positions[~is_bad], rows[~is_bad]
+        if not rows.size:
+            return
+        inputs, ragged = self._column_tensor(table, self.input, rows)
+        targets = self._column_tensor(table, [self.target], rows)[0] if self.target else None
+        if not as_samples and ragged is None:
+            data = inputs if targets is None else (inputs, targets)
+            yield Rows(data, positions + 1, rows)
+            return
+        for i, (pos, row) in enumerate(zip(positions.tolist(), rows.tolist())):
+            x = ragged[i] if ragged is not None else inputs[i]
+            yield Sample(x if targets is None else (x, targets[i]), pos + 1, self.where(unit, row))
+
+    def _read_table(self, unit: int) -> Any:
+        if self._fragments is None:
+            import pyarrow.dataset as ds
+
+            self._fragments = list(ds.dataset(self.paths, format="parquet").get_fragments())
+        file_index, group, _ = self._groups[unit]
+        return self._fragments[file_index].subset(row_group_ids=[group]).to_table(columns=self.columns)
+
+    def _order(self, table: Any, rng: np.random.Generator) -> np.ndarray:
+        """The row group's seeded order: a permutation, then sorted by length within windows."""
+        order = rng.permutation(table.num_rows)
+        if self.bucket_by is None:
+            return order
+        lengths = _lengths(table.column(self.bucket_by).combine_chunks())
+        return bucket_order(order, lengths, self.bucket_window, rng)
+
+    def _null_rows(self, table: Any) -> np.ndarray:
+        bad = np.zeros(table.num_rows, dtype=bool)
+        for name in self.columns:
+            column = table.column(name)
+            if column.null_count:
+                bad |= column.is_null().to_numpy(zero_copy_only=False)
+        return np.flatnonzero(bad)
+
+    def _column_tensor(self, table: Any, names: list[str], rows: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Rows ``rows`` of ``names`` as one tensor ``[rows, features]`` (or ``[rows]`` for one
+        scalar column); a ragged list column comes back as a list of tensors instead."""
+        import pyarrow as pa
+
+        columns = [table.column(name).combine_chunks() for name in names]
+        if len(columns) == 1 and _is_list(pa, columns[0].type):
+            column = columns[0]
+            values = _numpy(column.flatten())
+            lengths = _lengths(column)
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            wanted = lengths[rows]
+            if wanted.size and (wanted == wanted[0]).all():
+                index = offsets[rows][:, None] + np.arange(wanted[0])
+                return torch.from_numpy(values[index]), None
+            return torch.empty(0), [torch.from_numpy(values[offsets[r]:offsets[r + 1]]) for r in rows.tolist()]
+        arrays = [_numpy(c) for c in columns]
+        if len(arrays) == 1:
+            return torch.from_numpy(arrays[0][rows]), None
+        dtype = np.result_type(*arrays)
+        out = np.empty((len(rows), len(arrays)), dtype=np.float32 if dtype == np.float64 else dtype)
+        for j, array in enumerate(arrays):
+            out[:, j] = array[rows]
+        return torch.from_numpy(out), None
+
+
+def _numpy(array: Any) -> np.ndarray:
+    values = array.to_numpy(zero_copy_only=False)
+    if values.dtype == np.float64:
+        values = values.astype(np.float32)
+    elif values.dtype == object:
+        raise ConfigError(f"column of type {array.type} cannot be a tensor; use numeric columns")
+    return values
+
+
+def _is_list(pa: Any, type_: Any) -> bool:
+    return pa.types.is_list(type_) or pa.types.is_large_list(type_) or pa.types.is_fixed_size_list(type_)
+
+
+def _lengths(column: Any) -> np.ndarray:
+    return np.asarray(column.value_lengths().fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)

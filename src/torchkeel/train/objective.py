@@ -1,0 +1,133 @@
+"""How a batch becomes a loss, and what it weighs in accumulation.
+
+The default is ``loss_fn(model(input), target)``, a mean over the batch's samples. A step
+function ``(model, batch) -> ...`` covers the rest (``model(**batch).loss``, several inputs,
+contrastive losses) and may return:
+
+- ``loss`` — a mean; ``loss, {name: value}`` — with metrics to log;
+- ``loss_sum, count`` (or ``loss_sum, count, {name: value}``) — a sum over ``count`` elements.
+
+Accumulation weighs each micro-batch by its count — samples, the batch's ``count_key`` (e.g.
+non-padding tokens), or the count the step function returned — so ``batch 16 × accumulate 4``
+equals ``batch 64 × 1`` even when the loss is a mean over a number of tokens that varies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchkeel.data.batch import num_samples, to_device
+from torchkeel.errors import DataError
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    """A mean over ``count`` elements, or their sum when ``is_sum``."""
+    is_sum: bool = False
+    count: torch.Tensor | float | None = None
+    """Elements a summed loss is over (``None`` for a mean: the weight was known up front)."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    outputs: Any = None
+    targets: Any = None
+
+
+class LabelOutOfRange(DataError):
+    """A class-index target is outside ``[0, num_classes)``."""
+
+    def __init__(self, value: int, num_classes: int, sample: int) -> None:
+        self.value, self.num_classes, self.sample, self.micro_batch = value, num_classes, sample, 0
+        super().__init__(
+            f"target {value} is outside [0, {num_classes}): the model outputs {num_classes} classes; fix the "
+            "label or the model's number of outputs"
+        )
+
+    def __str__(self) -> str:
+        return f"{super().__str__()} (sample {self.sample} of micro-batch {self.micro_batch})"
+
+
+class Objective:
+    """Computes one micro-batch's loss and its weight. ``loss_fn`` or ``step_fn``, not both.
+
+    Args:
+        loss_fn: ``loss(output, target)``, a mean over samples.
+        step_fn: ``(model, batch) -> loss | (loss, metrics) | (loss_sum, count[, metrics])``.
+        count_key: a batch key holding the number of elements the loss is a mean over (an int
+            or a tensor, summed); weights micro-batches by it instead of by samples.
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        *,
+        step_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
+        count_key: str | None = None,
+    ) -> None:
+        if (loss_fn is None) == (step_fn is None):
+            raise ValueError("Objective needs exactly one of loss_fn and step_fn")
+        self.loss_fn, self.step_fn, self.count_key = loss_fn, step_fn, count_key
+
+    @classmethod
+    def of(cls, loss: "Objective | Callable[[Any, Any], torch.Tensor]") -> "Objective":
+        return loss if isinstance(loss, Objective) else cls(loss)
+
+    def weight(self, batch: Any) -> float:
+        """The micro-batch's weight, known before its forward: samples, or ``batch[count_key]``."""
+        if self.count_key is None:
+            return float(num_samples(batch))
+        if not isinstance(batch, Mapping) or self.count_key not in batch:
+            keys = ", ".join(map(str, batch)) if isinstance(batch, Mapping) else type(batch).__name__
+            raise DataError(f"loss.count_key={self.count_key!r} is not a key of the batch ({keys}); "
+                            "name the batch key that counts the loss's elements")
+        count = batch[self.count_key]
+        return float(count.sum()) if isinstance(count, torch.Tensor) else float(count)  # CPU: no device sync
+
+    def __call__(self, model: torch.nn.Module, batch: Any, device: torch.device, non_blocking: bool = False) -> LossOutput:
+        """Forward one micro-batch (still on the CPU as the loader gave it) and compute its loss."""
+        if self.step_fn is not None:
+            return _step_output(self.step_fn(model, to_device(batch, device, non_blocking)))
+        inputs, targets = batch
+        outputs = model(to_device(inputs, device, non_blocking))
+        check_labels(outputs, targets, self.loss_fn)
+        targets_on_device = to_device(targets, device, non_blocking)
+        return LossOutput(self.loss_fn(outputs, targets_on_device), outputs=outputs, targets=targets_on_device)
+
+
+def check_labels(outputs: Any, targets: Any, loss_fn: Any) -> None:
+    """Class-index targets must be in ``[0, classes)`` (or the loss's ``ignore_index``).
+
+    Checked on the loader's CPU tensor before the loss: out of range, ``cross_entropy`` fails
+    with a bare ``IndexError`` on the CPU and a device-side assert that kills the CUDA context.
+    """
+    if not (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
+        return
+    if targets.is_floating_point() or targets.dtype == torch.bool or outputs.dim() != targets.dim() + 1 or targets.numel() == 0:
+        return
+    if targets.device.type != "cpu":
+        return  # never a device sync for this check
+    num_classes = outputs.shape[1]
+    ignore = getattr(loss_fn, "ignore_index", -100)
+    bad = ((targets < 0) | (targets >= num_classes)) & (targets != ignore)
+    if bool(bad.any()):
+        flat = bad.reshape(bad.shape[0], -1).any(dim=1).nonzero()[0, 0].item()
+        value = targets[flat][bad[flat]].reshape(-1)[0].item() if targets.dim() > 1 else targets[flat].item()
+        raise LabelOutOfRange(int(value), int(num_classes), int(flat))
+
+
+def _step_output(result: Any) -> LossOutput:
+    if isinstance(result, torch.Tensor):
+        return LossOutput(result)
+    if isinstance(result, tuple) and len(result) in (2, 3):
+        loss, second, *rest = result
+        if isinstance(second, Mapping) and not rest:
+            return LossOutput(loss, metrics=dict(second))
+        if isinstance(second, (torch.Tensor, int, float)) and (not rest or isinstance(rest[0], Mapping)):
+            return LossOutput(loss, is_sum=True, count=second, metrics=dict(rest[0]) if rest else {})
+    raise DataError(
+        f"loss.step_fn returned {type(result).__name__}; return loss, (loss, {{name: value}}), "
+        "(loss_sum, count) or (loss_sum, count, {name: value})"
+    )
