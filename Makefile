@@ -33,6 +33,7 @@ bench: setup
 	$(PY) bench/trainer_overhead.py
 	$(PY) bench/checkpoint.py
 	$(PY) bench/serve.py
+	$(PY) bench/data.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

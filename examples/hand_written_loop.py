@@ -61,11 +61,18 @@ def main(
     num_steps = tk.total_steps(len(loader), accumulate, max_epochs, None)
     scheduler = tk.build_scheduler(optimizer, warmup_steps=warmup_steps, total_steps=num_steps)
     metrics = tk.MetricsWriter(metrics_path) if metrics_path else None
-    guard, leaks = tk.NonFiniteGuard("skip"), tk.LeakDetector()
+    guard, leaks, waiting = tk.NonFiniteGuard("skip"), tk.LeakDetector(), tk.InputBoundDetector()
 
     losses, step = [], 0
     for epoch in range(max_epochs):
-        for group in tk.iter_groups(loader.epoch(epoch), accumulate):
+        batches = tk.TimedBatches(loader.epoch(epoch))  # time spent waiting for data
+        waiting.start()
+        for group in tk.iter_groups(batches, accumulate):
+            for where, error in loader.new_bad:  # skipped, never replaced
+                print(f"bad sample {where}: {error}", file=sys.stderr)
+            loader.new_bad.clear()
+            if finding := waiting.observe(batches.take()):
+                print(f"input-bound: {finding['wait_fraction']:.0%} of the time waiting for data", file=sys.stderr)
             group_samples = sum(len(targets) for _, targets in group)
             step_loss = torch.zeros(())
             for inputs, targets in group:

@@ -1,9 +1,24 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from torchkeel.config import load_config
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_cache(tmp_path_factory):
+    """``num_workers: auto`` caches its trials under $XDG_CACHE_HOME: not in the user's home
+    (subprocesses inherit it)."""
+    previous = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if previous is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = previous
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,14 @@ from torchkeel.checkpoint import (
     restore_training_state,
 )
 from torchkeel.config import KeelConfig, load_config
-from torchkeel.data import EpochLoader
+from torchkeel.data import (
+    EpochLoader,
+    PadCollate,
+    ParquetSource,
+    StreamLoader,
+    WebDatasetSource,
+    tune_workers,
+)
 from torchkeel.errors import (
     CheckpointError,
     ConfigError,
@@ -27,8 +34,10 @@ from torchkeel.train.compile import CompiledOrEager
 from torchkeel.train.diagnose import diagnose_nonfinite
 from torchkeel.train.guards import Action, NonFiniteGuard, SpikeDetector
 from torchkeel.train.incidents import IncidentLog
+from torchkeel.train.inputbound import InputBoundDetector, TimedBatches
 from torchkeel.train.memory import LeakDetector, MemoryMonitor
 from torchkeel.train.metrics import MetricsWriter, read_metrics
+from torchkeel.train.objective import Objective
 from torchkeel.train.oom import OomInjector
 from torchkeel.train.precision import Precision, make_precision
 from torchkeel.train.schedule import build_scheduler, lr_at
@@ -64,6 +73,14 @@ __all__ = [
     "ConfigError",
     "DataError",
     "EpochLoader",
+    "InputBoundDetector",
+    "Objective",
+    "PadCollate",
+    "ParquetSource",
+    "StreamLoader",
+    "TimedBatches",
+    "WebDatasetSource",
+    "tune_workers",
     "KeelConfig",
     "KeelError",
     "MetricsWriter",

@@ -79,28 +79,18 @@ def build_sources(cfg: DataConfig) -> tuple[Any, Any]:
     return make(cfg.train, "data.train"), (make(cfg.val, "data.val") if cfg.val is not None else None)
 
 
-def build_loaders(
-    cfg: DataConfig,
-    *,
-    batch_size: int,
-    seed: int,
-    device: torch.device,
-    train_data: Any = None,
-    val_data: Any = None,
-    rank: int = 0,
-    world_size: int = 1,
-) -> Loaders:
-    """Loaders for ``train_data``/``val_data`` (datasets or sources), or those the config names."""
-    if train_data is None:
-        if cfg.format == "map":
-            train_data, val_data = build_datasets(cfg)
-        else:
-            train_data, val_data = build_sources(cfg)
+LoaderFactory = Callable[..., Loader]
+
+
+def loader_factory(
+    cfg: DataConfig, *, batch_size: int, seed: int, device: torch.device, rank: int = 0, world_size: int = 1
+) -> LoaderFactory:
+    """``make(data, num_workers, train=True)``: a loader for a dataset or source with the config's settings."""
     collate = build_collate(cfg.collate, cfg.pad_value) if cfg.collate != "default" else None
     transform = resolve_target(cfg.transform, "data.transform") if cfg.transform else None
     batch_transform = resolve_target(cfg.batch_transform, "data.batch_transform") if cfg.batch_transform else None
 
-    def make(data: Any, num_workers: int, *, train: bool) -> Loader:
+    def make(data: Any, num_workers: int, *, train: bool = True) -> Loader:
         common = dict(seed=seed, num_workers=num_workers, collate_fn=collate, pin_memory=device.type == "cuda",
                       prefetch_factor=cfg.prefetch_factor, max_bad_fraction=cfg.max_bad_fraction,
                       shuffle=cfg.shuffle and train, drop_last=cfg.drop_last and train)
@@ -112,14 +102,38 @@ def build_loaders(
         return EpochLoader(data, batch_size, bucket_by=_bucket_key(cfg.bucket_by), bucket_window=cfg.bucket_window,
                            **common)
 
+    return make
+
+
+def resolve_data(cfg: DataConfig, train_data: Any = None, val_data: Any = None) -> tuple[Any, Any]:
+    """``train_data``/``val_data`` as given, or what the config names (datasets or sources)."""
+    if train_data is not None:
+        return train_data, val_data
+    return build_datasets(cfg) if cfg.format == "map" else build_sources(cfg)
+
+
+def build_loaders(
+    cfg: DataConfig,
+    *,
+    batch_size: int,
+    seed: int,
+    device: torch.device,
+    train_data: Any = None,
+    val_data: Any = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Loaders:
+    """Loaders for ``train_data``/``val_data`` (datasets or sources), or those the config names;
+    ``num_workers: auto`` runs (or reads from the cache) the worker trial on the training data."""
+    train_data, val_data = resolve_data(cfg, train_data, val_data)
+    make = loader_factory(cfg, batch_size=batch_size, seed=seed, device=device, rank=rank, world_size=world_size)
     tuning = None
     num_workers = cfg.num_workers
     if num_workers == "auto":
-        tuning = tune_workers(lambda n: make(train_data, n, train=True),
-                              fingerprint=_fingerprint(train_data, cfg, batch_size))
+        tuning = tune_workers(lambda n: make(train_data, n), fingerprint=data_fingerprint(train_data, cfg, batch_size))
         num_workers = tuning.num_workers
     assert isinstance(num_workers, int)
-    train = make(train_data, num_workers, train=True)
+    train = make(train_data, num_workers)
     val = make(val_data, num_workers, train=False) if val_data is not None else None
     return Loaders(train, val, tuning)
 
@@ -137,7 +151,8 @@ class _Transformed(torch.utils.data.Dataset):
         return self.transform(self.dataset[index])
 
 
-def _fingerprint(data: Any, cfg: DataConfig, batch_size: int) -> str:
+def data_fingerprint(data: Any, cfg: DataConfig, batch_size: int) -> str:
+    """Identifies the data and batch settings for the worker-count cache."""
     what = data.fingerprint() if is_source(data) else [
         f"{type(data).__module__}.{type(data).__qualname__}", len(data), cfg.target, cfg.args]
     return json.dumps([what, batch_size, cfg.collate, cfg.transform, cfg.batch_transform, cfg.prefetch_factor],

@@ -15,9 +15,11 @@ from torchkeel.errors import ConfigError, DataError
 class PadCollate:
     """Stack samples, padding variable-length tensors (dim 0) to the longest in the batch.
 
-    Dict samples also get, for the first padded key, ``lengths`` (``[batch]``) and
-    ``attention_mask`` (``[batch, longest]``, 1 on real elements), and ``<key>_lengths`` /
-    ``<key>_mask`` for any further padded key. Tuple and dataclass samples keep their shape.
+    Every tensor field with a dimension is a sequence. Dict samples also get, for the first
+    sequence key, ``lengths`` (``[batch]``) and ``attention_mask`` (``[batch, longest]``, 1 on
+    real elements) — in every batch, even one whose lengths happen to be equal — and
+    ``<key>_lengths`` / ``<key>_mask`` for further sequence keys. Tuple and dataclass samples
+    keep their shape.
     """
 
     def __init__(self, pad_value: float = 0.0) -> None:
@@ -31,7 +33,7 @@ class PadCollate:
             for key in first:
                 values = [s[key] for s in samples]
                 batch[key] = self._field(values)
-                if _is_ragged(values):
+                if all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
                     lengths = torch.tensor([v.shape[0] for v in values])
                     mask = (torch.arange(int(lengths.max()))[None, :] < lengths[:, None]).long()
                     prefix = "" if not named else f"{key}_"

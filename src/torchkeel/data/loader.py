@@ -211,10 +211,9 @@ class EpochLoader:
         self.num_bad = int(state.get("num_bad", 0))
         self.bad_samples = [tuple(b) for b in state.get("bad_samples", [])]
 
-    def worker_pids(self) -> list[int]:
-        """The PIDs of the live worker processes (empty with ``num_workers=0``)."""
-        iterator = getattr(self._loader, "_iterator", None) if self._loader is not None else None
-        return [w.pid for w in getattr(iterator, "_workers", [])]
+    def close(self) -> None:
+        """Stop the worker processes (they are started again by the next ``epoch()``)."""
+        self._loader = None
 
     def _data_loader(self) -> DataLoader:
         if self._loader is None:

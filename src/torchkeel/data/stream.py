@@ -306,14 +306,13 @@ class StreamLoader:
         self.num_bad = sum(int(s.get("num_bad", 0)) for s in states)
         self.bad_samples = [tuple(b) for s in states for b in s.get("bad_samples", [])][:MAX_LISTED_BAD]
 
-    def worker_pids(self) -> list[int]:
-        """The PIDs of the live worker processes (empty with ``num_workers=0`` or before the first epoch)."""
-        iterator = getattr(self._loader, "_iterator", None) if self._loader is not None else None
-        return [w.pid for w in getattr(iterator, "_workers", [])]
-
     def _local(self, streams: list[list[Work]]) -> list[list[Work]]:
         per_rank = max(1, self.num_workers)
         return streams[self.rank * per_rank:(self.rank + 1) * per_rank]
+
+    def close(self) -> None:
+        """Stop the worker processes (they are started again by the next ``epoch()``)."""
+        self._loader = None
 
     def _data_loader(self) -> DataLoader:
         if self._loader is None:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from torchkeel.data.batch import num_samples
+from torchkeel.errors import DataError
 from torchkeel.io import write_json_atomic
 
 TOLERANCE = 0.95
@@ -92,6 +93,8 @@ def tune_workers(
                           [Trial(**t) for t in hit.get("trials", [])], cached=True)
     trials = [_trial(make_loader, n, trial_s) for n in candidates(limit)]
     best = max(trials, key=lambda t: t.samples_per_s)
+    if best.samples_per_s == 0:  # nothing loaded: training will report why; not cached
+        return TuneResult(0, "no batch loaded in the trial (the data fails to load); 0 workers", trials)
     chosen = next(t for t in trials if t.samples_per_s >= TOLERANCE * best.samples_per_s)
     reason = (f"{chosen.samples_per_s:.0f} samples/s with {chosen.num_workers} workers"
               + (f", within {1 - TOLERANCE:.0%} of the best ({best.num_workers} workers, {best.samples_per_s:.0f}/s)"
@@ -119,13 +122,15 @@ def _trial(make_loader: Callable[[int], Any], num_workers: int, trial_s: float) 
         begin = time.perf_counter()
         count = 0
         if first is not None:
-            for batch in batches:
+            for batch in batches:  # a DataError (too many bad samples) ends the trial: see below
                 samples += num_samples(batch)
                 count += 1
                 if count % 4 == 0 and time.perf_counter() - begin >= trial_s:
                     break
-            rss = _rss_with_workers(loader)
+            rss = _rss_with_workers()
         elapsed = max(time.perf_counter() - begin, 1e-9)
+    except DataError:
+        samples, elapsed, startup = 0, 1.0, time.perf_counter() - start  # training names the bad samples
     finally:
         close = getattr(batches, "close", None)
         if close is not None:
@@ -134,11 +139,14 @@ def _trial(make_loader: Callable[[int], Any], num_workers: int, trial_s: float) 
     return Trial(num_workers, samples / elapsed if samples else 0.0, rss, round(startup, 4))
 
 
-def _rss_with_workers(loader: Any) -> int:
+def _rss_with_workers() -> int:
+    """Resident memory of this process and its children (the loader's workers)."""
+    import multiprocessing
+
     from torchkeel.train.memory import rss_bytes
 
     total = rss_bytes()
-    for pid in getattr(loader, "worker_pids", lambda: [])():
+    for pid in (child.pid for child in multiprocessing.active_children()):
         try:
             with open(f"/proc/{pid}/statm", "rb") as statm:
                 total += int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

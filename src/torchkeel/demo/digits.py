@@ -20,7 +20,7 @@ DEMO_CONFIG: dict[str, Any] = {
     "name": "demo",
     "seed": 0,
     "model": {"target": "torchkeel.demo.digits:DigitsCNN"},
-    "data": {"target": "torchkeel.demo.digits:load_digits_split"},
+    "data": {"target": "torchkeel.demo.digits:load_digits_split", "num_workers": 0},  # in memory: workers add only start-up
     "optim": {"name": "adamw", "lr": 3e-3, "weight_decay": 1e-4},
     "schedule": {"warmup_steps": 20, "decay": "cosine"},
     "train": {"max_epochs": 12, "batch_size": 32, "clip_grad_norm": 1.0, "log_every": 25},

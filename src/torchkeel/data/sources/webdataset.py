@@ -82,7 +82,10 @@ class WebDatasetSource:
                 try:
                     yield Sample(self._convert(self._decode(sample), where), position, where)
                 except Exception as exc:  # a corrupt member: this sample is bad, the shard goes on
-                    yield Bad(where, f"{type(exc).__name__}: {first_line(exc)}", position)
+                    member = getattr(exc, "k", None)  # webdataset's DecodingError names the member, the cause says why
+                    cause = exc.__cause__ if exc.__cause__ is not None else exc
+                    what = f"{member}: " if member else ""
+                    yield Bad(where, f"{what}{type(cause).__name__}: {first_line(cause)}", position)
         except (tarfile.TarError, OSError, ValueError) as exc:
             # The shard itself is damaged: the samples after this point cannot be read.
             yield Bad(f"{path} after sample {position}", f"{type(exc).__name__}: {first_line(exc)}",

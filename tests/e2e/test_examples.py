@@ -1,0 +1,46 @@
+"""The example configs of examples/streaming train as they are documented (one short epoch each)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from keelproc import ROOT, run_keel
+
+EXAMPLES = ROOT / "examples" / "streaming"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("examples")
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import make_data
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    make_data.main(str(root / "data"))
+    return root
+
+
+@pytest.mark.parametrize("name", ["parquet", "webdataset", "sequences"])
+def test_example_config_trains(data_dir, name):
+    result = run_keel("train", str(EXAMPLES / f"{name}.yaml"), "--no-progress", "train.max_epochs=1",
+                      f"out_dir={data_dir / 'runs'}", cwd=data_dir, PYTHONPATH=str(EXAMPLES), timeout=300)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(next((data_dir / "runs").glob(f"{name}-example/summary.json")).read_text())
+    assert summary["status"] == "completed" and summary["samples"] == 4096
+    if name != "sequences":
+        assert summary["val_accuracy"] > 0.8
+
+
+def test_data_bench_prints_the_worker_table(data_dir):
+    result = run_keel("data-bench", str(EXAMPLES / "parquet.yaml"), "--trial-s", "0.2", "--max-workers", "1",
+                      cwd=data_dir, PYTHONPATH=str(EXAMPLES), timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["workers", "samples/s", "RSS", "MiB", "startup", "s", "vs", "best"]
+    rows = [line.split() for line in lines[1:3]]
+    assert [r[0] for r in rows] == ["0", "1"] and all(float(r[1]) > 0 for r in rows)
+    assert any(r[-1] == "chosen" for r in rows) and lines[-1].startswith("best: num_workers=")

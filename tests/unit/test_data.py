@@ -1,0 +1,305 @@
+"""Streaming sources and loaders: exactly once across ranks × workers, resumable (also with a
+new grid), batches of any shape, bad samples named, workers that persist, ``auto`` workers."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+import streamdata
+import torchkeel as tk
+from torchkeel.data import EpochLoader, PadCollate, ParquetSource, StreamLoader, WebDatasetSource, tune_workers
+from torchkeel.errors import DataError
+
+COLUMNS = ["id", *(f"f{j}" for j in range(streamdata.NUM_FEATURES))]
+
+
+def make_source(kind: str, root, **kwargs):
+    if kind == "parquet":
+        return ParquetSource(streamdata.write_parquet(root, **kwargs), input=COLUMNS, target="label")
+    return WebDatasetSource(streamdata.write_shards(root, **kwargs), input="npy", target="cls", shuffle_buffer=50)
+
+
+def ids(batch) -> list[int]:
+    return [int(i) for i in batch[0][:, 0].tolist()]
+
+
+@pytest.mark.parametrize("kind", ["parquet", "webdataset"])
+def test_exactly_once_over_2_ranks_x_2_workers_then_resumed_as_1_rank_x_3_workers(tmp_path, kind):
+    source = make_source(kind, tmp_path)
+    ranks = [StreamLoader(source, 16, seed=1, num_workers=2, rank=r, world_size=2) for r in range(2)]
+    streams = [loader.epoch(0) for loader in ranks]
+    per_rank: list[list[int]] = [[], []]
+    for _ in range(5):  # every rank takes the same number of steps, as under DDP
+        for rank, stream in enumerate(streams):
+            per_rank[rank] += ids(next(stream))
+    assert not set(per_rank[0]) & set(per_rank[1]), "two ranks read the same sample"
+    states = [loader.state_dict() for loader in ranks]
+    for stream, loader in zip(streams, ranks):
+        stream.close()
+        loader.close()
+
+    resumed = StreamLoader(source, 16, seed=1, num_workers=3)
+    resumed.load_state_dict(states)
+    rest = [i for batch in resumed.epoch(0, start_batch=10) for i in ids(batch)]
+    seen = per_rank[0] + per_rank[1] + rest
+    assert sorted(seen) == list(range(480)), "the epoch was not read exactly once across the segments"
+    next_epoch = [i for batch in resumed.epoch(1) for i in ids(batch)]
+    assert sorted(next_epoch) == list(range(480)) and next_epoch != seen
+    resumed.close()
+
+
+@pytest.mark.parametrize("kind", ["parquet", "webdataset"])
+@pytest.mark.parametrize("stop_after", [3, 8])
+def test_a_resume_on_the_same_grid_gives_the_very_same_batches(tmp_path, kind, stop_after):
+    source = make_source(kind, tmp_path)
+    whole = list(StreamLoader(source, 16, seed=4, num_workers=2).epoch(2))
+    first = StreamLoader(source, 16, seed=4, num_workers=2)
+    stream = first.epoch(2)
+    head = [next(stream) for _ in range(stop_after)]
+    state = first.state_dict()
+    stream.close()
+    again = StreamLoader(source, 16, seed=4, num_workers=2)
+    again.load_state_dict(state)
+    tail = list(again.epoch(2, start_batch=stop_after))
+    assert len(head) + len(tail) == len(whole)
+    for got, want in zip(head + tail, whole):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_the_order_depends_only_on_seed_and_epoch_not_on_the_worker_count_of_map_style(tmp_path):
+    data = TensorDataset(torch.arange(100).float()[:, None], torch.arange(100))
+    a = [b[1].tolist() for b in EpochLoader(data, 8, seed=3, num_workers=0).epoch(1)]
+    b = [b[1].tolist() for b in EpochLoader(data, 8, seed=3, num_workers=2).epoch(1)]
+    assert a == b and sorted(sum(a, [])) == list(range(100))
+
+
+def test_parquet_reads_row_groups_with_column_projection_and_names_rows(tmp_path):
+    source = make_source("parquet", tmp_path)
+    assert len(source.units()) == 12 and all(u.num_samples == 40 for u in source.units())
+    assert source.where(1, 5) == f"{tmp_path}/part-0.parquet row 45"
+    batch = next(iter(StreamLoader(source, 16, seed=0).epoch(0)))
+    assert batch[0].shape == (16, 1 + streamdata.NUM_FEATURES) and batch[0].dtype == torch.float32
+    assert batch[1].dtype == torch.int64
+
+
+class Ragged(Dataset):
+    """Dict samples with token sequences of 1 to 12 tokens."""
+
+    def __init__(self, num: int = 64, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.lengths = rng.integers(1, 13, size=num).tolist()
+        self.tokens = [torch.from_numpy(rng.integers(1, 20, size=n)) for n in self.lengths]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int):
+        return {"tokens": self.tokens[i], "label": torch.tensor(i % 2), "index": torch.tensor(i)}
+
+
+def test_pad_collate_pads_to_the_longest_and_adds_lengths_and_mask():
+    data = Ragged(8)
+    batch = PadCollate(pad_value=-1)([data[i] for i in range(4)])
+    longest = max(data.lengths[:4])
+    assert batch["tokens"].shape == (4, longest)
+    assert batch["lengths"].tolist() == data.lengths[:4]
+    assert batch["attention_mask"].sum(dim=1).tolist() == data.lengths[:4]
+    assert (batch["tokens"][batch["attention_mask"] == 0] == -1).all()
+    assert torch.equal(batch["tokens"][0, : data.lengths[0]], data.tokens[0])
+    pair = PadCollate()([(torch.ones(2), torch.tensor(0)), (torch.ones(5), torch.tensor(1))])
+    assert pair[0].shape == (2, 5) and pair[0].sum() == 7 and pair[1].tolist() == [0, 1]
+
+
+def test_bucketing_cuts_padding_and_keeps_a_seeded_exactly_once_resumable_order():
+    data = Ragged(512)
+    plain = EpochLoader(data, 16, seed=2, collate_fn=PadCollate())
+    bucketed = EpochLoader(data, 16, seed=2, collate_fn=PadCollate(), bucket_by="tokens", bucket_window=256)
+
+    def padding(loader, epoch):
+        return sum(int((b["attention_mask"] == 0).sum()) for b in loader.epoch(epoch))
+
+    assert padding(bucketed, 0) < 0.3 * padding(plain, 0)
+    order = [b["index"].tolist() for b in bucketed.epoch(1)]
+    assert sorted(sum(order, [])) == list(range(512))
+    assert order != [b["index"].tolist() for b in bucketed.epoch(2)]
+    again = EpochLoader(data, 16, seed=2, collate_fn=PadCollate(), bucket_by="tokens", bucket_window=256)
+    assert [b["index"].tolist() for b in again.epoch(1, start_batch=5)] == order[5:]
+
+
+def test_parquet_bucketing_by_a_list_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(1, 9, size=int(n)).tolist() for n in rng.integers(1, 30, size=400)]
+    pq.write_table(pa.table({"seq": seqs, "label": np.arange(400) % 3}), tmp_path / "s.parquet", row_group_size=200)
+
+    def padding(bucket_by):
+        source = ParquetSource(str(tmp_path / "s.parquet"), input="seq", target="label", bucket_by=bucket_by,
+                               bucket_window=100)
+        loader = StreamLoader(source, 20, seed=1, collate_fn=PadCollate(), as_samples=True)
+        batches = list(loader.epoch(0))
+        assert sum(len(b[1]) for b in batches) == 400
+        return sum(int((b[0] == 0).sum()) for b in batches)
+
+    assert padding("seq") < 0.3 * padding(None)
+
+
+def test_a_null_in_a_parquet_row_is_skipped_and_named(tmp_path):
+    source = make_source("parquet", tmp_path, null_rows=(7, 300))
+    loader = StreamLoader(source, 16, seed=0, max_bad_fraction=0.01)
+    seen = [i for batch in loader.epoch(0) for i in ids(batch)]
+    assert sorted(seen) == sorted(set(range(480)) - {7, 300})
+    named = sorted(where for where, _ in loader.new_bad)
+    assert named == [f"{tmp_path}/part-0.parquet row 7", f"{tmp_path}/part-1.parquet row 140"]
+    assert all("null" in error for _, error in loader.new_bad)
+
+
+def test_a_corrupt_sample_in_a_shard_is_skipped_and_named(tmp_path):
+    source = make_source("webdataset", tmp_path, corrupt=(85,))
+    loader = StreamLoader(source, 16, seed=0, num_workers=2, max_bad_fraction=0.01)
+    seen = [i for batch in loader.epoch(0) for i in ids(batch)]
+    assert sorted(seen) == sorted(set(range(480)) - {85})
+    (where, error), = loader.new_bad
+    assert where == f"{tmp_path}/train-000001.tar key 000085" and error.startswith("npy: ValueError")
+
+
+def test_more_bad_samples_than_max_bad_fraction_stops_with_the_first_ten_listed(tmp_path):
+    source = make_source("webdataset", tmp_path, corrupt=tuple(range(0, 480, 20)))
+    loader = StreamLoader(source, 16, seed=0, max_bad_fraction=0.02)  # 9.6 allowed, 24 bad
+    with pytest.raises(DataError) as caught:
+        for _ in loader.epoch(0):
+            pass
+    message = str(caught.value)
+    assert "max_bad_fraction=0.02" in message and "first 10:" in message
+    assert message.count(".tar key ") == 10
+
+
+class Flaky(Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        if i in (3, 17):
+            raise OSError(f"cannot read image {i}.jpg")
+        return torch.tensor([float(i)]), torch.tensor(i % 2)
+
+
+def test_a_map_style_item_that_raises_is_skipped_and_named():
+    loader = EpochLoader(Flaky(), 8, seed=0, num_workers=2, max_bad_fraction=0.1)
+    seen = sorted(int(v) for x, _ in loader.epoch(0) for v in x[:, 0])
+    assert seen == sorted(set(range(40)) - {3, 17})
+    assert sorted(loader.new_bad) == [("dataset index 17", "OSError: cannot read image 17.jpg"),
+                                      ("dataset index 3", "OSError: cannot read image 3.jpg")]
+    with pytest.raises(DataError, match="dataset index"):
+        list(EpochLoader(Flaky(), 8, seed=0).epoch(0))  # the default 0.001 allows none of 40
+
+
+def test_the_trainer_records_bad_samples_as_incidents_and_continues(tmp_path):
+    config = tk.load_config(None, [f"out_dir={tmp_path}", "model.target=streamdata:make_model", "data.format=parquet",
+                                   f"data.train={streamdata.write_parquet(tmp_path / 'd', null_rows=(11,))}",
+                                   f"data.input=[{', '.join(COLUMNS)}]", "data.target=label",
+                                   "data.max_bad_fraction=0.01", "data.num_workers=0", "train.batch_size=32"])
+    summary = tk.Trainer(config, progress=False).fit()
+    assert summary["status"] == "completed" and summary["incidents"] == {"bad_sample": 1}
+    rows = tk.read_metrics(tmp_path / "run" / "incidents.jsonl")
+    assert rows[0]["where"].endswith("part-0.parquet row 11") and summary["samples"] == 479
+
+
+class Mislabeled(Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return torch.ones(streamdata.NUM_FEATURES + 1), torch.tensor(7 if i == 21 else i % 4)
+
+
+def test_a_label_out_of_range_is_named_with_the_value_the_classes_and_the_sample(tmp_path):
+    config = tk.load_config(None, [f"out_dir={tmp_path}", "data.num_workers=0", "train.batch_size=8", "data.shuffle=false"])
+    trainer = tk.Trainer(config, model=streamdata.make_model(), train_data=Mislabeled(), progress=False)
+    with pytest.raises(DataError) as caught:
+        trainer.fit()
+    text = "; ".join([str(caught.value), *caught.value.__notes__])
+    assert "target 7 is outside [0, 4)" in text and "dataset index 21" in text and "micro-batch 0" in text
+
+
+class Pid(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)]), torch.tensor(os.getpid())
+
+
+def test_workers_persist_across_epochs():
+    loader = EpochLoader(Pid(), 8, seed=0, num_workers=2)
+    pids = [{int(p) for _, y in loader.epoch(e) for p in y} for e in range(3)]
+    assert pids[0] == pids[1] == pids[2] and len(pids[0]) == 2 and os.getpid() not in pids[0]
+
+
+def test_stream_workers_persist_across_epochs(tmp_path):
+    def with_pid(sample):
+        return sample[0], torch.tensor(os.getpid())
+
+    source = make_source("webdataset", tmp_path)
+    loader = StreamLoader(source, 16, seed=0, num_workers=2, transform=with_pid)
+    pids = [{int(p) for _, y in loader.epoch(e) for p in y} for e in range(2)]
+    assert pids[0] == pids[1] and len(pids[0]) == 2 and os.getpid() not in pids[0]
+
+
+class Busy(Dataset):
+    """A few ms of numpy per sample."""
+
+    def __len__(self):
+        return 4000
+
+    def __getitem__(self, i):
+        a = np.random.default_rng(i).normal(size=30000)
+        for _ in range(3):  # element-wise work and sorts: single-threaded, unlike a BLAS matmul
+            a = np.sort(np.sin(a))
+        return torch.from_numpy(a[:8].astype(np.float32)), torch.tensor(i % 2)
+
+
+def test_auto_picks_0_for_a_trivial_dataset_and_workers_for_a_cpu_bound_one(tmp_path):
+    trivial = TensorDataset(torch.randn(20000, 8), torch.zeros(20000, dtype=torch.long))
+    picked = tune_workers(lambda n: EpochLoader(trivial, 32, num_workers=n), fingerprint="trivial",
+                          cache_dir=tmp_path, limit=2, trial_s=0.4)
+    assert picked.num_workers == 0 and [t.num_workers for t in picked.trials] == [0, 1, 2]
+    busy = tune_workers(lambda n: EpochLoader(Busy(), 8, num_workers=n), fingerprint="busy",
+                        cache_dir=tmp_path, limit=2, trial_s=0.8)
+    assert busy.num_workers > 0, busy.table()
+    cached = tune_workers(lambda n: pytest.fail("the cached choice must not run a trial"), fingerprint="busy",
+                          cache_dir=tmp_path, limit=2)
+    assert cached.cached and cached.num_workers == busy.num_workers
+
+
+class Slow(Dataset):
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __len__(self):
+        return 640
+
+    def __getitem__(self, i):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return torch.ones(streamdata.NUM_FEATURES + 1), torch.tensor(i % 4)
+
+
+@pytest.mark.parametrize("delay_s", [0.004, 0.0])
+def test_the_input_bound_incident_on_a_slow_dataset_and_none_on_a_fast_one(tmp_path, delay_s):
+    config = tk.load_config(None, [f"out_dir={tmp_path}", "data.num_workers=0", "train.batch_size=8",
+                                   "train.max_steps=60", "memory.leak_check=false"])
+    summary = tk.Trainer(config, model=streamdata.make_model(), train_data=Slow(delay_s), progress=False).fit()
+    if delay_s:
+        assert summary["incidents"].get("input_bound") == 1
+        row, = [r for r in tk.read_metrics(tmp_path / "run" / "incidents.jsonl") if r["kind"] == "input_bound"]
+        assert row["wait_fraction"] > 0.5 and "num_workers" in row["message"]
+    else:
+        assert "input_bound" not in summary["incidents"]

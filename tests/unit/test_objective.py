@@ -1,0 +1,135 @@
+"""Step functions for batches of any shape, and count-weighted accumulation: ``batch 16 ×
+accumulate 4`` equals ``batch 64 × 1`` when the loss is a mean over a varying number of tokens."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import torchkeel as tk
+from torchkeel.data import PadCollate
+from torchkeel.train.objective import Objective
+from torchkeel.train.precision import Precision
+
+VOCAB = 20
+
+
+class TokenModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(tokens)))
+
+
+def _token_losses(model, batch):
+    logits = model(batch["tokens"])
+    target = (batch["tokens"] * 7 + 3) % VOCAB
+    losses = nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+    return losses * batch["attention_mask"], batch["attention_mask"].sum()
+
+
+def token_mean(model, batch):
+    """A mean over the batch's real tokens, with a metric."""
+    losses, count = _token_losses(model, batch)
+    return losses.sum() / count, {"tokens": count.float()}
+
+
+def token_sum(model, batch):
+    """The same loss as a sum and its count: the weights come from the step function."""
+    losses, count = _token_losses(model, batch)
+    return losses.sum(), count
+
+
+def sequences(num: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    rng = np.random.default_rng(seed)
+    return [{"tokens": torch.from_numpy(rng.integers(0, VOCAB, size=int(n)))} for n in rng.integers(1, 30, size=num)]
+
+
+def train(objective, optimizer_name: str, micro: int, steps=3, num=60) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = TokenModel()
+    params = list(model.parameters())
+    optimizer = (torch.optim.SGD(params, lr=0.5) if optimizer_name == "sgd"
+                 else torch.optim.AdamW(params, lr=0.01, weight_decay=0.01))
+    collate = PadCollate()
+    for step in range(steps):
+        samples = sequences(num, seed=step)  # 60 = 16 + 16 + 16 + 12: a short last micro-batch
+        group = [collate(samples[i:i + micro]) for i in range(0, num, micro)]
+        tk.train_step(model, optimizer, group, objective, params=params, precision=Precision("cpu"),
+                      device=torch.device("cpu"))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_difference(a, b) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("objective", [Objective(step_fn=token_mean, count_key="lengths"), Objective(step_fn=token_sum)],
+                         ids=["count_key", "sum_and_count"])
+def test_token_weighted_accumulation_equals_the_big_batch(optimizer_name, objective):
+    big = train(objective, optimizer_name, micro=60)
+    accumulated = train(objective, optimizer_name, micro=16)
+    assert max_difference(big, accumulated) < 1e-6
+
+
+def test_weighting_by_samples_instead_would_be_wrong():
+    """The check above can fail: the HF-Trainer bug (each micro-batch's token mean weighted by samples)."""
+    by_samples = Objective(step_fn=token_mean)
+    big = train(by_samples, "sgd", micro=60)
+    assert max_difference(big, train(by_samples, "sgd", micro=16)) > 1e-4
+
+
+def test_a_missing_count_key_names_the_keys_there_are():
+    with pytest.raises(tk.DataError, match=r"count_key='num_tokens'.*tokens, lengths, attention_mask"):
+        Objective(step_fn=token_mean, count_key="num_tokens").weight(PadCollate()(sequences(2, 0)))
+
+
+class Sequences(torch.utils.data.Dataset):
+    def __init__(self, num: int) -> None:
+        self.items = sequences(num, seed=9)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        return self.items[i]
+
+
+def make_sequences():
+    return Sequences(96), Sequences(32)
+
+
+def test_the_trainer_with_a_step_function_dict_batches_and_pad_collate(tmp_path):
+    config = tk.load_config(None, [
+        f"out_dir={tmp_path}", "model.target=test_objective:TokenModel", "data.target=test_objective:make_sequences",
+        "data.collate=pad", "data.num_workers=0", "loss.step_fn=test_objective:token_mean", "loss.count_key=lengths",
+        "train.batch_size=16", "train.accumulate=2", "train.max_epochs=2", "train.log_every=1",
+    ])
+    summary = tk.Trainer(config, progress=False).fit()
+    assert summary["status"] == "completed" and summary["steps"] == 6 and "val_loss" in summary
+    rows = tk.read_metrics(tmp_path / "run" / "metrics.jsonl")
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]
+    assert all(r["tokens"] > 0 for r in train_rows)  # the step function's metric, logged
+    val = [r for r in rows if r["kind"] == "val"][-1]
+    assert val["val_tokens"] > 0 and val["val_loss"] == summary["val_loss"]
+
+
+def test_a_step_function_that_returns_something_else_is_named():
+    with pytest.raises(tk.DataError, match="loss.step_fn returned str"):
+        Objective(step_fn=lambda model, batch: "loss")(nn.Identity(), {"x": torch.ones(1)}, torch.device("cpu"))
+
+
+def test_the_default_objective_is_unchanged_for_pairs():
+    model, batch = nn.Linear(3, 2), (torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1]))
+    out = Objective(nn.functional.cross_entropy)(model, batch, torch.device("cpu"))
+    assert torch.equal(out.loss, nn.functional.cross_entropy(model(batch[0]), batch[1]))
+    assert Objective(nn.functional.cross_entropy).weight(copy.deepcopy(batch)) == 5.0
