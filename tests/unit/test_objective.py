@@ -133,3 +133,13 @@ def test_the_default_objective_is_unchanged_for_pairs():
     out = Objective(nn.functional.cross_entropy)(model, batch, torch.device("cpu"))
     assert torch.equal(out.loss, nn.functional.cross_entropy(model(batch[0]), batch[1]))
     assert Objective(nn.functional.cross_entropy).weight(copy.deepcopy(batch)) == 5.0
+
+
+def test_label_checks_cover_class_losses_and_leave_other_layouts_alone():
+    from torchkeel.train.objective import LabelOutOfRange, check_labels
+
+    logits = torch.zeros(2, 5, 7)  # [batch, classes, positions] for cross-entropy
+    with pytest.raises(LabelOutOfRange, match=r"target 9 is outside \[0, 5\).*sample 1"):
+        check_labels(logits, torch.tensor([[0] * 7, [1, 9, 0, 0, 0, 0, 0]]), nn.CrossEntropyLoss())
+    check_labels(logits, torch.tensor([[-100] * 7, [4] * 7]), nn.CrossEntropyLoss())  # ignore_index
+    check_labels(torch.zeros(2, 7, 5), torch.full((2, 7), 4), lambda out, target: out.sum())  # unknown layout

@@ -22,10 +22,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchkeel.data.batch import num_samples, to_device  # noqa: F401  (re-exported)
 from torchkeel.data.collate import DefaultCollate
 from torchkeel.data.order import bucket_order, epoch_seed
+from torchkeel.data.bad import BadSamples, remember
 from torchkeel.errors import DataError, first_line
-
-MAX_LISTED_BAD = 10
-
 
 @dataclass
 class _BadItem:
@@ -127,14 +125,10 @@ class EpochLoader:
         self.num_samples = len(dataset)  # type: ignore[arg-type]
         if self.num_samples == 0:
             raise DataError(f"dataset {type(dataset).__name__} is empty")
-        self.num_bad = 0
-        self.bad_samples: list[tuple[str, str]] = []
-        self.new_bad: list[tuple[str, str]] = []
-        """Bad samples met since the caller last cleared this list, ``(where, error)``."""
+        self.bad = BadSamples(max_bad_fraction, self.num_samples)
         self._lengths: np.ndarray | None = None
         self._sampler = _EpochSampler()
         self._loader: DataLoader | None = None
-        self._epoch = -1
         self._origins: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
@@ -166,8 +160,9 @@ class EpochLoader:
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
         """Iterate the batches of ``epoch``, beginning with batch number ``start_batch``."""
-        if epoch != self._epoch:
-            self._epoch, self.num_bad, self.bad_samples = epoch, 0, []
+        if start_batch == 0:
+            self.bad.start_epoch(epoch)
+        self.bad.epoch = epoch  # a resumed epoch keeps the bad-sample count its checkpoint had
         order = self.indices(epoch)
         if self.drop_last:
             order = order[: len(self) * self.batch_size]
@@ -177,39 +172,29 @@ class EpochLoader:
     def _iterate(self, order: list[int]) -> Iterator[Any]:
         for number, (batch, bad) in enumerate(self._data_loader()):
             if bad:
-                self._record_bad([(f"dataset index {b.index}", b.error) for b in bad])
+                self.bad.record([(f"dataset index {b.index}", b.error) for b in bad])
             if batch is not None:
                 skipped = {b.index for b in bad}
                 chunk = order[number * self.batch_size:(number + 1) * self.batch_size]
-                self._origins[id(batch)] = [i for i in chunk if i not in skipped]
-                while len(self._origins) > 64:
-                    del self._origins[next(iter(self._origins))]
+                remember(self._origins, batch, [i for i in chunk if i not in skipped])
                 yield batch
-
-    def _record_bad(self, bad: list[tuple[str, str]]) -> None:
-        self.num_bad += len(bad)
-        self.bad_samples = (self.bad_samples + bad)[:MAX_LISTED_BAD]
-        self.new_bad += bad
-        if self.num_bad > self.max_bad_fraction * self.num_samples:
-            listed = "; ".join(f"{where}: {error}" for where, error in self.bad_samples)
-            raise DataError(
-                f"{self.num_bad} bad samples in epoch {self._epoch}, more than data.max_bad_fraction="
-                f"{self.max_bad_fraction:g} of {self.num_samples} samples allows; first "
-                f"{len(self.bad_samples)}: {listed}. Fix or remove them, or raise data.max_bad_fraction"
-            )
 
     def origin(self, batch: Any, index: int) -> str | None:
         """Which dataset index sample ``index`` of a recent batch is (``None``: unknown batch)."""
         indices = self._origins.get(id(batch))
         return f"dataset index {indices[index]}" if indices is not None and index < len(indices) else None
 
+    @property
+    def new_bad(self) -> list[tuple[str, str]]:
+        """Bad samples met since the caller last cleared this list, ``(where, error)``."""
+        return self.bad.new
+
     def state_dict(self) -> dict[str, Any]:
         """The epoch's bad-sample count (the position itself is the caller's ``batch_in_epoch``)."""
-        return {"num_bad": self.num_bad, "bad_samples": [list(b) for b in self.bad_samples]}
+        return self.bad.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.num_bad = int(state.get("num_bad", 0))
-        self.bad_samples = [tuple(b) for b in state.get("bad_samples", [])]
+        self.bad.load_state_dict([state])
 
     def close(self) -> None:
         """Stop the worker processes (they are started again by the next ``epoch()``)."""

@@ -22,11 +22,8 @@ from torchkeel.data.batch import concat, take
 from torchkeel.data.collate import DefaultCollate
 from torchkeel.data.order import Position, Work, continue_position, merge_positions, plan_streams, unit_rng
 from torchkeel.data.sources import Bad, Rows, Sample, Source
+from torchkeel.data.bad import BadSamples, remember
 from torchkeel.errors import DataError, first_line
-
-MAX_LISTED_BAD = 10
-RECENT_BATCHES = 64  # batches whose sample origins are kept for error messages
-
 
 @dataclass
 class BatchInfo:
@@ -219,11 +216,7 @@ class StreamLoader:
         self._loader_args = dict(pin_memory=pin_memory, start_method=start_method, prefetch_factor=prefetch_factor)
         self._loader: DataLoader | None = None
         self.position: Position | None = None
-        self.bad_samples: list[tuple[str, str]] = []
-        """The bad samples of the current epoch, ``(where, error)``, first ``MAX_LISTED_BAD`` kept."""
-        self.num_bad = 0
-        self.new_bad: list[tuple[str, str]] = []
-        """Bad samples met since the caller last cleared this list (the Trainer records them)."""
+        self.bad = BadSamples(max_bad_fraction, self.num_samples / world_size)  # this rank's share
         self._origins: dict[int, list[Any]] = {}
 
     def __len__(self) -> int:
@@ -237,8 +230,9 @@ class StreamLoader:
         """The batches of ``epoch``; with ``start_batch > 0``, from the loaded position onwards."""
         saved = self.position if start_batch > 0 else None
         position = continue_position(saved, epoch, len(self.units), self.world_size, self.num_workers)
-        if saved is None or saved is not position:
-            self.num_bad, self.bad_samples = 0, []
+        if saved is None or saved.epoch != epoch:
+            self.bad.start_epoch(epoch)
+        self.bad.epoch = epoch
         self.position = position
         streams = self._local(plan_streams(self.units, self.seed, position, shuffle=self.shuffle))
         rows = [(s, w.unit, w.first) for s, stream in enumerate(streams) for w in stream]
@@ -253,25 +247,15 @@ class StreamLoader:
                 position.consumed[unit] = max(position.consumed[unit], end)
             position.next_stream[self.rank] = (info.stream + 1) % max(1, self.num_workers)
             if info.bad:
-                self._record_bad(info.bad)
+                self.bad.record(info.bad)
             if batch is not None:
-                self._origins[id(batch)] = info.origins
-                while len(self._origins) > RECENT_BATCHES:
-                    del self._origins[next(iter(self._origins))]
+                remember(self._origins, batch, info.origins)
                 yield batch
 
-    def _record_bad(self, bad: list[tuple[str, str]]) -> None:
-        self.num_bad += len(bad)
-        self.bad_samples = (self.bad_samples + bad)[:MAX_LISTED_BAD]
-        self.new_bad += bad
-        allowed = self.max_bad_fraction * self.num_samples / self.world_size
-        if self.num_bad > allowed:
-            listed = "; ".join(f"{where}: {error}" for where, error in self.bad_samples)
-            raise DataError(
-                f"{self.num_bad} bad samples in epoch {self.position.epoch if self.position else 0}, more than "
-                f"data.max_bad_fraction={self.max_bad_fraction:g} of {self.num_samples} samples allows; "
-                f"first {len(self.bad_samples)}: {listed}. Fix or remove them, or raise data.max_bad_fraction"
-            )
+    @property
+    def new_bad(self) -> list[tuple[str, str]]:
+        """Bad samples met since the caller last cleared this list, ``(where, error)``."""
+        return self.bad.new
 
     def origin(self, batch: Any, index: int) -> str | None:
         """Where sample ``index`` of the batch last handed out came from (``None``: another batch)."""
@@ -294,7 +278,7 @@ class StreamLoader:
         """This rank's position in the epoch (plain data), with the epoch's bad-sample count."""
         if self.position is None:
             return {}
-        return {**self.position.state_dict(), "num_bad": self.num_bad, "bad_samples": [list(b) for b in self.bad_samples]}
+        return {**self.position.state_dict(), **self.bad.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         """Continue from a saved position: one rank's, or every rank's (a list), merged."""
@@ -303,8 +287,7 @@ class StreamLoader:
         if not states:
             return
         self.position = merge_positions([Position.from_state(s) for s in states])
-        self.num_bad = sum(int(s.get("num_bad", 0)) for s in states)
-        self.bad_samples = [tuple(b) for s in states for b in s.get("bad_samples", [])][:MAX_LISTED_BAD]
+        self.bad.load_state_dict(states)
 
     def _local(self, streams: list[list[Work]]) -> list[list[Work]]:
         per_rank = max(1, self.num_workers)

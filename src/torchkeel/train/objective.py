@@ -102,20 +102,28 @@ def check_labels(outputs: Any, targets: Any, loss_fn: Any) -> None:
 
     Checked on the loader's CPU tensor before the loss: out of range, ``cross_entropy`` fails
     with a bare ``IndexError`` on the CPU and a device-side assert that kills the CUDA context.
+    Outputs ``[batch, classes]`` with targets ``[batch]``, or ``[batch, classes, ...]`` with a
+    cross-entropy or NLL loss (whose layout puts the classes in dim 1).
     """
     if not (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
         return
-    if targets.is_floating_point() or targets.dtype == torch.bool or outputs.dim() != targets.dim() + 1 or targets.numel() == 0:
+    if targets.is_floating_point() or targets.dtype == torch.bool or targets.numel() == 0 or targets.device.type != "cpu":
+        return  # a target already on the device is not checked: that would be a device sync
+    is_plain = outputs.dim() == 2 and targets.dim() == 1
+    if not (is_plain or (outputs.dim() == targets.dim() + 1 and _is_class_loss(loss_fn))):
         return
-    if targets.device.type != "cpu":
-        return  # never a device sync for this check
     num_classes = outputs.shape[1]
     ignore = getattr(loss_fn, "ignore_index", -100)
     bad = ((targets < 0) | (targets >= num_classes)) & (targets != ignore)
     if bool(bad.any()):
-        flat = bad.reshape(bad.shape[0], -1).any(dim=1).nonzero()[0, 0].item()
-        value = targets[flat][bad[flat]].reshape(-1)[0].item() if targets.dim() > 1 else targets[flat].item()
-        raise LabelOutOfRange(int(value), int(num_classes), int(flat))
+        sample = int(bad.reshape(bad.shape[0], -1).any(dim=1).nonzero()[0, 0])
+        value = targets[sample][bad[sample]].reshape(-1)[0] if targets.dim() > 1 else targets[sample]
+        raise LabelOutOfRange(int(value), int(num_classes), sample)
+
+
+def _is_class_loss(loss_fn: Any) -> bool:
+    return isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)) or loss_fn in (
+        torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss)
 
 
 def _step_output(result: Any) -> LossOutput:
