@@ -10,6 +10,7 @@ import time
 import pytest
 
 import streamdata
+from keelproc import run_keel
 from test_resume import Run, assert_same_as_reference
 
 CONFIG = """\
@@ -84,3 +85,22 @@ def test_sigkill_mid_epoch_and_resume_auto(tmp_path, stream_references, fmt):
     positions = [p for p, _ in run.segments]
     assert any(p % 480 for p in positions[1:]), "no kill landed mid-epoch"
     assert_same_as_reference(run, reference)
+
+
+def test_a_resume_with_another_worker_count_still_reads_each_sample_once(tmp_path):
+    run = StreamRun(tmp_path, "parquet")
+    proc = run.start(resume=False, STREAM_DELAY="0.01", **run.env)
+    deadline = time.monotonic() + 60
+    while run.max_train_step() < 12 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.kill()
+    proc.communicate()
+    run.begin_segment()
+    resumed = run_keel(*run.args(resume=True), "data.num_workers=1", cwd=run.root, **run.env)
+    assert resumed.returncode == 0, resumed.stderr
+    (_, first), (position, rest) = run.segment_indices()
+    assert 0 < position < 480, "the kill did not land mid-epoch"
+    epoch = first[:position] + rest[:480 - position]
+    assert sorted(epoch) == list(range(480)), "the rest of the epoch repeated or skipped samples"
+    assert sorted(rest[480 - position:]) == list(range(480))  # the next epoch, whole
+    assert "the config differs" in resumed.stderr

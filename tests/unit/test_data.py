@@ -303,3 +303,16 @@ def test_the_input_bound_incident_on_a_slow_dataset_and_none_on_a_fast_one(tmp_p
         assert row["wait_fraction"] > 0.5 and "num_workers" in row["message"]
     else:
         assert "input_bound" not in summary["incidents"]
+
+
+def test_a_list_column_ragged_in_one_row_group_and_regular_in_another_keeps_every_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    seqs = [[1.0, 2.0]] * 6 + [[1.0], [1.0, 2.0, 3.0], [4.0], [5.0, 6.0], [7.0], [8.0]]
+    pq.write_table(pa.table({"seq": seqs, "label": np.arange(12)}), tmp_path / "m.parquet", row_group_size=6)
+    source = ParquetSource(str(tmp_path / "m.parquet"), input="seq", target="label")
+    loader = StreamLoader(source, 4, seed=0, shuffle=False, collate_fn=PadCollate(), as_samples=False)
+    batches = list(loader.epoch(0))
+    assert sorted(int(v) for b in batches for v in b[1]) == list(range(12))
+    assert all(b[0].dim() == 2 for b in batches)

@@ -54,8 +54,10 @@ class _Collate:
         self.collate = collate
 
     def __call__(self, items: list[Any]) -> tuple[Any, list[_BadItem]]:
-        good = [item for item in items if not isinstance(item, _BadItem)]
-        bad = [item for item in items if isinstance(item, _BadItem)]
+        bad = [item for item in items if type(item) is _BadItem]
+        if not bad:
+            return self.collate(items), bad
+        good = [item for item in items if type(item) is not _BadItem]
         return (self.collate(good) if good else None), bad
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from torchkeel.data.batch import concat, take
+from torchkeel.data.batch import concat, map_tensors, take
 from torchkeel.data.collate import DefaultCollate
 from torchkeel.data.order import Position, Work, continue_position, merge_positions, plan_streams, unit_rng
 from torchkeel.data.sources import Bad, Rows, Sample, Source
@@ -77,7 +77,7 @@ class _Streams(IterableDataset):
                         yield batch.emit(self.collate)
                         batch = _Pending(stream)
                     continue
-                for piece in self._row_pieces(item.unit, event, held):
+                for piece in self._row_pieces(item.unit, event):
                     if isinstance(piece, Bad):
                         held.append(piece)
                         continue
@@ -105,32 +105,34 @@ class _Streams(IterableDataset):
         except Exception as exc:
             return Bad(sample.where, f"transform: {type(exc).__name__}: {first_line(exc)}", sample.end)
 
-    def _row_pieces(self, unit: int, rows: Rows, held: list[Bad]) -> Iterator[Rows | Bad]:
+    def _row_pieces(self, unit: int, rows: Rows) -> Iterator[Rows | Bad]:
         """``rows`` after the batch transform; when it raises, row by row, to name the bad ones."""
         if self.batch_transform is None:
             yield rows
             return
         try:
-            yield Rows(self.batch_transform(rows.data), rows.ends, rows.rows)
-            return
+            transformed = Rows(self.batch_transform(rows.data), rows.ends, rows.rows)
         except Exception:
-            pass
+            transformed = None
+        if transformed is not None:
+            yield transformed
+            return
         for i in range(len(rows.ends)):
             one = slice(i, i + 1)
             try:
-                yield Rows(self.batch_transform(take(rows.data, one)), rows.ends[one], rows.rows[one])
+                piece: Rows | Bad = Rows(self.batch_transform(take(rows.data, one)), rows.ends[one], rows.rows[one])
             except Exception as exc:
-                yield Bad(self.source.where(unit, int(rows.rows[i])),
-                          f"batch_transform: {type(exc).__name__}: {first_line(exc)}", int(rows.ends[i]))
+                piece = Bad(self.source.where(unit, int(rows.rows[i])),
+                            f"batch_transform: {type(exc).__name__}: {first_line(exc)}", int(rows.ends[i]))
+            yield piece
 
 
 class _Pending:
-    """A batch being filled in a worker."""
+    """A batch being filled in a worker: blocks of rows and single samples, in stream order."""
 
     def __init__(self, stream: int) -> None:
         self.stream = stream
-        self.samples: list[Any] = []
-        self.pieces: list[Any] = []
+        self.parts: list[tuple[bool, Any, int]] = []  # (is a block of rows, data, samples)
         self.num = 0
         self.positions: dict[int, int] = {}
         self.bad: list[tuple[str, str]] = []
@@ -144,21 +146,32 @@ class _Pending:
             self.positions[unit] = max(self.positions.get(unit, 0), bad.end)
 
     def add_sample(self, unit: int, sample: Sample) -> None:
-        self.samples.append(sample.data)
+        self.parts.append((False, sample.data, 1))
         self.origins.append(sample.where)
         self.num += 1
         self.positions[unit] = sample.end
 
     def add_rows(self, unit: int, rows: Rows, start: int, count: int) -> None:
         part = slice(start, start + count)
-        self.pieces.append(rows.data if count == len(rows.ends) else take(rows.data, part))
+        self.parts.append((True, rows.data if count == len(rows.ends) else take(rows.data, part), count))
         self.origins.append((unit, rows.rows[part]))
         self.num += count
         self.positions[unit] = int(rows.ends[start + count - 1])
 
     def emit(self, collate: Callable[[list[Any]], Any]) -> tuple[Any, BatchInfo]:
-        data = concat(self.pieces) if self.pieces else collate(self.samples)
+        if all(is_rows for is_rows, _, _ in self.parts):
+            data = concat([d for _, d, _ in self.parts])
+        else:  # single samples (a ragged unit beside a regular one too): one list, in order
+            samples: list[Any] = []
+            for is_rows, part, n in self.parts:
+                samples += _rows(part, n) if is_rows else [part]
+            data = collate(samples)
         return data, BatchInfo(self.stream, self.positions, self.bad, self.origins)
+
+
+def _rows(block: Any, n: int) -> list[Any]:
+    """The samples of a block of rows (each tensor indexed by the row)."""
+    return [map_tensors(block, lambda t, i=i: t[i]) for i in range(n)]
 
 
 def _identity(item: Any) -> Any:

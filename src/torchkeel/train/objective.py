@@ -92,9 +92,17 @@ class Objective:
             return _step_output(self.step_fn(model, to_device(batch, device, non_blocking)))
         inputs, targets = batch
         outputs = model(to_device(inputs, device, non_blocking))
-        check_labels(outputs, targets, self.loss_fn)
         targets_on_device = to_device(targets, device, non_blocking)
-        return LossOutput(self.loss_fn(outputs, targets_on_device), outputs=outputs, targets=targets_on_device)
+        if device.type == "cpu":  # an out-of-range label raises here: name it then, free otherwise
+            try:
+                loss = self.loss_fn(outputs, targets_on_device)
+            except (IndexError, RuntimeError):
+                check_labels(outputs, targets, self.loss_fn)
+                raise
+        else:  # on an accelerator it would be a device-side assert that kills the context
+            check_labels(outputs, targets, self.loss_fn)
+            loss = self.loss_fn(outputs, targets_on_device)
+        return LossOutput(loss, outputs=outputs, targets=targets_on_device)
 
 
 def check_labels(outputs: Any, targets: Any, loss_fn: Any) -> None:
@@ -113,6 +121,9 @@ def check_labels(outputs: Any, targets: Any, loss_fn: Any) -> None:
     if not (is_plain or (outputs.dim() == targets.dim() + 1 and _is_class_loss(loss_fn))):
         return
     num_classes = outputs.shape[1]
+    low, high = torch.aminmax(targets)  # one pass; the common case ends here
+    if int(low) >= 0 and int(high) < num_classes:
+        return
     ignore = getattr(loss_fn, "ignore_index", -100)
     bad = ((targets < 0) | (targets >= num_classes)) & (targets != ignore)
     if bool(bad.any()):
