@@ -316,3 +316,31 @@ def test_a_list_column_ragged_in_one_row_group_and_regular_in_another_keeps_ever
     batches = list(loader.epoch(0))
     assert sorted(int(v) for b in batches for v in b[1]) == list(range(12))
     assert all(b[0].dim() == 2 for b in batches)
+
+
+def test_forkserver_workers_follow_each_epochs_plan(tmp_path):
+    """The start method used once CUDA is initialized: the plan reaches persistent workers each epoch."""
+    source = make_source("parquet", tmp_path)
+    loader = StreamLoader(source, 16, seed=2, num_workers=2, start_method="forkserver")
+    epochs = [[i for batch in loader.epoch(e) for i in ids(batch)] for e in range(2)]
+    assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(480)) and epochs[0] != epochs[1]
+    loader.close()
+
+
+def test_workers_start_with_forkserver_once_cuda_is_initialized(monkeypatch):
+    from torchkeel.data.stream import worker_context
+
+    assert worker_context(None) is None or not torch.cuda.is_initialized()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert worker_context(None) == "forkserver" and worker_context("spawn") == "spawn"
+
+
+def test_streaming_sources_as_train_data_and_val_data_in_the_python_api(tmp_path):
+    train = make_source("webdataset", tmp_path / "train")
+    val = make_source("webdataset", tmp_path / "val", num=96, shards=2)
+    config = tk.load_config(None, [f"out_dir={tmp_path}", "data.num_workers=0", "train.batch_size=32",
+                                   "train.max_epochs=2"])
+    summary = tk.Trainer(config, model=streamdata.make_model(), train_data=train, val_data=val, progress=False).fit()
+    assert summary["status"] == "completed" and summary["samples"] == 960 and summary["steps"] == 30
+    assert 0 <= summary["val_accuracy"] <= 1
