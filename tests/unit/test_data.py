@@ -344,3 +344,9 @@ def test_streaming_sources_as_train_data_and_val_data_in_the_python_api(tmp_path
     summary = tk.Trainer(config, model=streamdata.make_model(), train_data=train, val_data=val, progress=False).fit()
     assert summary["status"] == "completed" and summary["samples"] == 960 and summary["steps"] == 30
     assert 0 <= summary["val_accuracy"] <= 1
+
+
+@pytest.mark.parametrize("kind", ["parquet", "webdataset"])
+def test_shuffle_off_reads_in_file_order(tmp_path, kind):
+    loader = StreamLoader(make_source(kind, tmp_path), 16, seed=0, shuffle=False)
+    assert [i for batch in loader.epoch(3) for i in ids(batch)] == list(range(480))

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from torchkeel.data.batch import num_samples, to_device  # noqa: F401  (re-exported)
 from torchkeel.data.collate import DefaultCollate
 from torchkeel.data.order import bucket_order, epoch_seed
+from torchkeel.data.stream import worker_context
 from torchkeel.data.bad import BadSamples, remember
 from torchkeel.errors import DataError, first_line
 
@@ -204,8 +204,6 @@ class EpochLoader:
 
     def _data_loader(self) -> DataLoader:
         if self._loader is None:
-            from torchkeel.data.stream import worker_context
-
             workers = self.num_workers
             self._loader = DataLoader(
                 _Guarded(self.dataset), batch_size=self.batch_size, sampler=self._sampler,

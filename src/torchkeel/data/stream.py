@@ -41,10 +41,11 @@ class _Streams(IterableDataset):
 
     def __init__(self, source: Source, plan: torch.Tensor, batch_size: int, *, seed: int,
                  collate: Callable[[list[Any]], Any], transform: Callable[[Any], Any] | None,
-                 batch_transform: Callable[[Any], Any] | None, drop_last: bool, as_samples: bool) -> None:
+                 batch_transform: Callable[[Any], Any] | None, drop_last: bool, as_samples: bool,
+                 shuffle: bool) -> None:
         self.source, self.plan, self.batch_size, self.seed = source, plan, batch_size, seed
         self.collate, self.transform, self.batch_transform = collate, transform, batch_transform
-        self.drop_last, self.as_samples = drop_last, as_samples
+        self.drop_last, self.as_samples, self.shuffle = drop_last, as_samples, shuffle
         self.sizes = [u.num_samples for u in source.units()]
 
     def __iter__(self) -> Iterator[tuple[Any, BatchInfo]]:
@@ -59,8 +60,8 @@ class _Streams(IterableDataset):
     def _batches(self, stream: int, epoch: int, work: list[Work]) -> Iterator[tuple[Any, BatchInfo]]:
         batch = _Pending(stream)
         for item in work:
-            reader = self.source.read(item.unit, item.first, unit_rng(self.seed, epoch, item.unit),
-                                      as_samples=self.as_samples)
+            rng = unit_rng(self.seed, epoch, item.unit) if self.shuffle else None
+            reader = self.source.read(item.unit, item.first, rng, as_samples=self.as_samples)
             held: list[Bad] = []  # bad samples ahead of the rows taken so far
             for event in reader:
                 if isinstance(event, Bad):
@@ -225,7 +226,8 @@ class StreamLoader:
         self._plan = torch.zeros(3 + 3 * len(self.units), dtype=torch.int64).share_memory_()
         self._dataset = _Streams(source, self._plan, batch_size, seed=seed,
                                  collate=collate_fn or DefaultCollate(), transform=transform,
-                                 batch_transform=batch_transform, drop_last=drop_last, as_samples=as_samples)
+                                 batch_transform=batch_transform, drop_last=drop_last, as_samples=as_samples,
+                                 shuffle=shuffle)
         self._loader_args = dict(pin_memory=pin_memory, start_method=start_method, prefetch_factor=prefetch_factor)
         self._loader: DataLoader | None = None
         self.position: Position | None = None

@@ -17,7 +17,8 @@ from torchkeel.export.formats import FILENAMES, export_model, load_exported
 from torchkeel.export.parity import check_parity, describe
 from torchkeel.export.stats import reference_stats, sample_inputs
 from torchkeel.io import write_json_atomic
-from torchkeel.train.build import build_datasets, build_model
+from torchkeel.data.build import build_datasets
+from torchkeel.train.build import build_model
 
 DATATYPES = {
     torch.float32: "FP32", torch.float64: "FP64", torch.float16: "FP16", torch.bfloat16: "BF16",

@@ -9,7 +9,6 @@ import torch
 
 from torchkeel.config.imports import build_target, resolve_target
 from torchkeel.config.schema import LossConfig, ModelConfig
-from torchkeel.data.build import build_datasets  # noqa: F401  (used by export)
 from torchkeel.errors import ConfigError
 from torchkeel.dist.rank import RankInfo
 from torchkeel.train.objective import Objective

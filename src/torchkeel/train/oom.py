@@ -9,7 +9,6 @@ OOM on CPU with ``OomInjector``; any other error passes through unchanged.
 from __future__ import annotations
 
 import gc
-from typing import Any
 
 import torch
 

@@ -17,7 +17,7 @@ import torch
 
 from torchkeel.data.order import Unit, bucket_order
 from torchkeel.data.sources import Bad, Rows, Sample, expand_paths, files_fingerprint
-from torchkeel.errors import ConfigError, MissingExtraError, first_line
+from torchkeel.errors import ConfigError, MissingExtraError
 
 
 class ParquetSource:
@@ -86,7 +86,7 @@ class ParquetSource:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fragments": None}
 
-    def read(self, unit: int, first: int, rng: np.random.Generator, *, as_samples: bool) -> Iterator[Rows | Sample | Bad]:
+    def read(self, unit: int, first: int, rng: np.random.Generator | None, *, as_samples: bool) -> Iterator[Rows | Sample | Bad]:
         table = self._read_table(unit)
         n = table.num_rows
         order = self._order(table, rng)
@@ -118,13 +118,14 @@ class ParquetSource:
         file_index, group, _ = self._groups[unit]
         return self._fragments[file_index].subset(row_group_ids=[group]).to_table(columns=self.columns)
 
-    def _order(self, table: Any, rng: np.random.Generator) -> np.ndarray:
-        """The row group's seeded order: a permutation, then sorted by length within windows."""
-        order = rng.permutation(table.num_rows)
+    def _order(self, table: Any, rng: np.random.Generator | None) -> np.ndarray:
+        """The row group's seeded order: a permutation (file order without ``rng``), then sorted
+        by length within windows."""
+        order = rng.permutation(table.num_rows) if rng is not None else np.arange(table.num_rows)
         if self.bucket_by is None:
             return order
         lengths = _lengths(table.column(self.bucket_by).combine_chunks())
-        return bucket_order(order, lengths, self.bucket_window, rng)
+        return bucket_order(order, lengths, self.bucket_window, rng or np.random.default_rng(0))
 
     def _null_rows(self, table: Any) -> np.ndarray:
         bad = np.zeros(table.num_rows, dtype=bool)

@@ -68,11 +68,11 @@ class WebDatasetSource:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_decoder": None}
 
-    def read(self, unit: int, first: int, rng: np.random.Generator, *, as_samples: bool = True) -> Iterator[Sample | Bad]:
+    def read(self, unit: int, first: int, rng: np.random.Generator | None, *, as_samples: bool = True) -> Iterator[Sample | Bad]:
         path = self.paths[unit]
         position = 0
         raw = _raw_samples(path)
-        shuffled = buffered_shuffle(raw, self.shuffle_buffer, rng) if self.shuffle_buffer else raw
+        shuffled = buffered_shuffle(raw, self.shuffle_buffer, rng) if self.shuffle_buffer and rng is not None else raw
         try:
             for sample in shuffled:
                 position += 1
