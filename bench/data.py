@@ -69,7 +69,7 @@ def scanner(path: Path) -> float:
     def batches():
         for record_batch in ds.dataset(str(path), format="parquet").to_batches(columns=[*COLUMNS, "label"], batch_size=BATCH):
             x = np.column_stack([record_batch.column(i).to_numpy() for i in range(len(COLUMNS))])
-            labels = record_batch.column(len(COLUMNS)).to_numpy(zero_copy_only=False)
+            labels = np.array(record_batch.column(len(COLUMNS)).to_numpy(zero_copy_only=False))
             yield torch.from_numpy(x), torch.from_numpy(labels)
 
     return rate(batches())

@@ -110,7 +110,8 @@ def make_sequences():
 def test_the_trainer_with_a_step_function_dict_batches_and_pad_collate(tmp_path):
     config = tk.load_config(None, [
         f"out_dir={tmp_path}", "model.target=test_objective:TokenModel", "data.target=test_objective:make_sequences",
-        "data.collate=pad", "data.num_workers=0", "loss.step_fn=test_objective:token_mean", "loss.count_key=lengths",
+        "data.collate=pad", "data.bucket_by=tokens", "data.num_workers=0", "loss.step_fn=test_objective:token_mean",
+        "loss.count_key=lengths",
         "train.batch_size=16", "train.accumulate=2", "train.max_epochs=2", "train.log_every=1",
     ])
     summary = tk.Trainer(config, progress=False).fit()

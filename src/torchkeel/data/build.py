@@ -97,11 +97,16 @@ def loader_factory(
         if is_source(data):
             return StreamLoader(data, batch_size, transform=transform, batch_transform=batch_transform,
                                 rank=rank, world_size=world_size, **common)
+        key = id(data)  # the caller keeps train and val data alive: ids stay theirs
         if transform is not None:
             data = _Transformed(data, transform)
-        return EpochLoader(data, batch_size, bucket_by=_bucket_key(cfg.bucket_by), bucket_window=cfg.bucket_window,
-                           **common)
+        loader = EpochLoader(data, batch_size, bucket_by=_bucket_key(cfg.bucket_by), bucket_window=cfg.bucket_window,
+                             lengths=lengths.get(key), **common)
+        if cfg.bucket_by is not None:  # one pass over the samples, shared by the trial's loaders
+            lengths[key] = loader.lengths()
+        return loader
 
+    lengths: dict[int, Any] = {}
     return make
 
 

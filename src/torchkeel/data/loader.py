@@ -46,6 +46,14 @@ class _Guarded(Dataset):
         except Exception as exc:
             return _BadItem(index, f"{type(exc).__name__}: {first_line(exc)}")
 
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """A batch's items in one call (the DataLoader's fetcher uses it); item by item only when
+        one of them raises, so the others are kept."""
+        try:
+            return [self.dataset[i] for i in indices]
+        except Exception:
+            return [self[i] for i in indices]
+
 
 class _Collate:
     """Collate the good samples; hand back the bad ones beside them."""
@@ -108,6 +116,7 @@ class EpochLoader:
         max_bad_fraction: float = 0.001,
         start_method: str | None = None,
         prefetch_factor: int = 2,
+        lengths: Any = None,
     ) -> None:
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise DataError(
@@ -128,7 +137,7 @@ class EpochLoader:
         if self.num_samples == 0:
             raise DataError(f"dataset {type(dataset).__name__} is empty")
         self.bad = BadSamples(max_bad_fraction, self.num_samples)
-        self._lengths: np.ndarray | None = None
+        self._lengths: np.ndarray | None = None if lengths is None else np.asarray(lengths, dtype=np.int64)
         self._sampler = _EpochSampler()
         self._loader: DataLoader | None = None
         self._origins: dict[int, list[int]] = {}
@@ -151,7 +160,8 @@ class EpochLoader:
         return bucket_order(np.array(order), self.lengths(), self.bucket_window, rng).tolist()
 
     def lengths(self) -> np.ndarray:
-        """The ``bucket_by`` length of every sample, read once (a dataset may offer ``lengths``)."""
+        """The ``bucket_by`` length of every sample, read once (given as ``lengths``, or the
+        dataset's ``lengths`` attribute, or read from every sample)."""
         if self._lengths is None:
             given = getattr(self.dataset, "lengths", None)
             if given is not None and len(given) == self.num_samples:
