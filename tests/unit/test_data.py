@@ -350,3 +350,14 @@ def test_streaming_sources_as_train_data_and_val_data_in_the_python_api(tmp_path
 def test_shuffle_off_reads_in_file_order(tmp_path, kind):
     loader = StreamLoader(make_source(kind, tmp_path), 16, seed=0, shuffle=False)
     assert [i for batch in loader.epoch(3) for i in ids(batch)] == list(range(480))
+
+
+def test_the_auto_choice_goes_to_metrics_jsonl_and_a_second_run_reuses_it(tiny_config, tmp_path):
+    rows = []
+    for name in ("first", "second"):
+        tk.Trainer(tiny_config(f"name={name}", "train.max_steps=2"), progress=False).fit()
+        rows += [r for r in tk.read_metrics(tmp_path / "runs" / name / "metrics.jsonl") if r["kind"] == "data_workers"]
+    first, second = rows
+    assert first["num_workers"] == second["num_workers"] and first["reason"]
+    assert second["cached"] and [t["num_workers"] for t in second["trials"]] == [t["num_workers"] for t in first["trials"]]
+    assert all(t["samples_per_s"] > 0 and t["rss_bytes"] > 0 for t in first["trials"])
