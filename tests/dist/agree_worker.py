@@ -6,7 +6,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from torchkeel.dist import RankInfo, agree_min, any_rank, read_finite
+from torchkeel.distributed import RankInfo, agree_min, any_rank, read_finite
 
 dist.init_process_group("gloo")
 rank = RankInfo.from_env()

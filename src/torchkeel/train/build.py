@@ -10,7 +10,7 @@ import torch
 from torchkeel.config.imports import build_target, resolve_target
 from torchkeel.config.schema import LossConfig, ModelConfig
 from torchkeel.errors import ConfigError
-from torchkeel.dist.rank import RankInfo
+from torchkeel.distributed.rank import RankInfo
 from torchkeel.train.objective import Objective
 
 

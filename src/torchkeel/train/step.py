@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from torchkeel.data.batch import num_samples, split_batch
-from torchkeel.dist.agree import read_finite
+from torchkeel.distributed.agree import read_finite
 from torchkeel.train.clipping import clip_grad_norm
 from torchkeel.train.objective import LabelOutOfRange, Objective
 from torchkeel.train.oom import free_memory, smaller_size

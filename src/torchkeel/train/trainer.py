@@ -23,7 +23,7 @@ from torchkeel.checkpoint.format import PointHook
 from torchkeel.config.load import config_hash, to_dict
 from torchkeel.config.schema import KeelConfig
 from torchkeel.data.build import build_loaders
-from torchkeel.dist import RankInfo, agree_min, any_rank, any_rank_flags
+from torchkeel.distributed import RankInfo, agree_min, any_rank, any_rank_flags
 from torchkeel.io import write_json_atomic, write_text_atomic
 from torchkeel.provenance import provenance
 from torchkeel.train.accumulate import iter_groups, total_steps
