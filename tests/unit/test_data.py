@@ -361,3 +361,15 @@ def test_the_auto_choice_goes_to_metrics_jsonl_and_a_second_run_reuses_it(tiny_c
     assert first["num_workers"] == second["num_workers"] and first["reason"]
     assert second["cached"] and [t["num_workers"] for t in second["trials"]] == [t["num_workers"] for t in first["trials"]]
     assert all(t["samples_per_s"] > 0 and t["rss_bytes"] > 0 for t in first["trials"])
+
+
+def test_pin_memory_only_with_cuda(tmp_path):
+    from torchkeel.config.schema import DataConfig
+    from torchkeel.data.build import loader_factory
+
+    data = TensorDataset(torch.zeros(8, 2), torch.zeros(8, dtype=torch.long))
+    source = make_source("parquet", tmp_path)
+    for device, pinned in ((torch.device("cpu"), False), (torch.device("cuda", 0), True)):
+        make = loader_factory(DataConfig(), batch_size=4, seed=0, device=device)
+        assert make(data, 0).pin_memory is pinned
+        assert make(source, 0).pin_memory is pinned

@@ -228,7 +228,8 @@ class StreamLoader:
                                  collate=collate_fn or DefaultCollate(), transform=transform,
                                  batch_transform=batch_transform, drop_last=drop_last, as_samples=as_samples,
                                  shuffle=shuffle)
-        self._loader_args = dict(pin_memory=pin_memory, start_method=start_method, prefetch_factor=prefetch_factor)
+        self.pin_memory = pin_memory
+        self._loader_args = dict(start_method=start_method, prefetch_factor=prefetch_factor)
         self._loader: DataLoader | None = None
         self.position: Position | None = None
         self.bad = BadSamples(max_bad_fraction, self.num_samples / world_size)  # this rank's share
@@ -318,7 +319,7 @@ class StreamLoader:
             workers = self.num_workers
             self._loader = DataLoader(
                 self._dataset, batch_size=None, num_workers=workers, collate_fn=_identity,
-                pin_memory=bool(args["pin_memory"]), persistent_workers=workers > 0,
+                pin_memory=self.pin_memory, persistent_workers=workers > 0,
                 prefetch_factor=args["prefetch_factor"] if workers else None,
                 multiprocessing_context=worker_context(args["start_method"]) if workers else None,
             )
