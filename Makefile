@@ -34,6 +34,7 @@ bench: setup
 	$(PY) bench/checkpoint.py
 	$(PY) bench/serve.py
 	$(PY) bench/data.py
+	$(PY) bench/ddp.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -13,7 +13,7 @@ import torch
 from torchkeel.env import Facts, collect_facts, run_checks
 from torchkeel.env.checks import (
     check_cuda_driver, check_library_conflicts, check_run_dir, check_shared_memory, check_start_method,
-    check_torch_load_safety,
+    check_torch_load_safety, check_distributed_env, check_nproc,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,4 +90,37 @@ def test_cli_json_validates_against_the_documented_schema(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     jsonschema.validate(report, json.loads((ROOT / "docs" / "doctor.schema.json").read_text()))
-    assert report["ok"] is True and len(report["checks"]) == 11
+    assert report["ok"] is True and len(report["checks"]) == 12
+
+
+def test_nproc_is_checked_against_the_visible_gpus():
+    two_gpus = [{"index": i, "name": "H100", "memory_bytes": 80 * 2**30} for i in range(2)]
+    too_many = check_nproc(facts(gpus=two_gpus, nproc=4))
+    assert too_many.status == "fail" and "--nproc 4, 2 visible GPUs" in too_many.evidence
+    assert "use --nproc 2 or fewer" in too_many.fix
+    assert check_nproc(facts(gpus=two_gpus, nproc=1)).status == "warn"
+    assert check_nproc(facts(gpus=two_gpus, nproc=2)).status == "ok"
+    cpu = check_nproc(facts(cuda_available=False, torch_cuda=None, cpu_affinity=2, nproc=4))
+    assert cpu.status == "warn" and "gloo" in cpu.evidence
+
+
+def test_nccl_variables_are_explained_and_an_unreachable_master_fails():
+    from torchkeel.env.facts import _reachable
+
+    finding = check_distributed_env(facts(env={"NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "INFO"}))
+    assert finding.status == "ok"
+    assert "NCCL_IB_DISABLE=1 (1: no InfiniBand/RoCE, sockets only)" in finding.evidence
+    import socket
+
+    with socket.socket() as server:  # a port that was free a moment ago: nothing listens there
+        server.bind(("127.0.0.1", 0))
+        port = server.getsockname()[1]
+    reachable, error = _reachable("127.0.0.1", str(port), timeout_s=1)
+    assert reachable is False and error
+    finding = check_distributed_env(facts(env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                                          master_reachable=reachable, master_error=error))
+    assert finding.status == "fail" and "not reachable" in finding.evidence
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        assert _reachable("127.0.0.1", str(server.getsockname()[1]), timeout_s=1) == (True, None)

@@ -118,10 +118,9 @@ def test_init_from_loads_weights_only(tiny_config, tmp_path):
     assert torch.equal(loose.model[0].weight, source.model[0].weight)
 
 
-def test_only_rank_zero_writes(tiny_config, tmp_path, monkeypatch):
+def test_a_rank_outside_torchrun_is_a_config_error(tiny_config, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    summary = tk.Trainer(tiny_config("train.max_steps=3"), progress=False).fit()
-    assert summary["status"] == "completed"
-    assert not (tmp_path / "runs").exists()
-    assert CheckpointStore(tmp_path / "runs" / "tiny" / "checkpoints").steps() == []
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(tk.ConfigError, match="WORLD_SIZE=2 is set but not MASTER_ADDR"):
+        tk.Trainer(tiny_config("train.max_steps=3"), progress=False)

@@ -9,6 +9,15 @@ Points: ``<file>:before_temp``, ``<file>:mid_write``, ``<file>:after_write``,
 ``<file>:after_fsync``, ``<file>:after_replace`` for each of ``model.safetensors``,
 ``state.safetensors`` and ``state.json``, then ``before_manifest`` and ``after_manifest``.
 ``keel train`` reads the rules from ``TORCHKEEL_TEST_FAULTS``; nothing else does.
+
+Training-step faults (``TORCHKEEL_TEST_STEP_FAULTS``), run before each forward pass:
+
+- ``oom:MAX``: raise ``torch.OutOfMemoryError`` for pieces of more than MAX samples;
+- ``sleep:N=SECONDS``: pause before the N-th forward pass (a stalled rank);
+- ``kill:N``: SIGKILL this process before the N-th forward pass.
+
+Any rule may end in ``@rank=R`` (only on that rank) and ``@restart=K`` (only in torchrun's K-th
+restart of the workers, ``TORCHELASTIC_RESTART_COUNT``), so that a fault happens once per job.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from torchkeel.checkpoint.format import PointHook
 
@@ -25,7 +35,7 @@ def parse_fault_rules(spec: str) -> PointHook:
     """A hook for ``CheckpointStore(hook=...)`` that carries out ``spec``'s rules."""
     kills: dict[str, int] = {}
     sleeps: dict[str, float] = {}
-    for rule in filter(None, (r.strip() for r in spec.split(","))):
+    for rule in _rules(spec):
         action, _, rest = rule.partition(":")
         if action == "kill":
             point, _, nth = rest.partition("#")
@@ -45,3 +55,47 @@ def parse_fault_rules(spec: str) -> PointHook:
             os.kill(os.getpid(), signal.SIGKILL)
 
     return hook
+
+
+def parse_step_faults(spec: str) -> Callable[[int], None]:
+    """A ``before_forward(num_samples)`` hook (``Trainer(oom_hook=...)``) that carries out ``spec``."""
+    from torchkeel.train.oom import OomInjector
+
+    oom: OomInjector | None = None
+    sleeps: dict[int, float] = {}
+    kills: set[int] = set()
+    for rule in _rules(spec):
+        action, _, rest = rule.partition(":")
+        if action == "oom":
+            oom = OomInjector(int(rest))
+        elif action == "sleep":
+            nth, _, seconds = rest.partition("=")
+            sleeps[int(nth)] = float(seconds)
+        elif action == "kill":
+            kills.add(int(rest))
+        else:
+            raise ValueError(f"unknown step fault {rule!r}; use oom:MAX, sleep:N=SECONDS or kill:N")
+    calls = 0
+
+    def hook(num_samples: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls in sleeps:
+            time.sleep(sleeps[calls])
+        if calls in kills:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if oom is not None:
+            oom(num_samples)
+
+    return hook
+
+
+def _rules(spec: str) -> list[str]:
+    """The rules of ``spec`` that apply to this process, without their ``@rank``/``@restart`` scopes."""
+    here = {"rank": os.environ.get("RANK", "0"), "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}
+    kept = []
+    for rule in filter(None, (r.strip() for r in spec.split(","))):
+        rule, *scopes = rule.split("@")
+        if all(here.get(key) == value for key, _, value in (scope.partition("=") for scope in scopes)):
+            kept.append(rule)
+    return kept

@@ -14,13 +14,22 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from torchkeel.checkpoint.format import read_checkpoint
+from torchkeel.checkpoint.format import Checkpoint, read_checkpoint
 from torchkeel.checkpoint.store import is_checkpoint_dir
 from torchkeel.errors import CheckpointError, first_line
 
 _GLOBAL = re.compile(r"GLOBAL (\S+)")
 # Common wrappers of a state dict in other people's checkpoints.
 _WRAPPER_KEYS = ("state_dict", "model_state_dict", "model")
+
+
+def checkpoint_weights(found: Checkpoint) -> dict[str, torch.Tensor]:
+    """The model weights of a verified checkpoint; an FSDP run's are gathered from its shards."""
+    if found.shards is not None:
+        from torchkeel.distributed.checkpoint import read_full_weights
+
+        return read_full_weights(found.shards)
+    return found.state["model"]
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -34,7 +43,7 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     if p.is_dir():
         if not is_checkpoint_dir(p):
             raise CheckpointError(f"'{p}' is a directory but not a torchkeel checkpoint (no manifest.json)")
-        return read_checkpoint(p).state["model"]
+        return checkpoint_weights(read_checkpoint(p))
     if not p.is_file():
         raise CheckpointError(f"weights file '{p}' not found")
     if p.suffix == ".safetensors":

@@ -58,12 +58,19 @@ class Checkpoint:
     def step(self) -> int:
         return int(self.manifest["step"])
 
+    @property
+    def shards(self) -> Path | None:
+        """The ``torch.distributed.checkpoint`` directory of a sharded (FSDP) checkpoint, else ``None``;
+        its model and optimizer are not in ``state`` (see ``torchkeel.distributed.checkpoint``)."""
+        return self.path / self.manifest["shards"] if self.manifest.get("layout") == "sharded" else None
+
 
 def write_checkpoint(
     directory: str | Path,
     state: Mapping[str, Any],
     manifest: Mapping[str, Any],
     hook: PointHook | None = None,
+    shards: str | None = None,
 ) -> Path:
     """Write ``state`` (whose ``"model"`` entry is the model's state_dict) into ``directory``.
 
@@ -73,22 +80,33 @@ def write_checkpoint(
     ``manifest`` holds the descriptive fields; file hashes and the format version are added.
     An existing ``directory`` is replaced. The manifest is written last: a kill at any point
     before it leaves a directory that ``read_checkpoint`` rejects.
+
+    ``shards`` names a subdirectory the ranks have already written (``torch.distributed.checkpoint``
+    shards of the model and optimizer): the directory is kept, ``state`` has no ``"model"``, and
+    the manifest vouches for every shard file too (layout ``sharded``).
     """
     target = Path(directory)
-    if target.exists():
-        shutil.rmtree(target)
-    target.mkdir(parents=True)
+    if shards is None:
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
     fsync_dir(target.parent)
-    model_json, model_tensors = encode(state["model"])
+    model_json, model_tensors = encode(state["model"]) if shards is None else (None, {})
     rest_json, rest_tensors = encode({k: v for k, v in state.items() if k != "model"})
     structure = json.dumps({"model": model_json, "state": rest_json}).encode("utf-8")
     parts = {
-        MODEL_FILE: tensor_file_chunks(model_tensors),
         STATE_TENSORS: tensor_file_chunks(rest_tensors),
         STATE_JSON: (iter([memoryview(structure)]), len(structure)),
     }
+    if shards is None:
+        parts = {MODEL_FILE: tensor_file_chunks(model_tensors), **parts}
     algorithm = HASHES[FORMAT_VERSION]
     files = {}
+    if shards is not None:
+        for path in sorted((target / shards).rglob("*")):
+            if path.is_file():
+                files[path.relative_to(target).as_posix()] = {"bytes": path.stat().st_size,
+                                                              algorithm: file_digest(path, algorithm)}
     for name, (chunks, size) in parts.items():
         hasher = _HASHERS[algorithm]()
         # The temporary file lives beside the checkpoint directories, not in the new one: ext4
@@ -99,9 +117,10 @@ def write_checkpoint(
         files[name] = {"bytes": size, algorithm: hasher.hexdigest()}
     fsync_dir(target)  # the files' names are durable before the manifest that vouches for them
     _point(hook, "before_manifest")
+    layout = {} if shards is None else {"layout": "sharded", "shards": shards}
     write_json_atomic(
         target / MANIFEST,
-        {"format_version": FORMAT_VERSION, **manifest, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        {"format_version": FORMAT_VERSION, **manifest, **layout, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
          "files": files},
     )
     _point(hook, "after_manifest")
@@ -125,11 +144,17 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint manifest '{path}' is not a torchkeel manifest of format "
                               f"{' or '.join(map(str, sorted(HASHES)))}")
     files = manifest.get("files")
-    if not isinstance(manifest.get("step"), int) or not isinstance(files, dict) or set(files) != {
-        MODEL_FILE, STATE_TENSORS, STATE_JSON
-    }:
+    shards = manifest.get("shards") if manifest.get("layout") == "sharded" else None
+    if not isinstance(manifest.get("step"), int) or not isinstance(files, dict) or not _complete(set(files), shards):
         raise CheckpointError(f"checkpoint manifest '{path}' lacks its step or file list")
     return manifest
+
+
+def _complete(files: set[str], shards: Any) -> bool:
+    if shards is None:
+        return files == {MODEL_FILE, STATE_TENSORS, STATE_JSON}
+    inside = {f for f in files if isinstance(shards, str) and f.startswith(f"{shards}/") and ".." not in f}
+    return files - inside == {STATE_TENSORS, STATE_JSON} and f"{shards}/.metadata" in inside
 
 
 def read_checkpoint(directory: str | Path) -> Checkpoint:
@@ -145,12 +170,14 @@ def read_checkpoint(directory: str | Path) -> Checkpoint:
     algorithm = HASHES[manifest["format_version"]]
     for name, entry in manifest["files"].items():
         _verify(directory / name, entry, algorithm)
-    model_tensors = _load_tensors(directory / MODEL_FILE)
+    sharded = manifest.get("layout") == "sharded"
+    model_tensors = {} if sharded else _load_tensors(directory / MODEL_FILE)
     rest_tensors = _load_tensors(directory / STATE_TENSORS)
     try:
         structure = json.loads((directory / STATE_JSON).read_bytes())
         state = decode(structure["state"], rest_tensors)
-        state["model"] = decode(structure["model"], model_tensors)
+        if not sharded:
+            state["model"] = decode(structure["model"], model_tensors)
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(
             f"checkpoint file '{directory / STATE_JSON}' does not match its tensors ({type(exc).__name__}: {exc})"

@@ -41,11 +41,12 @@ def capture_training_state(
     scaler: Any = None,
     progress: Mapping[str, Any] | None = None,
     protections: Mapping[str, Any] | None = None,
+    weights: bool = True,
 ) -> dict[str, Any]:
-    """The state dict of a run. Tensors are live references: ``snapshot`` before saving asynchronously."""
+    """The state dict of a run. Tensors are live references: ``snapshot`` before saving asynchronously.
+    ``weights=False`` leaves out the model and optimizer (a sharded save writes them itself)."""
     return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        **({"model": model.state_dict(), "optimizer": optimizer.state_dict()} if weights else {}),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "rng": capture_rng(),
@@ -66,8 +67,9 @@ def restore_training_state(
     Raises:
         CheckpointError: the model's parameters differ from the checkpoint's (keys listed).
     """
-    load_model_weights(model, state["model"], strict=True, source="checkpoint")
-    if optimizer is not None:
+    if "model" in state:  # not in a sharded checkpoint's state: see torchkeel.distributed.checkpoint
+        load_model_weights(model, state["model"], strict=True, source="checkpoint")
+    if optimizer is not None and "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])

@@ -14,10 +14,11 @@ SCHEMA_VERSION = 1
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON (schema in docs/doctor.md)")
     parser.add_argument("--run-dir", help="also check this run directory (disk, permissions, its config)")
+    parser.add_argument("--nproc", type=int, metavar="N", help="check N ranks per node against the visible GPUs")
 
 
 def run(args: argparse.Namespace) -> int:
-    facts = collect_facts(args.run_dir)
+    facts = collect_facts(args.run_dir, nproc=args.nproc)
     findings = run_checks(facts)
     failed = any(f.status == "fail" for f in findings)
     if args.json:

@@ -55,6 +55,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``keel``; returns the exit code."""
     args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.run(args)
     except KeelError as exc:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 
-from torchkeel.checkpoint.faults import parse_fault_rules
+from torchkeel.checkpoint.faults import parse_fault_rules, parse_step_faults
 from torchkeel.config.load import load_config
+from torchkeel.errors import ConfigError
 from torchkeel.train.trainer import Trainer
 
 HELP = "train the model a YAML config describes (overrides: key=value, e.g. optim.lr=3e-4)"
@@ -23,23 +25,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from these weights (checkpoint, .safetensors, .pt); sets model.init_from")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     parser.add_argument("--no-progress", action="store_true", help="print no progress lines")
+    parser.add_argument("--nproc", type=int, metavar="N",
+                        help="train on N processes of this machine: runs torch.distributed.run --standalone "
+                             "--nproc-per-node N with the same arguments (several machines: call torchrun)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.nproc is not None and "LOCAL_RANK" not in os.environ:
+        return launch(args.nproc, args.argv)
     # Console scripts do not put the working directory on sys.path; `python -m` would.
     # Users' import paths (model.target: mymodels:Net) are relative to where they run keel.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     overrides = list(args.overrides) + ([f"model.init_from={args.init_from}"] if args.init_from else [])
     config = load_config(args.config, overrides)
-    faults = os.environ.get("TORCHKEEL_TEST_FAULTS")  # test seam, see torchkeel.checkpoint.faults
+    faults = os.environ.get("TORCHKEEL_TEST_FAULTS")  # test seams, see torchkeel.checkpoint.faults
+    step_faults = os.environ.get("TORCHKEEL_TEST_STEP_FAULTS")
     trainer = Trainer(
         config, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
         checkpoint_hook=parse_fault_rules(faults) if faults else None,
+        oom_hook=parse_step_faults(step_faults) if step_faults else None,
     )
     summary = trainer.fit()
-    print(format_summary(summary))
+    if trainer.rank.is_main:
+        print(format_summary(summary))
+    elif summary["status"] == "preempted":
+        print(f"keel: rank {trainer.rank.rank}: stopped by {summary['signal']} at step {summary['steps']} "
+              f"(exit {exit_code(summary)})", file=sys.stderr)
     return exit_code(summary)
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Run ``torch.distributed.run --standalone --nproc-per-node N`` on the same command and wait.
+
+    SIGTERM and SIGINT are passed on to torchrun (which passes them to every worker); the exit
+    code is torchrun's, except that a job stopped by a signal exits 128 + its number, as one
+    process would (torchrun itself reports 1 then).
+    """
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+    rest, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            rest.append(arg)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "torchkeel.cli.main", *rest]
+    child = subprocess.Popen(command)
+    received: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        received.append(signum)
+        child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 + received[0] if received and code != 0 else code
 
 
 def exit_code(summary: dict) -> int:

@@ -130,7 +130,8 @@ class TrainConfig:
     max_steps: Optional[int] = None
     """Stop after this many optimizer steps, whichever limit comes first."""
     batch_size: int = 32
-    """Samples per micro-batch (per forward/backward)."""
+    """Samples per micro-batch (per forward/backward) of the whole job: under torchrun each of
+    N ranks takes batch_size / N of every batch, so the math does not depend on N."""
     accumulate: int = 1
     """Micro-batches per optimizer step; the update equals one step on the concatenated batch."""
     clip_grad_norm: Optional[float] = 1.0
@@ -212,6 +213,28 @@ class MemoryConfig:
 
 
 @dataclass
+class DistConfig:
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"
+    """``auto``: DDP when the job has several ranks; ``fsdp``: FSDP2 ``fully_shard`` per block
+    (sharded weights, gradients and optimizer state; sharded checkpoints)."""
+    backend: Optional[str] = None
+    """Process group backend (``null``: ``nccl`` on CUDA, ``gloo`` on CPU)."""
+    init_timeout_s: float = 600.0
+    """Rendezvous and the first step (compilation, first allocations) may take this long."""
+    timeout_s: float = 300.0
+    """After the first step, a collective that waits longer than this fails and names the rank
+    that did not arrive (where the backend can tell)."""
+    shard_modules: list[str] = field(default_factory=list)
+    """FSDP: class names of the blocks to shard one by one (``[]``: the repeated blocks — every
+    child of a ``ModuleList``/``Sequential`` — found in the model); the root is always sharded."""
+    activation_checkpointing: list[str] = field(default_factory=list)
+    """Class names whose activations are recomputed in the backward pass instead of kept
+    (less memory, about a third more compute)."""
+    find_unused_parameters: bool = False
+    """DDP: allow parameters that get no gradient in a step (slower; only when the model needs it)."""
+
+
+@dataclass
 class KeelConfig:
     name: str = "run"
     """Run name; the run directory is ``<out_dir>/<name>``."""
@@ -237,6 +260,7 @@ class KeelConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     oom: OomConfig = field(default_factory=OomConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def validate(self) -> "KeelConfig":
         """Check values and combinations; raise ``ConfigError`` naming the key to change."""
@@ -306,6 +330,8 @@ class KeelConfig:
         _at_least("memory.leak_window", m.leak_window, 2)
         if not 0 < m.warn_cuda_fraction <= 1:
             raise ConfigError(f"memory.warn_cuda_fraction must be in (0, 1], got {m.warn_cuda_fraction}")
+        if self.dist.init_timeout_s <= 0 or self.dist.timeout_s <= 0:
+            raise ConfigError("dist.init_timeout_s and dist.timeout_s must be > 0 (seconds)")
         if self.device == "cpu" and self.precision == "fp16":
             raise ConfigError("precision fp16 needs a CUDA device; use precision=bf16 on CPU")
         return self

@@ -16,6 +16,8 @@ from torchkeel.data.collate import build_collate
 from torchkeel.data.loader import EpochLoader
 from torchkeel.data.stream import StreamLoader
 from torchkeel.data.tune import TuneResult, tune_workers
+from torchkeel.distributed.agree import agree_min
+from torchkeel.distributed.rank import per_rank
 from torchkeel.errors import ConfigError
 
 Loader = EpochLoader | StreamLoader
@@ -94,14 +96,14 @@ def loader_factory(
         common = dict(seed=seed, num_workers=num_workers, collate_fn=collate, pin_memory=device.type == "cuda",
                       prefetch_factor=cfg.prefetch_factor, max_bad_fraction=cfg.max_bad_fraction,
                       shuffle=cfg.shuffle and train, drop_last=cfg.drop_last and train)
-        if is_source(data):
-            return StreamLoader(data, batch_size, transform=transform, batch_transform=batch_transform,
+        if is_source(data):  # each rank streams its own units: its share of the batch
+            return StreamLoader(data, per_rank(batch_size, world_size), transform=transform, batch_transform=batch_transform,
                                 rank=rank, world_size=world_size, **common)
         key = id(data)  # the caller keeps train and val data alive: ids stay theirs
         if transform is not None:
             data = _Transformed(data, transform)
         loader = EpochLoader(data, batch_size, bucket_by=_bucket_key(cfg.bucket_by), bucket_window=cfg.bucket_window,
-                             lengths=lengths.get(key), **common)
+                             lengths=lengths.get(key), rank=rank, world_size=world_size, **common)
         if cfg.bucket_by is not None:  # one pass over the samples, shared by the trial's loaders
             lengths[key] = loader.lengths()
         return loader
@@ -130,6 +132,7 @@ def build_loaders(
 ) -> Loaders:
     """Loaders for ``train_data``/``val_data`` (datasets or sources), or those the config names;
     ``num_workers: auto`` runs (or reads from the cache) the worker trial on the training data."""
+    per_rank(batch_size, world_size)
     train_data, val_data = resolve_data(cfg, train_data, val_data)
     make = loader_factory(cfg, batch_size=batch_size, seed=seed, device=device, rank=rank, world_size=world_size)
     tuning = None
@@ -137,6 +140,8 @@ def build_loaders(
     if num_workers == "auto":
         tuning = tune_workers(lambda n: make(train_data, n), fingerprint=data_fingerprint(train_data, cfg, batch_size))
         num_workers = tuning.num_workers
+        if world_size > 1:  # the ranks share the machine's CPUs; streams must match on every rank
+            num_workers = agree_min(num_workers, device)
     assert isinstance(num_workers, int)
     train = make(train_data, num_workers)
     val = make(val_data, num_workers, train=False) if val_data is not None else None

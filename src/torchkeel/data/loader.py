@@ -20,6 +20,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from torchkeel.data.collate import DefaultCollate
+from torchkeel.distributed.parallel import empty_like_batch
+from torchkeel.distributed.rank import per_rank
 from torchkeel.data.order import bucket_order, epoch_seed
 from torchkeel.data.stream import worker_context
 from torchkeel.data.bad import BadSamples, remember
@@ -86,6 +88,11 @@ class _EpochSampler(Sampler[int]):
 class EpochLoader:
     """Batches of a map-style dataset for one epoch at a time.
 
+    With ``world_size`` > 1, ``batch_size`` is the global batch: rank ``rank`` takes its slice of
+    every batch of the one global order (a short last batch is split as evenly as possible; a
+    rank whose slice is empty gets an empty batch), so every rank yields the same number of
+    batches and each sample is seen once per epoch by one rank.
+
     A sample whose ``__getitem__`` raises is skipped and listed in ``new_bad`` (the Trainer
     records it as an incident); past ``max_bad_fraction`` of the dataset in one epoch, a
     ``DataError`` lists the first ten. ``bucket_by`` (a dict key or tuple index of the sample)
@@ -117,6 +124,8 @@ class EpochLoader:
         start_method: str | None = None,
         prefetch_factor: int = 2,
         lengths: Any = None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise DataError(
@@ -124,6 +133,8 @@ class EpochLoader:
             )
         self.dataset = dataset
         self.batch_size = batch_size
+        self.rank, self.world_size = rank, world_size
+        self.rank_batch_size = per_rank(batch_size, world_size)
         self.seed = seed
         self.shuffle = shuffle
         self.num_workers = num_workers
@@ -178,18 +189,37 @@ class EpochLoader:
         order = self.indices(epoch)
         if self.drop_last:
             order = order[: len(self) * self.batch_size]
-        self._sampler.order = order[start_batch * self.batch_size:]
-        return self._iterate(self._sampler.order)
+        self._sampler.order = self.rank_share(order)[start_batch * self.rank_batch_size:]
+        return self._iterate(self._sampler.order, len(self) - start_batch)
 
-    def _iterate(self, order: list[int]) -> Iterator[Any]:
+    def rank_share(self, order: list[int]) -> list[int]:
+        """This rank's slices of the global batches of ``order``, in order."""
+        if self.world_size == 1:
+            return order
+        size, rank, world, mine = self.batch_size, self.rank, self.world_size, []
+        for start in range(0, len(order), size):
+            n = min(size, len(order) - start)
+            low = start + rank * (n // world) + min(rank, n % world)
+            mine.extend(order[low:low + n // world + (rank < n % world)])
+        return mine
+
+    def _iterate(self, order: list[int], expected: int) -> Iterator[Any]:
+        size, template, count = self.rank_batch_size, None, 0
         for number, (batch, bad) in enumerate(self._data_loader()):
             if bad:
                 self.bad.record([(f"dataset index {b.index}", b.error) for b in bad])
+            if batch is None and self.world_size > 1 and template is not None:
+                batch = template  # all bad: the other ranks still step, so this one does too
             if batch is not None:
                 skipped = {b.index for b in bad}
-                chunk = order[number * self.batch_size:(number + 1) * self.batch_size]
+                chunk = order[number * size:(number + 1) * size]
                 remember(self._origins, batch, [i for i in chunk if i not in skipped])
+                template = template if template is not None else empty_like_batch(batch)
+                count += 1
                 yield batch
+        if self.world_size > 1 and template is not None:
+            for _ in range(expected - count):  # an empty share of the last batch
+                yield template
 
     def origin(self, batch: Any, index: int) -> str | None:
         """Which dataset index sample ``index`` of a recent batch is (``None``: unknown batch)."""
@@ -205,8 +235,13 @@ class EpochLoader:
         """The epoch's bad-sample count (the position itself is the caller's ``batch_in_epoch``)."""
         return self.bad.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.bad.load_state_dict([state])
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Continue the bad-sample count: this rank's, or every rank's (a list) summed when the
+        number of ranks changed."""
+        states = [state] if isinstance(state, dict) else list(state)
+        if len(states) == self.world_size > 1:
+            states = [states[self.rank]]
+        self.bad.load_state_dict(states)
 
     def close(self) -> None:
         """Stop the worker processes (they are started again by the next ``epoch()``)."""
@@ -216,7 +251,7 @@ class EpochLoader:
         if self._loader is None:
             workers = self.num_workers
             self._loader = DataLoader(
-                _Guarded(self.dataset), batch_size=self.batch_size, sampler=self._sampler,
+                _Guarded(self.dataset), batch_size=self.rank_batch_size, sampler=self._sampler,
                 num_workers=workers, pin_memory=self.pin_memory, collate_fn=_Collate(self.collate_fn),
                 worker_init_fn=seed_worker if workers else None, persistent_workers=workers > 0,
                 prefetch_factor=self.prefetch_factor if workers else None,

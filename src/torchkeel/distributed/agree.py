@@ -27,14 +27,15 @@ def any_rank_flags(flags: list[bool], device: torch.device | None = None) -> lis
     return [bool(v) for v in values.tolist()]  # host sync: the decisions are needed on the host
 
 
-def read_finite(values: torch.Tensor) -> tuple[list[float], list[bool]]:
+def read_finite(values: torch.Tensor, agreed: bool = False) -> tuple[list[float], list[bool]]:
     """Read a 1-D tensor to the host and say, per entry, whether it is finite on every rank.
 
     One host sync. In a single process the check happens on the host; under torchrun the
     finiteness flags are agreed on the device first (one all-reduce), so that every rank
-    decides the same even when only one rank's loss went NaN.
+    decides the same even when only one rank's loss went NaN. ``agreed``: the values are
+    already the same on every rank (reduced), so no collective is needed.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if agreed or not (dist.is_available() and dist.is_initialized()):
         host = values.tolist()
         return host, [math.isfinite(v) for v in host]
     flags = agree_all(torch.isfinite(values)).to(values.dtype)

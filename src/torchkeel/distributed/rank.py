@@ -10,6 +10,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from torchkeel.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -33,3 +35,15 @@ class RankInfo:
             world_size=int(env.get("WORLD_SIZE", 1)),
             local_rank=int(env.get("LOCAL_RANK", 0)),
         )
+
+
+def per_rank(batch_size: int, world_size: int) -> int:
+    """Each rank's share of the job's batch ``batch_size``.
+
+    Raises:
+        ConfigError: the batch does not divide by the world size (both numbers named).
+    """
+    if batch_size % world_size:
+        raise ConfigError(f"train.batch_size {batch_size} does not divide by the world size {world_size}; "
+                          f"use a multiple of {world_size} (it is the batch of the whole job)")
+    return batch_size // world_size

@@ -116,15 +116,54 @@ def check_cpus(f: Facts) -> Finding:
     return Finding("cpus", "ok", evidence)
 
 
+# What each commonly set variable does, shown beside its value.
+DIST_VARIABLES = {
+    "NCCL_DEBUG": "NCCL logs its setup and errors (INFO, WARN)",
+    "NCCL_SOCKET_IFNAME": "network interface of NCCL's sockets (a wrong one hangs at init)",
+    "NCCL_IB_DISABLE": "1: no InfiniBand/RoCE, sockets only",
+    "NCCL_P2P_DISABLE": "1: no direct GPU-to-GPU copies (slower)",
+    "NCCL_SHM_DISABLE": "1: no shared-memory transport between local GPUs (slower)",
+    "NCCL_ASYNC_ERROR_HANDLING": "abort on a timeout instead of hanging (old name)",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "abort the communicator on a timeout instead of hanging",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "flight recorder of recent collectives: names the missing rank on a timeout",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "write the flight recorder when the watchdog fires",
+    "TORCH_NCCL_BLOCKING_WAIT": "collectives block the host and raise on timeout",
+    "GLOO_SOCKET_IFNAME": "network interface of gloo (CPU jobs)",
+    "MASTER_ADDR": "host of the rendezvous store",
+    "MASTER_PORT": "port of the rendezvous store",
+}
+
+
 def check_distributed_env(f: Facts) -> Finding:
     names = sorted(k for k in f.env if k.startswith(("NCCL_", "TORCH_NCCL_", "GLOO_", "MASTER_")))
     if not names:
         return Finding("distributed env", "ok", "no NCCL/Gloo/MASTER_* variables set")
-    shown = ", ".join(f"{k}={f.env[k]}" for k in names)
+    shown = "; ".join(f"{k}={f.env[k]}" + (f" ({DIST_VARIABLES[k]})" if k in DIST_VARIABLES else "") for k in names)
+    if f.master_reachable is False:
+        return Finding("distributed env", "fail", f"{shown}; MASTER_ADDR:MASTER_PORT is not reachable "
+                       f"({f.master_error})", "start rank 0 first, or fix MASTER_ADDR/MASTER_PORT and the firewall")
     risky = [k for k in names if k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE")]
     if risky:
         return Finding("distributed env", "warn", shown, f"{', '.join(risky)} slow collectives down; unset them unless needed")
-    return Finding("distributed env", "ok", shown)
+    return Finding("distributed env", "ok", shown + ("; MASTER_ADDR:MASTER_PORT reachable" if f.master_reachable else ""))
+
+
+def check_nproc(f: Facts) -> Finding:
+    if f.nproc is None:
+        return Finding("ranks per node", "ok", "no --nproc given")
+    gpus = len(f.gpus)
+    if not f.cuda_available:
+        if f.nproc > f.cpu_affinity:
+            return Finding("ranks per node", "warn", f"--nproc {f.nproc} CPU ranks (gloo) on {f.cpu_affinity} usable CPUs",
+                           f"use at most {f.cpu_affinity} CPU ranks, with OMP_NUM_THREADS=1")
+        return Finding("ranks per node", "ok", f"--nproc {f.nproc} CPU ranks (gloo), {f.cpu_affinity} usable CPUs")
+    evidence = f"--nproc {f.nproc}, {gpus} visible GPU{'s' * (gpus != 1)}"
+    if f.nproc > gpus:
+        return Finding("ranks per node", "fail", evidence + ": ranks would share GPUs",
+                       f"use --nproc {gpus} or fewer (or check CUDA_VISIBLE_DEVICES)")
+    if f.nproc < gpus:
+        return Finding("ranks per node", "warn", evidence + ": some GPUs stay idle", f"use --nproc {gpus} to use them all")
+    return Finding("ranks per node", "ok", evidence + ": one rank per GPU")
 
 
 def check_reproducibility(f: Facts) -> Finding:
@@ -166,7 +205,7 @@ def check_run_dir(f: Facts) -> Finding:
 
 CHECKS: list[Callable[[Facts], Finding]] = [
     check_versions, check_cuda_driver, check_gpus, check_library_conflicts, check_shared_memory,
-    check_start_method, check_cpus, check_distributed_env, check_reproducibility, check_torch_load_safety,
+    check_start_method, check_cpus, check_distributed_env, check_nproc, check_reproducibility, check_torch_load_safety,
     check_run_dir,
 ]
 

@@ -61,12 +61,15 @@ class Facts:
     run_dir_writable: bool | None = None
     checkpoint_bytes: int | None = None
     same_filesystem_as_tmp: bool | None = None
+    nproc: int | None = None  # the ranks per node the user plans (keel doctor --nproc)
+    master_reachable: bool | None = None  # MASTER_ADDR:MASTER_PORT accepts a TCP connection (None: not set)
+    master_error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def collect_facts(run_dir: str | Path | None = None, smoke_test: bool = True) -> Facts:
+def collect_facts(run_dir: str | Path | None = None, smoke_test: bool = True, nproc: int | None = None) -> Facts:
     """Everything the checks need, read from this process and machine (a few hundred ms on a CPU)."""
     from torchkeel import __version__
 
@@ -102,7 +105,21 @@ def collect_facts(run_dir: str | Path | None = None, smoke_test: bool = True) ->
     facts.loaded_libs = _loaded_libs()
     if run_dir is not None:
         _run_dir_facts(facts, Path(run_dir))
+    facts.nproc = nproc
+    if "MASTER_ADDR" in facts.env and "MASTER_PORT" in facts.env:
+        facts.master_reachable, facts.master_error = _reachable(facts.env["MASTER_ADDR"], facts.env["MASTER_PORT"])
     return facts
+
+
+def _reachable(host: str, port: str, timeout_s: float = 2.0) -> tuple[bool, str | None]:
+    """Whether a TCP connection to ``host:port`` opens (the rendezvous store of a running job)."""
+    import socket
+
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True, None
+    except (OSError, ValueError) as exc:
+        return False, f"{type(exc).__name__}: {exc}"
 
 
 def _driver_version() -> str | None:

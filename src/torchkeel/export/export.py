@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from torchkeel.checkpoint import CheckpointStore, load_model_weights, read_checkpoint
+from torchkeel.checkpoint.foreign import checkpoint_weights
 from torchkeel.checkpoint.store import is_checkpoint_dir
 from torchkeel.config.load import load_config
 from torchkeel.errors import CheckpointError, ConfigError, ParityError
@@ -47,7 +48,7 @@ def export_run(
     checkpoint, run_dir = _resolve(Path(source))
     config = load_config(run_dir / "config.yaml")
     model = build_model(config.model)
-    load_model_weights(model, checkpoint.state["model"], strict=True, source=f"checkpoint '{checkpoint.path}'")
+    load_model_weights(model, checkpoint_weights(checkpoint), strict=True, source=f"checkpoint '{checkpoint.path}'")
     model = model.float().eval()
     train_set, val_set = build_datasets(config.data)
     samples = sample_inputs(val_set if val_set is not None else train_set, limit=max(max(batch_sizes), 8)).float()

@@ -18,7 +18,18 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float | None)
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return torch.zeros((), device=params[0].device if params else None)
+        if _is_sharded(grads[0]):
+            return _full(torch.nn.utils.get_total_norm(grads))
         return torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads])
         )
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return _full(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor"
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """FSDP2's gradients are sharded (DTensor): their norm is reduced over the ranks here."""
+    return norm.full_tensor() if _is_sharded(norm) else norm

@@ -8,6 +8,7 @@ The only host sync is the guard's, once per step, when ``check_finite`` is on.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,9 @@ import torch
 
 from torchkeel.data.batch import num_samples, split_batch
 from torchkeel.distributed.agree import read_finite
+from torchkeel.distributed.parallel import GradSync, empty_like_batch
 from torchkeel.train.clipping import clip_grad_norm
+from torchkeel.errors import SampleTooLarge
 from torchkeel.train.objective import LabelOutOfRange, Objective
 from torchkeel.train.oom import free_memory, smaller_size
 from torchkeel.train.precision import Precision
@@ -59,6 +62,7 @@ def train_step(
     split_on_oom: bool = False,
     micro_batch_size: int | None = None,
     before_forward: Callable[[int], None] | None = None,
+    sync: GradSync | None = None,
 ) -> StepResult:
     """One optimizer step over ``group``, a list of micro-batches.
 
@@ -71,6 +75,11 @@ def train_step(
     they were and the scheduler does not advance. With ``split_on_oom``, an out-of-memory error
     redoes the step in pieces of half the size (``micro_batch_size`` caps them from the start);
     ``before_forward(num_samples)`` runs before each piece (fault injection in tests).
+
+    Under torchrun, ``sync`` (a ``GradSync``) makes the step one of the whole job: the loss is
+    weighted by global counts, gradients are reduced on the last micro-batch only, the returned
+    loss and ``num_samples`` are the job's, and an out-of-memory error on any rank makes every
+    rank redo the step with the smallest micro-batch size any rank needed.
     """
     if not group:
         raise ValueError("train_step needs at least one micro-batch")
@@ -79,6 +88,15 @@ def train_step(
     weights = [objective.weight(batch) for batch in group] if objective.count_key else [float(n) for n in sizes]
     num_splits = 0
     while True:
+        if sync is not None:  # every rank tries; all redo the step if any ran out of memory
+            loss_sum, metrics, micro_batch_size, redo = _synced(
+                model, group, sizes, weights, objective, precision, device, micro_batch_size, before_forward,
+                params, sync, split_on_oom)
+            if not redo:
+                break
+            optimizer.zero_grad(set_to_none=True)
+            num_splits += 1
+            continue
         try:
             loss_sum, metrics = _forward_backward(
                 model, group, sizes, weights, objective, precision, device, micro_batch_size, before_forward, params
@@ -97,7 +115,8 @@ def train_step(
     status, loss_value, norm_value = "ok", None, None
     if check_finite:
         # Host sync, the one per step: may this step be applied? Loss and norm come along.
-        (loss_value, norm_value), (loss_ok, grads_ok) = read_finite(torch.stack([loss_sum, grad_norm.float()]))
+        (loss_value, norm_value), (loss_ok, grads_ok) = read_finite(
+            torch.stack([loss_sum, grad_norm.float()]), agreed=sync is not None)
         if not (loss_ok and grads_ok):
             status = "overflow" if loss_ok and precision.scaler is not None else "nonfinite"
     if status == "nonfinite":
@@ -108,10 +127,77 @@ def train_step(
     if scheduler is not None and status == "ok":
         scheduler.step()
     return StepResult(
-        loss=loss_sum, grad_norm=grad_norm, num_samples=sum(sizes), num_micro_batches=len(group), status=status,
+        loss=loss_sum, grad_norm=grad_norm, num_samples=sum(sizes) if sync is None else sync.samples,
+        num_micro_batches=len(group), status=status,
         loss_value=loss_value, grad_norm_value=norm_value, micro_batch_size=micro_batch_size,
         num_oom_splits=num_splits, metrics=metrics,
     )
+
+
+def _pieces(batch: Any, size: int, micro_batch_size: int | None, count: int | None) -> list[Any]:
+    """``batch`` cut to ``micro_batch_size``; padded with empty pieces to ``count`` pieces, so
+    that every rank runs the same number of forward passes (FSDP gathers weights in each)."""
+    pieces = [batch] if micro_batch_size is None or size <= micro_batch_size else split_batch(batch, micro_batch_size)
+    if count is not None and len(pieces) < count:
+        pieces += [empty_like_batch(batch)] * (count - len(pieces))
+    return pieces
+
+
+def _synced(
+    model: torch.nn.Module,
+    group: Sequence[Any],
+    sizes: Sequence[int],
+    weights: Sequence[float],
+    objective: Objective,
+    precision: Precision,
+    device: torch.device,
+    micro_batch_size: int | None,
+    before_forward: Callable[[int], None] | None,
+    params: Sequence[torch.nn.Parameter],
+    sync: GradSync,
+    split_on_oom: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None, int | None, bool]:
+    """One data-parallel attempt at the step; returns the job's mean loss, this rank's metrics,
+    the micro-batch size every rank continues with, and whether every rank must redo the step."""
+    per_batch = None if micro_batch_size is None else -(-sync.batch_size // micro_batch_size)
+    oom = False
+    loss_sum, metric_sums, count = None, {}, None
+    try:
+        loss_sum, metric_sums, count = _forward_backward(
+            model, group, sizes, weights, objective, precision, device, micro_batch_size, before_forward, params,
+            sync=sync, pieces_per_batch=per_batch)
+    except torch.OutOfMemoryError:
+        oom = True
+    if oom:
+        # Finish the step's collectives on empty pieces, so that no rank waits on this one.
+        free_memory(device)
+        empty = [empty_like_batch(batch) for batch in group]
+        loss_sum, metric_sums, count = _forward_backward(
+            model, empty, [0] * len(group), [0.0] * len(group), objective, precision, device, micro_batch_size,
+            None, params, sync=sync, pieces_per_batch=per_batch)
+        proposal = max(sizes) if micro_batch_size is None else micro_batch_size
+        proposal = smaller_size(proposal, device) if proposal > 1 else 0
+    else:
+        proposal = sync.batch_size if micro_batch_size is None else micro_batch_size
+    # Host sync, the one per step (the guard reads the values it gives without another).
+    rows = sync.gather([loss_sum, count, float(oom), proposal, sum(sizes)]).tolist()
+    losses, counts, ooms, proposals, samples = zip(*rows)
+    sync.samples = int(sum(samples))
+    if any(ooms):
+        failed = [rank for rank, flag in enumerate(ooms) if flag]
+        if not split_on_oom:
+            raise torch.OutOfMemoryError(f"out of memory on rank {', '.join(map(str, failed))} (oom.auto_split is off)")
+        if min(proposals) == 0:
+            raise SampleTooLarge(f"out of memory with a micro-batch of one sample on rank {failed[0]}; use a smaller "
+                                 "model, lower precision (bf16) or dist.activation_checkpointing")
+        return loss_sum, metric_sums or None, int(min(proposals)), True
+    factor = sync.world_size * sync.nominal / max(sum(counts), 1e-12)
+    if factor != 1.0:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+    loss = torch.tensor(sum(losses) * factor / sync.world_size, device=device)
+    return loss, metric_sums or None, micro_batch_size, False
 
 
 def _forward_backward(
@@ -125,48 +211,61 @@ def _forward_backward(
     micro_batch_size: int | None,
     before_forward: Callable[[int], None] | None,
     params: Sequence[torch.nn.Parameter],
-) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    sync: GradSync | None = None,
+    pieces_per_batch: int | None = None,
+) -> Any:
     """Forward and backward of every piece, weighted by its count; returns the mean loss and metrics.
 
     A mean loss is scaled by its piece's share of the group's count before its backward. Summed
     losses (a step function that returns ``loss_sum, count``) are backpropagated as they are and
     the gradients divided by the group's total count at the end, since it is known only then.
+    With ``sync`` the divisor is ``sync.nominal`` instead (the global count is known only after
+    the all-gather) and this returns ``(loss_sum, metrics, count)`` of this rank for ``_synced``.
     """
     non_blocking = device.type == "cuda"
-    total = sum(weights)
-    loss_sum: torch.Tensor | None = None
+    total = sum(weights) if sync is None else sync.nominal
+    loss_sum = torch.zeros((), device=device)
     metric_sums: dict[str, torch.Tensor] = {}
     counted: torch.Tensor | float = 0.0
     kinds: set[bool] = set()
     for index, (batch, size, weight) in enumerate(zip(group, sizes, weights)):
-        pieces = [batch] if micro_batch_size is None or size <= micro_batch_size else split_batch(batch, micro_batch_size)
+        pieces = _pieces(batch, size, micro_batch_size, pieces_per_batch)
         offset = 0
-        for piece in pieces:
+        for number, piece in enumerate(pieces):
             n = size if len(pieces) == 1 else num_samples(piece)
-            share = weight if len(pieces) == 1 else objective.weight(piece)
-            if before_forward is not None:
+            share = weight if len(pieces) == 1 else objective.weight(piece) if n else 0.0
+            is_last = index == len(group) - 1 and number == len(pieces) - 1
+            if before_forward is not None and n:
                 before_forward(n)
-            try:
-                with precision.autocast():
-                    out = objective(model, piece, device, non_blocking)
-            except LabelOutOfRange as exc:
-                exc.micro_batch, exc.sample = index, exc.sample + offset
-                raise
-            offset += n
-            kinds.add(out.is_sum)
-            if len(kinds) > 1:
-                raise ValueError("loss.step_fn returned a mean for one micro-batch and a (sum, count) for another")
-            loss = out.loss if out.is_sum or share == total else out.loss * (share / total)
-            precision.backward(loss)
-            detached = loss.detach().float()
-            loss_sum = detached if loss_sum is None else loss_sum + detached
-            scale = 1.0 if out.is_sum else share / total
+            with sync.micro_batch(is_last) if sync is not None else nullcontext():
+                try:
+                    with precision.autocast():
+                        out = objective(model, piece, device, non_blocking)
+                except LabelOutOfRange as exc:
+                    exc.micro_batch, exc.sample = index, exc.sample + offset
+                    raise
+                offset += n
+                if n:
+                    kinds.add(out.is_sum)
+                if len(kinds) > 1:
+                    raise ValueError("loss.step_fn returned a mean for one micro-batch and a (sum, count) for another")
+                if out.is_sum:
+                    loss = out.loss / total if sync is not None else out.loss
+                else:
+                    loss = out.loss if share == total else out.loss * (share / total)
+                precision.backward(loss)  # an empty piece (n == 0) adds zero gradients
+            if not n:
+                continue
+            loss_sum = loss_sum + loss.detach().float()
+            scale = 1.0 if out.is_sum else (share / total if sync is None else share)
             for name, value in out.metrics.items():
                 value = torch.as_tensor(value, device=device).detach().float() * scale
                 metric_sums[name] = metric_sums[name] + value if name in metric_sums else value
-            if out.is_sum:
-                counted = counted + torch.as_tensor(out.count, device=device).float()
-    assert loss_sum is not None  # group is not empty
+            counted = counted + (torch.as_tensor(out.count, device=device).float() if out.is_sum else share)
+    if sync is not None:
+        count = torch.as_tensor(counted, device=device, dtype=torch.float64)
+        local = torch.clamp(count, min=1.0)
+        return loss_sum, {name: value / local for name, value in metric_sums.items()}, count
     if True in kinds:
         counted = torch.clamp(torch.as_tensor(counted), min=1.0)
         for p in params:

@@ -19,17 +19,21 @@ from torchkeel.checkpoint import (
     AsyncSaver, Checkpoint, CheckpointStore, capture_training_state, load_model_weights, load_weights,
     restore_training_state,
 )
+from torchkeel.checkpoint.state import capture_rng, restore_rng
 from torchkeel.checkpoint.format import PointHook
 from torchkeel.config.load import config_hash, to_dict
 from torchkeel.config.schema import KeelConfig
 from torchkeel.data.build import build_loaders
-from torchkeel.distributed import RankInfo, agree_min, any_rank, any_rank_flags
+from torchkeel.data.stream import StreamLoader
+from torchkeel.distributed import RankInfo, any_rank, any_rank_flags
+from torchkeel.distributed.checkpoint import load_sharded, save_sharded
+from torchkeel.distributed.job import DataParallel
 from torchkeel.io import write_json_atomic, write_text_atomic
 from torchkeel.provenance import provenance
 from torchkeel.train.accumulate import iter_groups, total_steps
 from torchkeel.train.cadence import SaveCadence
 from torchkeel.train.build import build_model, build_objective, resolve_device
-from torchkeel.errors import TrainingDiverged
+from torchkeel.errors import CheckpointError, TrainingDiverged
 from torchkeel.train.compile import CompiledOrEager
 from torchkeel.train.diagnose import diagnose_nonfinite
 from torchkeel.train.guards import Action, NonFiniteGuard, Snapshot, SpikeDetector, apply_lr_scale
@@ -86,31 +90,19 @@ class Trainer:
         self.rank = RankInfo.from_env()
         self.device = resolve_device(cfg.device, self.rank)
         self.precision = make_precision(cfg.precision, self.device)
-        seed_everything(cfg.seed, cfg.deterministic)
-        self.data = build_loaders(cfg.data, batch_size=cfg.train.batch_size, seed=cfg.seed, device=self.device,
-                                  train_data=train_data, val_data=val_data)
-        self.train_loader, self.val_loader = self.data.train, self.data.val
-        self.model = (model if model is not None else build_model(cfg.model)).to(self.device)
-        if cfg.model.init_from:
-            self._init_weights(cfg.model.init_from, cfg.model.init_strict)
-        self.forward_model = CompiledOrEager(self.model) if cfg.compile else self.model
-        self.objective = build_objective(cfg.loss, loss_fn)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(cfg.optim, self.params)
-        self.total_steps = total_steps(
-            len(self.train_loader), cfg.train.accumulate, cfg.train.max_epochs, cfg.train.max_steps
-        )
-        self.scheduler = build_scheduler(
-            self.optimizer, warmup_steps=cfg.schedule.warmup_steps, total_steps=self.total_steps,
-            decay=cfg.schedule.decay, min_lr=cfg.schedule.min_lr,
-        )
-        self.run_dir = Path(cfg.out_dir) / cfg.name
+        self.job = DataParallel(cfg.dist, self.rank, self.device)  # joins the job under torchrun
+        try:
+            self._build(cfg, model, train_data, val_data, loss_fn)
+        except BaseException:
+            self.job.close()
+            raise
         ck = cfg.checkpoint
         self.store = CheckpointStore(
             self.run_dir / "checkpoints", keep_last=ck.keep_last, save_top_k=ck.save_top_k,
             monitor=ck.monitor, mode=ck.mode, hook=checkpoint_hook,
         )
-        self.saver = AsyncSaver(self.store) if ck.async_save else None
+        # Sharded saves are collective: every rank writes its shards at the same time.
+        self.saver = AsyncSaver(self.store) if ck.async_save and not self.job.sharded else None
         self.cadence = SaveCadence(ck.every_s, ck.max_overhead)
         g, mem = cfg.guard, cfg.memory
         self.guard = NonFiniteGuard(g.on_nonfinite, g.max_consecutive, g.lr_backoff, g.max_rollbacks)
@@ -137,15 +129,51 @@ class Trainer:
         self.incidents = IncidentLog(None)
         self._previous: PreviousRun | None = None  # the run --overwrite set aside, until this one is safe
 
+    def _build(self, cfg: KeelConfig, model: torch.nn.Module | None, train_data: Any, val_data: Any,
+               loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> None:
+        """Seed, data, model, loss, optimizer, schedule — in this order (a hand loop that follows it
+        draws the same random numbers)."""
+        seed_everything(cfg.seed, cfg.deterministic)
+        self.data = build_loaders(cfg.data, batch_size=cfg.train.batch_size, seed=cfg.seed, device=self.device,
+                                  train_data=train_data, val_data=val_data, rank=self.rank.rank,
+                                  world_size=self.rank.world_size)
+        self.train_loader, self.val_loader = self.data.train, self.data.val
+        self.model = (model if model is not None else build_model(cfg.model)).to(self.device)
+        if cfg.model.init_from:
+            self._init_weights(cfg.model.init_from, cfg.model.init_strict)
+        wrapped = self.job.wrap(self.model, precision=cfg.precision, batch_size=cfg.train.batch_size,
+                                accumulate=cfg.train.accumulate)
+        self.job.seed_rank(cfg.seed)
+        self.forward_model = CompiledOrEager(wrapped) if cfg.compile else wrapped
+        self.objective = build_objective(cfg.loss, loss_fn)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(cfg.optim, self.params)
+        self.total_steps = total_steps(
+            len(self.train_loader), cfg.train.accumulate, cfg.train.max_epochs, cfg.train.max_steps
+        )
+        self.scheduler = build_scheduler(
+            self.optimizer, warmup_steps=cfg.schedule.warmup_steps, total_steps=self.total_steps,
+            decay=cfg.schedule.decay, min_lr=cfg.schedule.min_lr,
+        )
+        self.run_dir = Path(cfg.out_dir) / cfg.name
+
     def fit(self) -> dict[str, Any]:
         """Train to the configured limit; return the summary that is also written to ``summary.json``.
 
         ``status`` is ``completed``, ``preempted`` (SIGTERM/SIGINT: checkpoint written, see
         ``signal``), ``failed`` (with ``error``) or ``interrupted`` (a second Ctrl-C).
         """
+        try:
+            return self._fit()
+        finally:
+            self.job.close()
+
+    def _fit(self) -> dict[str, Any]:
         cfg, is_main = self.config, self.rank.is_main
         self._progress = Progress(self.total_steps, enabled=self.show_progress and is_main)
-        found = find_checkpoint(self.store, self.resume, self._progress.warn) if self.resume else None
+        # Every rank verifies the same checkpoint; rank 0 reports what it skipped.
+        warn = self._progress.warn if is_main else (lambda message: None)
+        found = find_checkpoint(self.store, self.resume, warn) if self.resume else None
         if is_main:
             _, self._previous = prepare_run_dir(cfg.out_dir, cfg.name, overwrite=self.overwrite,
                                                 resume=self.resume is not None)
@@ -156,11 +184,18 @@ class Trainer:
         self.incidents = IncidentLog(self.run_dir / "incidents.jsonl" if is_main else None)
         self._provenance = provenance(config_hash(cfg))
         self._start = time.perf_counter()
+        if self.job.active:
+            self._log({"kind": "dist", "step": 0, "world_size": self.rank.world_size, "strategy": self.job.strategy,
+                       "backend": self.job.group.backend, "batch_per_rank": self.config.train.batch_size
+                       // self.rank.world_size})
+            if is_main:
+                print(f"keel: {self.job.describe(self.config.train.batch_size)}", file=sys.stderr)
         if self.data.tuning is not None:
             self._log({"step": 0, **self.data.tuning.row()})
             self._progress.note(f"data.num_workers=auto: {self.data.tuning.num_workers} ({self.data.tuning.reason})")
         if found is not None:
-            self._restore(found)
+            with self.job.watch("loading the checkpoint", found.step):
+                self._restore(found)
             self._log({"kind": "resume", "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                        "samples": self.samples, "checkpoint": str(found.path)})
         summary: dict[str, Any] = {"status": "failed"}
@@ -206,12 +241,14 @@ class Trainer:
         while self.step < self.total_steps and (train.max_epochs is None or self.epoch < train.max_epochs):
             batches = TimedBatches(self.train_loader.epoch(self.epoch, start_batch=self.batch_in_epoch))
             self.input_bound.start()
-            for group in iter_groups(batches, train.accumulate):
+            for group in iter_groups(self.job.batches(batches, self._streaming), train.accumulate):
                 if self.step >= self.total_steps:
                     break
                 is_log = (self.step + 1) % train.log_every == 0 or self.step + 1 == self.total_steps
                 lr = self.optimizer.param_groups[0]["lr"] if is_log else 0.0
-                result = self._step(group)
+                with self.job.watch("the training step (forward, backward, gradient sync)", self.step + 1):
+                    result = self._step(group)
+                self.job.first_step_done()
                 self.step += 1
                 self.batch_in_epoch += len(group)
                 self.samples += result.num_samples
@@ -232,7 +269,9 @@ class Trainer:
                     window_samples, window_start = 0, time.perf_counter()
                 if train.val_every and self.step % train.val_every == 0:
                     self._validate()
-                stop, due = any_rank_flags([self._signals.requested is not None, self._is_save_due(False)], self.device)
+                with self.job.watch("the agreement on stopping and saving", self.step):
+                    stop, due = any_rank_flags([self._signals.requested is not None, self._is_save_due(False)],
+                                               self.device)
                 if stop or ((due or self._is_every_steps()) and self.batch_in_epoch < num_batches):
                     self._save()  # at an epoch's last batch the epoch-end save decides instead
                 if stop:
@@ -241,11 +280,13 @@ class Trainer:
                 if not train.val_every:
                     self._validate()
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-                if any_rank(self._is_save_due(True), self.device) or self._is_every_steps():
+                with self.job.watch("the agreement on saving", self.step):
+                    due = any_rank(self._is_save_due(True), self.device)
+                if due or self._is_every_steps():
                     self._save()
         if self.validated_at != self.step:
             self._validate()
-        if self.config.guard.enabled and not all(bool(torch.isfinite(p).all()) for p in self.params):
+        if self.config.guard.enabled and not all(bool(torch.isfinite(_local(p)).all()) for p in self.params):
             raise TrainingDiverged("the weights are non-finite at the end of training; see incidents.jsonl")
         self._save()
 
@@ -258,7 +299,7 @@ class Trainer:
                 precision=self.precision, device=self.device,
                 clip_grad_norm_max=train.clip_grad_norm, scheduler=self.scheduler,
                 check_finite=self.config.guard.enabled, split_on_oom=self.config.oom.auto_split,
-                micro_batch_size=self.micro_batch_size, before_forward=self.oom_hook,
+                micro_batch_size=self.micro_batch_size, before_forward=self.oom_hook, sync=self.job.sync,
             )
         except LabelOutOfRange as exc:
             origin = self.train_loader.origin(group[exc.micro_batch], exc.sample)
@@ -282,8 +323,7 @@ class Trainer:
             self._incident("oom_split", f"out of memory: the step was redone in micro-batches of "
                            f"{result.micro_batch_size} samples, kept for the following steps",
                            micro_batch_size=result.micro_batch_size, splits=result.num_oom_splits)
-        # Every rank continues with the same size: the smallest that fit anywhere.
-        self.micro_batch_size = agree_min(result.micro_batch_size, self.device)
+        self.micro_batch_size = result.micro_batch_size  # under torchrun the smallest that fit on any rank
         if result.status == "nonfinite":
             self._on_nonfinite(group)
         else:
@@ -350,9 +390,11 @@ class Trainer:
         self.validated_at = self.step
         if self.val_loader is None:
             return
-        self.val_metrics = evaluate(
-            self.model, self.val_loader.epoch(0), self.objective, device=self.device, precision=self.precision
-        )
+        with self.job.watch("validation", self.step):
+            self.val_metrics = evaluate(
+                self.job.evaluation_model(self.model), self.job.batches(self.val_loader.epoch(0), self._streaming),
+                self.objective, device=self.device, precision=self.precision, across_ranks=True,
+            )
         self._log({"kind": "val", "step": self.step, "epoch": self.epoch, **self.val_metrics})
 
     def _is_every_steps(self) -> bool:
@@ -364,34 +406,61 @@ class Trainer:
         return self.rank.is_main and self.config.checkpoint.enabled and self.cadence.is_due(at_epoch_end)
 
     def _save(self) -> None:
-        """Checkpoint the current state (rank 0 writes); once per step at most."""
-        if not self.config.checkpoint.enabled or self.saved_at == self.step or not self.rank.is_main:
+        """Checkpoint the current state, once per step at most. Every rank takes part (its RNG and
+        data position are saved with it); rank 0 writes, except each rank's shards under FSDP."""
+        if not self.config.checkpoint.enabled or self.saved_at == self.step:
             return
         self.saved_at = self.step
-        progress = {name: getattr(self, name) for name in PROGRESS}
-        progress["data"] = self.train_loader.state_dict()
-        protections = {"guard": self.guard.state_dict(), "incidents": dict(self.incidents.counts),
-                       "spikes": self.spikes.state_dict() if self.spikes else None}
-        state = capture_training_state(
-            self.model, self.optimizer, self.scheduler, self.precision.scaler, progress, protections
-        )
-        kwargs = {"step": self.step, "epoch": self.epoch, "metrics": self.val_metrics, "meta": self._provenance}
-        start = time.perf_counter()
-        if self.saver is not None:
-            self.saver.save(state, **kwargs)
-            if self._previous is not None:
-                self.saver.wait()  # the first checkpoint must be on disk before the previous run goes
-        else:
-            self.store.save(state, **kwargs)
+        with self.job.watch("saving a checkpoint", self.step):
+            ranks = self.job.gather({"rng": capture_rng(), "data": self.train_loader.state_dict()})
+            if self.rank.is_main:
+                assert ranks is not None
+                progress = {name: getattr(self, name) for name in PROGRESS}
+                progress["data"] = ranks[0]["data"] if len(ranks) == 1 else [r["data"] for r in ranks]
+                protections = {"guard": self.guard.state_dict(), "incidents": dict(self.incidents.counts),
+                               "spikes": self.spikes.state_dict() if self.spikes else None}
+                state = capture_training_state(self.model, self.optimizer, self.scheduler, self.precision.scaler,
+                                               progress, protections, weights=not self.job.sharded)
+                if len(ranks) > 1:
+                    state["ranks"] = {"rng": [r["rng"] for r in ranks]}
+            kwargs = {"step": self.step, "epoch": self.epoch, "metrics": self.val_metrics, "meta": self._provenance}
+            start = time.perf_counter()
+            if self.job.sharded:
+                save_sharded(self.store, state if self.rank.is_main else {}, self.model, self.optimizer,
+                             hook=self.store.hook, **kwargs)
+            elif not self.rank.is_main:
+                return
+            elif self.saver is not None:
+                self.saver.save(state, **kwargs)
+                if self._previous is not None:
+                    self.saver.wait()  # the first checkpoint must be on disk before the previous run goes
+            else:
+                self.store.save(state, **kwargs)
         self.cadence.saved(time.perf_counter() - start)
         if self._previous is not None:
             self._previous.discard()
             self._previous = None
 
     def _restore(self, found: Checkpoint) -> None:
+        if (found.shards is not None) != self.job.sharded:
+            written = "dist.strategy=fsdp" if found.shards is not None else "full weights (no FSDP)"
+            raise CheckpointError(
+                f"checkpoint '{found.path}' was written with {written}, this run uses dist.strategy="
+                f"{self.config.dist.strategy}: resume with the strategy it was written with (on any number of "
+                "ranks), or start from its weights with model.init_from")
+        if found.shards is not None:
+            load_sharded(found, self.model, self.optimizer)
         progress = restore_training_state(found.state, self.model, self.optimizer, self.scheduler, self.precision.scaler)
         for name in PROGRESS:
             setattr(self, name, progress[name])
+        per_rank_rng = (found.state.get("ranks") or {}).get("rng") or []
+        if len(per_rank_rng) == self.rank.world_size > 1:
+            restore_rng(per_rank_rng[self.rank.rank])  # dropout continues exactly on every rank
+        elif self.rank.world_size > 1 or per_rank_rng:
+            self.job.seed_rank(self.config.seed + self.step)
+            written = max(1, len(per_rank_rng))
+            self._progress.warn(f"the checkpoint was written by {written} rank{'s' * (written > 1)}, this run has "
+                                f"{self.rank.world_size}: each rank's random stream (dropout) starts afresh")
         if progress.get("data"):
             self.train_loader.load_state_dict(progress["data"])
         protections = found.state.get("protections") or {}
@@ -401,6 +470,11 @@ class Trainer:
             self.spikes.load_state_dict(protections["spikes"])
         if found.manifest.get("config_hash") != self._provenance["config_hash"]:
             self._progress.warn(f"the config differs from the one checkpoint '{found.path}' was saved with")
+
+    @property
+    def _streaming(self) -> bool:
+        """Streamed data: ranks may hold different numbers of batches (kept in step by ``DataParallel``)."""
+        return isinstance(self.train_loader, StreamLoader)
 
     def _init_weights(self, path: str, strict: bool) -> None:
         skipped = load_model_weights(self.model, load_weights(path), strict=strict, source=f"weights in '{path}'")
@@ -430,3 +504,8 @@ class Trainer:
             self._metrics.close()
             write_json_atomic(self.run_dir / "summary.json", summary)
         return summary
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP parameter (a DTensor), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -6,7 +6,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from torchkeel.data.batch import num_samples
 from torchkeel.train.objective import Objective
 from torchkeel.train.precision import Precision
 
@@ -18,6 +20,7 @@ def evaluate(
     *,
     device: torch.device,
     precision: Precision | None = None,
+    across_ranks: bool = False,
 ) -> dict[str, float]:
     """Mean loss (and accuracy, for class-index targets) over every sample of ``batches``.
 
@@ -26,7 +29,9 @@ def evaluate(
     Dropout and batch-norm updates are off during the pass; the model's previous mode is
     restored after. Returns ``{"val_loss": ..., "val_accuracy": ...}`` (accuracy only for
     classification: integer targets of shape ``[batch]`` and outputs of shape ``[batch, classes]``).
-    The values are read back to the host once, at the end.
+    The values are read back to the host once, at the end. ``across_ranks``: each rank saw its
+    own share of the set; sums and counts are added over the ranks (one all-reduce), so the
+    metrics are those of the whole set, as in one process.
     """
     objective = Objective.of(loss_fn)
     was_training = model.training
@@ -42,6 +47,8 @@ def evaluate(
             for batch in batches:
                 with (precision or Precision(device.type)).autocast():
                     out = objective(model, batch, device)
+                if not num_samples(batch):  # an empty share: only there to keep the ranks in step
+                    continue
                 weight = torch.as_tensor(out.count, device=device).double() if out.is_sum else objective.weight(batch)
                 scale = 1.0 if out.is_sum else weight
                 loss_sum += out.loss.double() * scale
@@ -56,13 +63,21 @@ def evaluate(
                     is_classification = False
     finally:
         model.train(was_training)
-    total = float(count)
+    names = sorted(metric_sums)
+    sums = torch.stack([loss_sum, torch.as_tensor(count, device=device).double(), correct.double(),
+                        torch.tensor(float(samples), device=device, dtype=torch.float64),
+                        torch.tensor(float(not is_classification), device=device, dtype=torch.float64),
+                        *[metric_sums[name].double() for name in names]])
+    if across_ranks and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sums)
+    values = sums.tolist()  # host sync, once per validation
+    total, samples = values[1], int(values[3])
     if total == 0:
         return {}
-    metrics = {"val_loss": loss_sum.item() / total}
-    metrics.update({f"val_{name}": value.item() / total for name, value in metric_sums.items()})
-    if is_classification and samples:
-        metrics["val_accuracy"] = correct.item() / samples
+    metrics = {"val_loss": values[0] / total}
+    metrics.update({f"val_{name}": value / total for name, value in zip(names, values[5:])})
+    if values[4] == 0 and samples:
+        metrics["val_accuracy"] = values[2] / samples
     return metrics
 
 

@@ -1,0 +1,137 @@
+"""The job's process group: started from torchrun's environment, timed out, always torn down.
+
+``torchrun`` (or SLURM + ``torchrun``) does the launching and the rendezvous; this component only
+joins the group it describes, with the backend that fits the device, a generous timeout for the
+rendezvous and the first step and a tighter one afterwards, and a clear error naming the rank
+that stopped arriving when a collective times out.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from torchkeel.config.schema import DistConfig
+from torchkeel.distributed.rank import RankInfo
+from torchkeel.errors import ConfigError, KeelError
+
+_MISSING_RANKS = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
+class CollectiveTimeout(KeelError):
+    """A collective waited past ``dist.timeout_s``: some rank stopped arriving."""
+
+
+def default_backend(device: torch.device) -> str:
+    """``nccl`` for CUDA devices, ``gloo`` otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class ProcessGroup:
+    """Joins the process group torchrun describes (``WORLD_SIZE`` > 1) and owns its lifetime.
+
+    In a single process (no torchrun) it does nothing and ``active`` is false, so a caller uses
+    it unconditionally. ``close()`` destroys the group on every exit path; it is idempotent.
+
+    Example (a hand-written loop under torchrun)::
+
+        group = ProcessGroup(DistConfig(), RankInfo.from_env(), device)
+        try:
+            ...  # first step
+            group.first_step_done()
+            ...
+        finally:
+            group.close()
+    """
+
+    def __init__(self, cfg: DistConfig, rank: RankInfo, device: torch.device) -> None:
+        self.cfg, self.rank, self.device = cfg, rank, device
+        self.backend = cfg.backend or default_backend(device)
+        self.owned = False
+        self._monitor: dist.ProcessGroup | None = None
+        self._tight = False
+        if rank.world_size > 1 and not dist.is_initialized():
+            missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+            if missing:
+                raise ConfigError(f"WORLD_SIZE={rank.world_size} is set but not {' or '.join(missing)}: start "
+                                  "the job with torchrun (or keel train --nproc N), which sets both")
+            # The device is set before this (resolve_device), so NCCL binds each rank to its GPU.
+            timeout = datetime.timedelta(seconds=cfg.init_timeout_s)
+            store, rank_, world = next(dist.rendezvous("env://", timeout=timeout))
+            # torchrun keeps its store across restarts of the workers: without a prefix per restart
+            # a restarted rank reads the addresses of the ranks that died and fails to connect.
+            store = dist.PrefixStore(f"torchkeel/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+            dist.init_process_group(
+                self.backend, store=store, rank=rank_, world_size=world, timeout=timeout,
+                device_id=device if device.type == "cuda" else None,
+            )
+            self.owned = True
+        if self.active:
+            # A gloo side group, only for naming the missing rank after a timeout (monitored_barrier).
+            self._monitor = dist.new_group(backend="gloo")
+
+    @property
+    def active(self) -> bool:
+        """Whether this process is part of a group of several ranks."""
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def first_step_done(self) -> None:
+        """Switch to ``dist.timeout_s``: the slow first collectives (rendezvous, compilation) are past."""
+        if self.active and not self._tight:
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.cfg.timeout_s))
+            self._tight = True
+
+    @property
+    def timeout_s(self) -> float:
+        return self.cfg.timeout_s if self._tight else self.cfg.init_timeout_s
+
+    @contextmanager
+    def watch(self, what: str, step: int) -> Iterator[None]:
+        """Turn a collective's timeout inside the block into a ``CollectiveTimeout`` that names
+        the collective (``what``), the step and, where the backend can tell, the missing rank."""
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as exc:
+            if not self.active or not _is_comm_failure(exc):
+                raise
+            raise CollectiveTimeout(self._explain(exc, what, step)) from exc
+
+    def _explain(self, exc: BaseException, what: str, step: int) -> str:
+        if "connection closed by peer" in str(exc).lower():
+            return (f"rank {self.rank.rank}: {what} at step {step} failed: another rank ended first "
+                    "(its error is in the log above)")
+        missing = self._missing_ranks()
+        who = (f"rank {', '.join(map(str, missing))} did not arrive" if missing
+               else "a rank did not arrive (this backend does not say which)")
+        key = "dist.timeout_s" if self._tight else "dist.init_timeout_s"
+        return (f"rank {self.rank.rank}: {what} at step {step} timed out after {self.timeout_s:g} s ({key}): "
+                f"{who}; stuck in data loading or a slow step? Raise {key} if the wait is expected")
+
+    def _missing_ranks(self) -> list[int]:
+        """Ranks that do not reach a monitored barrier on the side group (rank 0 can tell)."""
+        if self._monitor is None:
+            return []
+        wait = datetime.timedelta(seconds=max(2.0, min(10.0, 0.1 * self.cfg.timeout_s)))
+        try:
+            dist.monitored_barrier(group=self._monitor, timeout=wait, wait_all_ranks=True)
+        except RuntimeError as exc:
+            return sorted({int(r) for found in _MISSING_RANKS.findall(str(exc)) for r in found.split(",") if r.strip()})
+        return []
+
+    def close(self) -> None:
+        """Destroy the group if this object created it (every exit path calls this)."""
+        if self.owned and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owned, self._monitor = False, None
+
+
+def _is_comm_failure(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(s in text for s in ("timed out", "timeout", "connection closed", "connection reset",
+                                   "watchdog caught collective operation"))
