@@ -112,6 +112,10 @@ class GradSync:
         self.world_size = dist.get_world_size()
         self.samples = 0
         """The job's samples in the last step (set by ``train_step``)."""
+        self.flags: list[bool] = []
+        """Decisions to agree on in the step's all-gather (a stop signal, a save rank 0's clock
+        wants), instead of a collective of their own; ``agreed`` holds them, OR-ed over the ranks."""
+        self.agreed: list[bool] = []
         self._fsdp = hasattr(model, "set_requires_gradient_sync")
         self._ddp = hasattr(model, "no_sync")
 

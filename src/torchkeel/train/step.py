@@ -180,9 +180,10 @@ def _synced(
     else:
         proposal = sync.batch_size if micro_batch_size is None else micro_batch_size
     # Host sync, the one per step (the guard reads the values it gives without another).
-    rows = sync.gather([loss_sum, count, float(oom), proposal, sum(sizes)]).tolist()
-    losses, counts, ooms, proposals, samples = zip(*rows)
+    rows = sync.gather([loss_sum, count, float(oom), proposal, sum(sizes), *map(float, sync.flags)]).tolist()
+    losses, counts, ooms, proposals, samples, *flags = zip(*rows)
     sync.samples = int(sum(samples))
+    sync.agreed = [any(values) for values in flags]
     if any(ooms):
         failed = [rank for rank, flag in enumerate(ooms) if flag]
         if not split_on_oom:

@@ -246,6 +246,9 @@ class Trainer:
                     break
                 is_log = (self.step + 1) % train.log_every == 0 or self.step + 1 == self.total_steps
                 lr = self.optimizer.param_groups[0]["lr"] if is_log else 0.0
+                sync = self.job.sync
+                if sync is not None:  # agreed in the step's own all-gather: no collective of their own
+                    sync.flags = [self._signals.requested is not None, self._is_save_due(False)]
                 with self.job.watch("the training step (forward, backward, gradient sync)", self.step + 1):
                     result = self._step(group)
                 self.job.first_step_done()
@@ -269,7 +272,9 @@ class Trainer:
                     window_samples, window_start = 0, time.perf_counter()
                 if train.val_every and self.step % train.val_every == 0:
                     self._validate()
-                with self.job.watch("the agreement on stopping and saving", self.step):
+                if sync is not None:
+                    stop, due = sync.agreed
+                else:
                     stop, due = any_rank_flags([self._signals.requested is not None, self._is_save_due(False)],
                                                self.device)
                 if stop or ((due or self._is_every_steps()) and self.batch_in_epoch < num_batches):
