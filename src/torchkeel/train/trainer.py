@@ -417,7 +417,9 @@ class Trainer:
             return
         self.saved_at = self.step
         with self.job.watch("saving a checkpoint", self.step):
-            ranks = self.job.gather({"rng": capture_rng(), "data": self.train_loader.state_dict()})
+            # Under torchrun every rank's RNG and data position; in one process capture_training_state's suffice.
+            ranks = self.job.gather({"rng": capture_rng() if self.job.active else None,
+                                     "data": self.train_loader.state_dict()})
             if self.rank.is_main:
                 assert ranks is not None
                 progress = {name: getattr(self, name) for name in PROGRESS}
