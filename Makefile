@@ -35,6 +35,7 @@ bench: setup
 	$(PY) bench/serve.py
 	$(PY) bench/data.py
 	$(PY) bench/ddp.py
+	$(PY) bench/diagnose.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -19,6 +19,7 @@ from torchkeel.data import (
     WebDatasetSource,
     tune_workers,
 )
+from torchkeel.diagnose import Diagnosis, diagnose_script
 from torchkeel.errors import (
     CheckpointError,
     ConfigError,
@@ -28,6 +29,7 @@ from torchkeel.errors import (
     SampleTooLarge,
     TrainingDiverged,
 )
+from torchkeel.lint import lint_paths
 from torchkeel.train.accumulate import iter_groups, steps_per_epoch, total_steps
 from torchkeel.train.clipping import clip_grad_norm
 from torchkeel.train.compile import CompiledOrEager
@@ -52,6 +54,9 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0+unknown"
 
 __all__ = [
+    "Diagnosis",
+    "diagnose_script",
+    "lint_paths",
     "Action",
     "IncidentLog",
     "LeakDetector",

@@ -47,3 +47,13 @@ def test_readme_quickstart_is_the_two_commands():
     quickstart = text.split("## Quickstart", 1)[1].split("##", 1)[0]
     commands = re.findall(r"^make (\w+)", quickstart, re.M)
     assert commands == ["demo", "test"]
+
+
+def test_every_diagnose_id_and_lint_rule_is_documented():
+    from torchkeel.diagnose.findings import FINDING_IDS
+    from torchkeel.lint import RULES
+
+    diagnose = (ROOT / "docs" / "diagnose.md").read_text()
+    assert [i for i in FINDING_IDS if f"| `{i}` |" not in diagnose] == []
+    lint = (ROOT / "docs" / "lint.md").read_text()
+    assert [c for c in RULES if f"| `{c}` |" not in lint] == []

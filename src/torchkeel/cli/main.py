@@ -12,12 +12,12 @@ import traceback
 from collections.abc import Sequence
 
 from torchkeel import __version__
-from torchkeel.cli import databench, demo, doctor, export, report, serve, train, triton_repo
+from torchkeel.cli import databench, demo, diagnose, doctor, export, lint, report, serve, train, triton_repo
 from torchkeel.errors import KeelError
 
 # Subcommand name → module with add_arguments(parser) and run(args) -> int.
 COMMANDS = {"train": train, "demo": demo, "export": export, "triton-repo": triton_repo, "serve": serve, "doctor": doctor, "report": report,
-            "data-bench": databench}
+            "data-bench": databench, "diagnose": diagnose, "lint": lint}
 
 
 def build_parser() -> argparse.ArgumentParser:

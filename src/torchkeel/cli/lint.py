@@ -1,0 +1,38 @@
+"""``keel lint [--json] [--select CODES] [--ignore CODES] PATHS...``: static checks of PyTorch code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from torchkeel.errors import ConfigError
+
+HELP = "check PyTorch training code for known bugs without running it (TK1xx rules)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paths", nargs="+", help="Python files or directories")
+    parser.add_argument("--json", action="store_true", help='print {"findings": [...]} on stdout')
+    parser.add_argument("--select", help="comma-separated codes or prefixes to run (default: all)")
+    parser.add_argument("--ignore", help="comma-separated codes or prefixes to skip")
+
+
+def codes(text: str | None) -> list[str] | None:
+    return [c.strip().upper() for c in text.split(",") if c.strip()] if text else None
+
+
+def run(args: argparse.Namespace) -> int:
+    from torchkeel.lint import RULES, lint_paths
+
+    for option, value in (("--select", codes(args.select)), ("--ignore", codes(args.ignore))):
+        unknown = [c for c in value or [] if not any(code.startswith(c) for code in RULES)]
+        if unknown:
+            raise ConfigError(f"{option}: unknown rule code(s) {', '.join(unknown)}; see `docs/lint.md` for TK101..")
+    report = lint_paths(args.paths, select=codes(args.select), ignore=codes(args.ignore))
+    if args.json:
+        print(json.dumps({"findings": [f.to_dict() for f in report.findings], "files": report.files}))
+    else:
+        for f in report.findings:
+            print(f"{f.path}:{f.line}:{f.col}: {f.code} [{f.severity}] {f.message} (fix: {f.fix})")
+        print(f"{len(report.findings)} finding(s) in {report.files} file(s)")
+    return 1 if any(f.severity == "error" for f in report.findings) else 0

@@ -1,0 +1,63 @@
+"""What ``keel diagnose`` and ``keel lint`` report: findings with a fixed vocabulary of ids.
+
+A finding names one failure (``id``), how sure the tool is (``severity``: ``error`` when the
+evidence shows the fault, ``warning`` when it very likely is one, ``info`` when it is only
+suspicious), what was seen (``evidence``: plain JSON data) and one sentence saying what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SEVERITIES = ("error", "warning", "info")
+
+# Every runtime finding id, most likely root cause first. Ordering findings by this list puts
+# the cause before its consequences (NaN in the batch before the module that propagated it,
+# a missing zero_grad before the gradients it made explode). Ids are never renamed.
+FINDING_IDS = (
+    "nonfinite-input",
+    "label-out-of-range",
+    "batchnorm-batch-one",
+    "inplace-modified",
+    "double-step",
+    "missing-zero-grad",
+    "params-not-updating",
+    "grad-none",
+    "grad-exploding",
+    "nonfinite-forward",
+    "nonfinite-grad",
+    "grad-vanishing",
+    "probabilities-into-cross-entropy",
+    "eval-in-train-mode",
+    "leaked-graph",
+    "nondeterministic",
+    "dataloader-bottleneck",
+    "graph-break",
+    "recompile",
+    "script-error",
+)
+
+
+@dataclasses.dataclass
+class Finding:
+    """One diagnosed failure. ``evidence`` holds only JSON-serialisable values."""
+
+    id: str
+    severity: str
+    message: str
+    evidence: dict[str, Any]
+    fix: str
+
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"severity must be one of {SEVERITIES}, got {self.severity!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def order_findings(findings: list[Finding]) -> list[Finding]:
+    """Most likely root cause first: errors before warnings before info, then the id order."""
+    rank = {name: i for i, name in enumerate(FINDING_IDS)}
+    return sorted(findings, key=lambda f: (SEVERITIES.index(f.severity), rank.get(f.id, len(rank))))

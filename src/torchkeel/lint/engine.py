@@ -1,0 +1,201 @@
+"""The lint engine: parse a file once into a ``Source`` (tree, parents, helpers), run every rule
+over it, drop what a ``# keel: noqa[CODE]`` comment silences.
+
+A rule is a plain function ``check(source) -> Iterator[(node, message)]`` registered with its code,
+finding id, severity and fix in ``RULES``; rules never print and never import the code they read.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+_NOQA = re.compile(r"#\s*keel:\s*noqa(?:\[([A-Za-z0-9_,\s]+)\])?")
+_SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", "site-packages", "node_modules", ".tox", "build", "dist"}
+
+
+@dataclasses.dataclass
+class LintFinding:
+    """One rule violation at ``path:line:col``."""
+
+    code: str
+    id: str | None
+    severity: str
+    path: str
+    line: int
+    col: int
+    message: str
+    fix: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """``code`` (TK1xx), the diagnose finding ``id`` it prevents (or None), what it checks."""
+
+    code: str
+    name: str
+    id: str | None
+    severity: str
+    summary: str
+    fix: str
+    check: Callable[[Source], Iterable[tuple[ast.AST, str]]]
+
+
+@dataclasses.dataclass
+class LintReport:
+    findings: list[LintFinding]
+    files: int
+
+
+def dotted(node: ast.AST | None) -> str:
+    """``torch.nn.functional.softmax`` for an attribute chain, ``f()`` for a call, "" otherwise."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = dotted(node.value)
+        return f"{base}.{node.attr}" if base else node.attr
+    if isinstance(node, ast.Call):
+        base = dotted(node.func)
+        return f"{base}()" if base else ""
+    return ""
+
+
+def call_name(node: ast.AST) -> str:
+    """The dotted name of a call's function (``opt.step``), "" when ``node`` is not a call."""
+    return dotted(node.func) if isinstance(node, ast.Call) else ""
+
+
+def last(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def keyword(call: ast.Call, name: str) -> ast.expr | None:
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+class Source:
+    """One parsed file and the questions rules ask about it."""
+
+    def __init__(self, path: str, text: str) -> None:
+        self.path = path
+        self.text = text
+        self.tree = ast.parse(text, filename=path)
+        self.parents: dict[ast.AST, ast.AST] = {}
+        for parent in ast.walk(self.tree):
+            for child in ast.iter_child_nodes(parent):
+                self.parents[child] = parent
+        self.functions: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
+        self.assigned: dict[str, list[ast.expr]] = {}
+        for node in ast.walk(self.tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                self.functions.setdefault(node.name, node)
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    for name in _target_names(target):
+                        self.assigned.setdefault(name, []).append(node.value)
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                for name in _target_names(node.target):
+                    self.assigned.setdefault(name, []).append(node.value)
+
+    def calls(self, root: ast.AST | None = None) -> Iterator[ast.Call]:
+        for node in ast.walk(root or self.tree):
+            if isinstance(node, ast.Call):
+                yield node
+
+    def enclosing(self, node: ast.AST, *types: type) -> ast.AST | None:
+        node = self.parents.get(node)
+        while node is not None and not isinstance(node, types):
+            node = self.parents.get(node)
+        return node
+
+    def function_of(self, node: ast.AST) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+        return self.enclosing(node, ast.FunctionDef, ast.AsyncFunctionDef)  # type: ignore[return-value]
+
+    def method_name(self, node: ast.AST) -> str | None:
+        """``forward`` / ``__getitem__`` when ``node`` lies in such a method of a class."""
+        fn = self.function_of(node)
+        while fn is not None:
+            if isinstance(self.parents.get(fn), ast.ClassDef):
+                return fn.name
+            fn = self.function_of(fn)
+        return None
+
+    def in_main_guard(self, node: ast.AST) -> bool:
+        parent = self.parents.get(node)
+        while parent is not None:
+            if isinstance(parent, ast.If) and "__name__" in ast.unparse(parent.test) and "__main__" in ast.unparse(parent.test):
+                return True
+            parent = self.parents.get(parent)
+        return False
+
+    def assigned_from(self, name: str, predicate: Callable[[ast.expr], bool]) -> bool:
+        """True when some assignment to ``name`` (a simple or ``self.x`` name) has a value matching."""
+        return any(predicate(value) for value in self.assigned.get(name, []))
+
+    def is_module_class(self, name: str) -> bool:
+        """A class defined here that subclasses something ending in ``Module`` (nn.Module)."""
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                return any(dotted(b).endswith("Module") for b in node.bases)
+        return False
+
+
+def _target_names(target: ast.AST) -> list[str]:
+    if isinstance(target, (ast.Name, ast.Attribute)):
+        return [dotted(target)]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [n for elt in target.elts for n in _target_names(elt)]
+    return []
+
+
+def _silenced(line: str, code: str) -> bool:
+    match = _NOQA.search(line)
+    if not match:
+        return False
+    codes = match.group(1)
+    return codes is None or code in {c.strip().upper() for c in codes.split(",")}
+
+
+def lint_source(text: str, path: str, rules: Iterable[Rule]) -> list[LintFinding]:
+    """Every finding of ``rules`` in one file's text; a file that does not parse gets TK100."""
+    try:
+        source = Source(path, text)
+    except SyntaxError as exc:
+        return [LintFinding("TK100", None, "error", path, exc.lineno or 1, exc.offset or 0,
+                            f"the file does not parse: {exc.msg}", "Fix the syntax error.")]
+    lines = text.splitlines()
+    found: dict[tuple[str, int, int], LintFinding] = {}
+    for rule in rules:
+        for node, message in rule.check(source):
+            line, col = getattr(node, "lineno", 1), getattr(node, "col_offset", 0)
+            if 0 < line <= len(lines) and _silenced(lines[line - 1], rule.code):
+                continue
+            found.setdefault((rule.code, line, col), LintFinding(rule.code, rule.id, rule.severity, path, line, col,
+                                                                 message, rule.fix))
+    return sorted(found.values(), key=lambda f: (f.line, f.col, f.code))
+
+
+def python_files(paths: Iterable[str]) -> list[str]:
+    """The ``.py`` files named or found under the directories named (virtualenvs and caches skipped)."""
+    files: list[str] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            for root, dirs, names in os.walk(path):
+                dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.endswith(".egg-info"))
+                files += [os.path.join(root, n) for n in sorted(names) if n.endswith(".py")]
+        elif path.exists():
+            files.append(str(path))
+        else:
+            from torchkeel.errors import ConfigError
+
+            raise ConfigError(f"keel lint: {raw}: no such file or directory")
+    return files

@@ -1,0 +1,152 @@
+"""Rules about data loading, checkpoints on disk and process groups."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from torchkeel.lint.engine import Source, call_name, dotted, keyword, last
+
+_PY_RANDOM = {"random", "randint", "uniform", "gauss", "choice", "choices", "shuffle", "sample", "normalvariate",
+              "randrange", "betavariate", "expovariate"}
+
+
+def _workers(call: ast.Call) -> ast.expr | None:
+    value = keyword(call, "num_workers")
+    if isinstance(value, ast.Constant) and value.value == 0:
+        return None
+    return value
+
+
+def workers_without_main_guard(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for call in source.calls():
+        if last(call_name(call)) == "DataLoader" and _workers(call) is not None and source.function_of(call) is None \
+                and not source.in_main_guard(call):
+            yield call, ("DataLoader(num_workers>0) at module level outside `if __name__ == \"__main__\":`: with the "
+                         "spawn start method (Windows, macOS) every worker re-runs this file")
+
+
+def lambda_in_loader(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for call in source.calls():
+        if last(call_name(call)) == "DataLoader" and _workers(call) is not None:
+            for key in ("collate_fn", "worker_init_fn"):
+                if isinstance(keyword(call, key), ast.Lambda):
+                    yield call, (f"{key}=lambda cannot be pickled into worker processes under the spawn start "
+                                 "method")
+
+
+def _in_getitem(source: Source, node: ast.AST) -> bool:
+    return source.method_name(node) == "__getitem__"
+
+
+def random_in_getitem(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for call in source.calls():
+        name = call_name(call)
+        if not _in_getitem(source, call):
+            continue
+        if (name.startswith("random.") and last(name) in _PY_RANDOM) or name.startswith(("np.random.", "numpy.random.")):
+            yield call, (f"{name}() in __getitem__ draws from a generator that torch does not seed per "
+                         "DataLoader worker: augmentations repeat across workers or differ between runs")
+
+
+def cuda_in_getitem(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for call in source.calls():
+        if not _in_getitem(source, call):
+            continue
+        name, text = call_name(call), ast.unparse(call)
+        if last(name) == "cuda" or (last(name) == "to" and "cuda" in text) or \
+                ("cuda" in ast.unparse(keyword(call, "device")) if keyword(call, "device") is not None else False):
+            yield call, ("CUDA in __getitem__: DataLoader workers cannot use CUDA (forked processes fail to "
+                         "initialise it); return CPU tensors and move the batch in the training loop")
+
+
+def _set_names(source: Source, scope: ast.AST) -> set[str]:
+    """Names that every assignment in ``scope`` (not nested functions) binds to a set."""
+    values: dict[str, list[ast.expr]] = {}
+    for node in ast.walk(scope):
+        if isinstance(node, ast.Assign) and (source.function_of(node) or source.tree) is scope:
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    values.setdefault(target.id, []).append(node.value)
+    return {name for name, vs in values.items() if all(_is_set(v) for v in vs)}
+
+
+def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    scopes: dict[ast.AST, set[str]] = {}
+    for node in ast.walk(source.tree):
+        scope = source.function_of(node) or source.tree
+        if scope not in scopes:
+            scopes[scope] = _set_names(source, scope)
+        sets = scopes[scope]
+        iters = []
+        if isinstance(node, (ast.For, ast.AsyncFor)):
+            iters = [node.iter]
+        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            iters = [g.iter for g in node.generators]
+        for it in iters:
+            inner = it.args[0] if isinstance(it, ast.Call) and call_name(it) in {"enumerate", "list", "tuple"} and it.args else it
+            if _is_set(inner) or (isinstance(inner, ast.Name) and inner.id in sets):
+                yield it, ("iterating over a set: the order of strings changes with every process (PYTHONHASHSEED), "
+                           "so indices built from it differ between runs; iterate over sorted(...)")
+
+
+def _is_set(node: ast.AST) -> bool:
+    return isinstance(node, (ast.Set, ast.SetComp)) or (isinstance(node, ast.Call) and call_name(node) in {"set", "frozenset"})
+
+
+def unsafe_load(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for call in source.calls():
+        if call_name(call) == "torch.load":
+            value = keyword(call, "weights_only")
+            if value is None:
+                yield call, ("torch.load without weights_only=True: older torch versions unpickle arbitrary code from "
+                             "the file")
+            elif isinstance(value, ast.Constant) and value.value is False:
+                yield call, "torch.load(weights_only=False) runs whatever pickled code the file holds"
+
+
+def save_whole_module(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for call in source.calls():
+        if call_name(call) != "torch.save" or not call.args:
+            continue
+        obj = call.args[0]
+        if not isinstance(obj, (ast.Name, ast.Attribute)):
+            continue
+        name = dotted(obj)
+        modelish = any(k in last(name).lower() for k in ("model", "net")) or source.assigned_from(
+            name, lambda v: isinstance(v, ast.Call) and (call_name(v).startswith(("nn.", "torch.nn."))
+                                                          or source.is_module_class(last(call_name(v)))))
+        if modelish:
+            yield call, (f"torch.save({name}) pickles the whole module: loading needs the same code at the same import "
+                         "path and runs pickled code")
+
+
+def save_to_final_path(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for call in source.calls():
+        if call_name(call) != "torch.save" or len(call.args) < 2:
+            continue
+        scope = source.function_of(call) or source.tree
+        renames = [c for c in source.calls(scope) if last(call_name(c)) in {"replace", "rename"}
+                   and (call_name(c).startswith("os.") or isinstance(c.func, ast.Attribute)) and c.lineno >= call.lineno]
+        if not renames:
+            yield call, ("torch.save writes straight to the final path: a kill during the write leaves a truncated "
+                         "file where the last good checkpoint was")
+
+
+def set_device_after_init(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for scope in ast.walk(source.tree):
+        if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
+            continue
+        body_calls = [c for c in source.calls(scope) if (source.function_of(c) or source.tree) is scope]
+        inits = [c for c in body_calls if last(call_name(c)) == "init_process_group"]
+        for call in body_calls:
+            if call_name(call).endswith("cuda.set_device") and inits and call.lineno > inits[0].lineno:
+                yield call, ("torch.cuda.set_device() after init_process_group(): NCCL has already bound every rank to "
+                             "GPU 0")
+
+
+def sampler_without_set_epoch(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    samplers = [c for c in source.calls() if last(call_name(c)) == "DistributedSampler"]
+    if samplers and not any(last(call_name(c)) == "set_epoch" for c in source.calls()):
+        yield samplers[0], ("DistributedSampler without sampler.set_epoch(epoch): every epoch shuffles the data in "
+                            "the same order")

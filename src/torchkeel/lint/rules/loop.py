@@ -1,0 +1,200 @@
+"""Rules over the training loop: what one iteration of a loop that steps an optimizer does, in
+source order (calls to functions defined in the same file are followed one level deep)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from collections.abc import Iterator
+
+from torchkeel.lint.engine import Source, call_name, dotted, last
+
+_OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "LBFGS",
+               "SparseAdam", "ASGD", "Rprop", "Adafactor", "Muon")
+
+
+@dataclasses.dataclass
+class Event:
+    kind: str            # backward | step | zero_grad | sched
+    target: str          # the optimizer / scheduler name ("" when unknown)
+    node: ast.AST
+    depth: int           # 0 in the loop's own body, 1+ inside a nested loop
+    has_closure: bool = False
+
+
+def is_optimizer(source: Source, name: str) -> bool:
+    if not name:
+        return False
+    short = last(name).lower()
+    if "sched" in short or "scaler" in short:
+        return False
+    if source.assigned_from(name, lambda v: isinstance(v, ast.Call) and last(call_name(v)) in _OPTIMIZERS):
+        return True
+    return "opt" in short
+
+
+def is_scheduler(source: Source, name: str) -> bool:
+    short = last(name).lower()
+    return "sched" in short or source.assigned_from(
+        name, lambda v: isinstance(v, ast.Call) and "lr_scheduler" in call_name(v))
+
+
+def loop_events(source: Source, body: list[ast.stmt], depth: int = 0, inlined: int = 0) -> list[Event]:
+    """The backward / step / zero_grad / scheduler calls of ``body`` in execution-like order."""
+    events: list[Event] = []
+    for stmt in body:
+        for node in _walk_in_order(stmt):
+            if isinstance(node, (ast.For, ast.While, ast.AsyncFor)) and node is not stmt:
+                continue
+            if not isinstance(node, ast.Call):
+                continue
+            name = call_name(node)
+            method, receiver = last(name), name.rsplit(".", 1)[0] if "." in name else ""
+            d = depth + _loop_depth(source, node, stmt)
+            if method == "backward" or name.endswith("autograd.backward"):
+                events.append(Event("backward", receiver, node, d))
+            elif method == "step" and last(receiver).lower().endswith("scaler") and node.args:
+                events.append(Event("step", dotted(node.args[0]), node, d))
+            elif method == "step" and is_scheduler(source, receiver):
+                events.append(Event("sched", receiver, node, d))
+            elif method == "step" and is_optimizer(source, receiver):
+                events.append(Event("step", receiver, node, d, has_closure=bool(node.args or node.keywords)))
+            elif method == "zero_grad":
+                events.append(Event("zero_grad", receiver, node, d))
+            elif inlined < 1 and last(name) in source.functions:
+                fn = source.functions[last(name)]
+                if fn.name not in {"__init__", "forward"}:
+                    events += loop_events(source, fn.body, d, inlined + 1)
+    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "grad" for t in node.targets):
+            events.append(Event("zero_grad", "", node, depth))
+    return events
+
+
+def _walk_in_order(node: ast.AST) -> Iterator[ast.AST]:
+    """Depth-first, children in source order (ast.walk is breadth-first), not into nested defs."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        yield from _walk_in_order(child)
+
+
+def _loop_depth(source: Source, node: ast.AST, stop: ast.AST) -> int:
+    depth, parent = 0, source.parents.get(node)
+    while parent is not None and parent is not stop:
+        if isinstance(parent, (ast.For, ast.While, ast.AsyncFor)):
+            depth += 1
+        parent = source.parents.get(parent)
+    return depth + (1 if isinstance(stop, (ast.For, ast.While, ast.AsyncFor)) else 0)
+
+
+def training_loops(source: Source) -> Iterator[tuple[ast.AST, list[Event]]]:
+    """Loops whose own body (not a nested loop) steps an optimizer, with their events."""
+    for loop in ast.walk(source.tree):
+        if isinstance(loop, (ast.For, ast.While, ast.AsyncFor)):
+            events = loop_events(source, loop.body)
+            if any(e.kind == "step" and e.depth == 0 for e in events):
+                yield loop, events
+
+
+def double_step(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for _, events in training_loops(source):
+        backwards = sum(e.kind == "backward" for e in events)
+        for target in sorted({last(e.target) for e in events if e.kind == "step" and e.depth == 0}):
+            steps = [e for e in events if e.kind == "step" and last(e.target) == target and e.depth == 0]
+            if backwards and len(steps) > backwards and not any(e.has_closure for e in steps):
+                lines = ", ".join(str(e.node.lineno) for e in steps)
+                yield steps[1].node, (f"{target}.step() runs {len(steps)} times per iteration (lines {lines}) "
+                                      f"for {backwards} backward(): the optimizer steps twice")
+
+
+def missing_zero_grad(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for loop, events in training_loops(source):
+        steps = [e for e in events if e.kind == "step" and e.depth == 0 and not e.has_closure]
+        if not steps or not any(e.kind == "backward" for e in events):
+            continue
+        outer = source.enclosing(loop, ast.For, ast.While, ast.AsyncFor)
+        zeros = [e for e in events if e.kind == "zero_grad"]
+        if outer is not None:
+            zeros += [e for e in loop_events(source, outer.body) if e.kind == "zero_grad"]
+        # zero_grad on the model (or `.grad = None`) clears everything; on an optimizer only its own parameters.
+        if any(not e.target or not is_optimizer(source, e.target) for e in zeros):
+            continue
+        zeroed = {last(e.target) for e in zeros}
+        for step in steps:
+            if last(step.target) not in zeroed:
+                also = f" (zero_grad() runs only on {', '.join(sorted(zeroed))})" if zeroed else ""
+                yield step.node, (f"the loop calls backward() and {step.target}.step() but never "
+                                  f"{step.target}.zero_grad(){also}: gradients add up across steps")
+                break
+
+
+def zero_grad_between(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for _, events in training_loops(source):
+        ordered = sorted((e for e in events if e.depth == 0 or e.kind != "step"), key=lambda e: (e.node.lineno, e.node.col_offset))
+        seen_backward = False
+        for i, e in enumerate(ordered):
+            if e.kind == "backward":
+                seen_backward = True
+            elif e.kind == "zero_grad" and seen_backward:
+                rest = ordered[i + 1:]
+                nxt = next((x for x in rest if x.kind in ("step", "backward")), None)
+                if nxt is not None and nxt.kind == "step":
+                    yield e.node, ("zero_grad() runs after backward() and before step(): the optimizer steps "
+                                   "with zero gradients")
+                    break
+
+
+def step_without_backward(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for loop, events in training_loops(source):
+        steps = [e for e in events if e.kind == "step" and e.depth == 0 and not e.has_closure]
+        if not steps or any(e.kind == "backward" for e in events):
+            continue
+        outer = source.enclosing(loop, ast.For, ast.While, ast.AsyncFor)
+        if outer is not None and any(e.kind == "backward" for e in loop_events(source, outer.body)):
+            continue
+        yield steps[0].node, (f"{steps[0].target}.step() runs in a loop that never calls backward(): "
+                              "no parameter gets a gradient")
+
+
+def scheduler_before_optimizer(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for _, events in training_loops(source):
+        own = [e for e in events if e.depth == 0 and e.kind in ("step", "sched")]
+        first_step = next((e for e in own if e.kind == "step"), None)
+        first_sched = next((e for e in own if e.kind == "sched"), None)
+        if first_step and first_sched and (first_sched.node.lineno, first_sched.node.col_offset) < \
+                (first_step.node.lineno, first_step.node.col_offset):
+            yield first_sched.node, (f"{first_sched.target}.step() runs before {first_step.target}.step() in the "
+                                     "same iteration: the first learning rate of the schedule is skipped")
+
+
+def loss_accumulated(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    """``total += loss`` or ``losses.append(loss)`` of a tensor that was backpropagated or made by a loss."""
+    for node in ast.walk(source.tree):
+        value, what = None, None
+        if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add):
+            value, what = node.value, f"{dotted(node.target)} += {ast.unparse(node.value)}"
+        elif isinstance(node, ast.Call) and last(call_name(node)) == "append" and len(node.args) == 1:
+            value, what = node.args[0], f"{call_name(node)}({ast.unparse(node.args[0])})"
+        if not isinstance(value, ast.Name) or source.enclosing(node, ast.For, ast.While) is None:
+            continue
+        scope = source.function_of(node) or source.tree
+        if _is_loss_tensor(source, scope, value.id):
+            yield node, (f"{what} keeps the tensor '{value.id}' (and its autograd graph) alive across iterations: "
+                         "memory grows every step")
+
+
+def _is_loss_tensor(source: Source, scope: ast.AST, name: str) -> bool:
+    for node in ast.walk(scope):
+        if isinstance(node, ast.Call) and call_name(node) == f"{name}.backward":
+            return True
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            callee = call_name(node.value) if isinstance(node.value, ast.Call) else ""
+            if isinstance(node.value, ast.BinOp) and isinstance(node.value.left, ast.Call):
+                callee = call_name(node.value.left)
+            if "loss" in callee.lower() or last(callee) in {"criterion", "cross_entropy", "mse_loss", "nll_loss",
+                                                              "l1_loss", "binary_cross_entropy",
+                                                              "binary_cross_entropy_with_logits"}:
+                return True
+    return False

@@ -1,0 +1,185 @@
+"""Rules inside ``nn.Module.forward`` and around how models are called, evaluated and fed to losses."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from torchkeel.lint.engine import Source, call_name, dotted, keyword, last
+
+_HOST_SYNC = {"item", "cpu", "numpy", "tolist"}
+_FACTORIES = {"zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor"}
+# Ops whose backward needs their own output: modifying that output in place breaks backward.
+_SAVES_OUTPUT = {"sigmoid", "tanh", "exp", "softmax", "log_softmax", "relu", "elu", "selu", "sqrt", "rsqrt", "pow"}
+_INPLACE_METHODS = {"add_", "sub_", "mul_", "div_", "clamp_", "relu_", "sigmoid_", "tanh_", "exp_", "fill_",
+                    "zero_", "masked_fill_", "copy_", "pow_", "neg_", "abs_"}
+
+
+def _in_forward(source: Source, node: ast.AST) -> bool:
+    fn = source.function_of(node)
+    return fn is not None and fn.name == "forward" and isinstance(source.parents.get(fn), ast.ClassDef)
+
+
+def host_sync_in_forward(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for call in source.calls():
+        method = last(call_name(call))
+        if method in _HOST_SYNC and isinstance(call.func, ast.Attribute) and not call.args and _in_forward(source, call):
+            yield call, (f".{method}() inside forward() copies to the host every call: a GPU sync, and a graph "
+                         "break under torch.compile")
+
+
+def factory_without_device(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for call in source.calls():
+        name = call_name(call)
+        if name.startswith("torch.") and last(name) in _FACTORIES and name.count(".") == 1 \
+                and keyword(call, "device") is None and _in_forward(source, call):
+            yield call, (f"{name}() inside forward() without device= creates the tensor on the CPU, whatever device "
+                         "the model runs on")
+
+
+def inplace_on_activation(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for fn in ast.walk(source.tree):
+        if not (isinstance(fn, ast.FunctionDef) and fn.name == "forward"):
+            continue
+        saved: dict[str, str] = {}
+        for node in sorted((n for n in ast.walk(fn) if hasattr(n, "lineno")), key=lambda n: (n.lineno, n.col_offset)):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and len(node.targets) == 1 \
+                    and isinstance(node.targets[0], ast.Name):
+                op = last(call_name(node.value))
+                if op in _SAVES_OUTPUT:
+                    saved[node.targets[0].id] = op
+                else:
+                    saved.pop(node.targets[0].id, None)
+            target = None
+            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+                target = node.target.id
+            elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript):
+                target = dotted(node.targets[0].value)
+            elif isinstance(node, ast.Call) and last(call_name(node)) in _INPLACE_METHODS and isinstance(node.func, ast.Attribute):
+                target = dotted(node.func.value)
+            if target in saved:
+                yield node, (f"'{target}' holds the output of {saved[target]}(), which its backward needs; modifying "
+                             "it in place makes backward() fail")
+                saved.pop(target)
+
+
+def forward_called_directly(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for call in source.calls():
+        if isinstance(call.func, ast.Attribute) and call.func.attr == "forward":
+            receiver = call.func.value
+            if isinstance(receiver, ast.Call) and call_name(receiver) == "super":
+                continue
+            yield call, (f"{dotted(call.func)}(...) skips the module's hooks (and torch.compile, DDP and FSDP wrappers); "
+                         f"call {dotted(receiver)}(...)")
+
+
+def bare_mode_switch(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for node in ast.walk(source.tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Attribute) and node.value.attr in {"eval", "train"}:
+            yield node, f"{dotted(node.value)} is not called: the module stays in its current mode"
+
+
+def _grad_disabled(source: Source, node: ast.AST) -> bool:
+    parent = source.parents.get(node)
+    while parent is not None:
+        if isinstance(parent, ast.With) and any(last(call_name(i.context_expr)) in {"no_grad", "inference_mode"}
+                                                for i in parent.items):
+            return True
+        if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                "no_grad" in dotted(d) or "inference_mode" in dotted(d) for d in parent.decorator_list):
+            return True
+        parent = source.parents.get(parent)
+    return False
+
+
+def _model_calls(source: Source, root: ast.AST) -> list[ast.Call]:
+    out = []
+    for call in source.calls(root):
+        name = call_name(call)
+        if isinstance(call.func, (ast.Name, ast.Attribute)) and any(
+                k in last(name).lower() for k in ("model", "net", "encoder", "classifier")) and "." not in name.replace("self.", ""):
+            out.append(call)
+    return out
+
+
+def eval_without_eval(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    """Evaluation (a model called under no_grad/inference_mode) in a file that never calls .eval()."""
+    if any(last(call_name(c)) == "eval" for c in source.calls()) or not any(
+            last(call_name(c)) == "backward" for c in source.calls()):
+        return
+    for call in _model_calls(source, source.tree):
+        if _grad_disabled(source, call):
+            yield call, (f"{call_name(call)}(...) is evaluated under no_grad/inference_mode but the file never calls "
+                         ".eval(): dropout and batch-norm stay in training mode")
+            return
+
+
+def eval_without_no_grad(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    """A function that switches a model to eval() and then calls it in a loop with gradients on."""
+    for fn in ast.walk(source.tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        evals = [c for c in source.calls(fn) if last(call_name(c)) == "eval" and not c.args]
+        if not evals or any(last(call_name(c)) == "backward" for c in source.calls(fn)):
+            continue
+        for loop in (n for n in ast.walk(fn) if isinstance(n, (ast.For, ast.While))):
+            calls = [c for c in _model_calls(source, loop) if not _grad_disabled(source, c)]
+            if calls and loop.lineno > evals[0].lineno:
+                yield calls[0], (f"{call_name(calls[0])}(...) runs in an evaluation loop without torch.no_grad() or "
+                                 "torch.inference_mode(): every batch builds an autograd graph")
+                break
+
+
+def softmax_into_cross_entropy(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    criteria = {name for name, values in source.assigned.items()
+                if any(isinstance(v, ast.Call) and last(call_name(v)) == "CrossEntropyLoss" for v in values)}
+    uses_ce = bool(criteria) or any(last(call_name(c)) == "cross_entropy" for c in source.calls())
+    for call in source.calls():
+        name = call_name(call)
+        if (last(name) == "cross_entropy" or name in criteria or
+                (isinstance(call.func, ast.Call) and last(call_name(call.func)) == "CrossEntropyLoss")) and call.args:
+            arg = call.args[0]
+            if _is_softmax(source, arg, call):
+                yield call, (f"{name or 'CrossEntropyLoss()'}(...) gets softmax probabilities; it applies log_softmax "
+                             "itself, so the loss is wrong and its gradients tiny")
+        if uses_ce and last(name) == "Softmax" and isinstance(source.parents.get(call), ast.Call) and \
+                last(call_name(source.parents[call])) == "Sequential" and source.parents[call].args[-1] is call:
+            yield call, ("the model ends in nn.Softmax and the file trains it with cross entropy, which expects "
+                         "logits")
+
+
+def _is_softmax(source: Source, arg: ast.expr, at: ast.AST) -> bool:
+    if isinstance(arg, ast.Call):
+        return last(call_name(arg)) == "softmax"
+    if isinstance(arg, ast.Name):
+        fn = source.function_of(at) or source.tree
+        values = [n.value for n in ast.walk(fn) if isinstance(n, ast.Assign) and getattr(n, "lineno", 0) < at.lineno
+                  and any(isinstance(t, ast.Name) and t.id == arg.id for t in n.targets)]
+        return bool(values) and isinstance(values[-1], ast.Call) and last(call_name(values[-1])) == "softmax"
+    return False
+
+
+def backward_in_autocast(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for node in ast.walk(source.tree):
+        if isinstance(node, ast.With) and any(last(call_name(i.context_expr)) == "autocast" for i in node.items):
+            for call in source.calls(node):
+                name = call_name(call)
+                if last(name) == "backward" or (last(name) == "step" and "scaler" in name.lower()):
+                    yield call, (f"{name}() runs inside autocast: only the forward pass and the loss belong there; "
+                                 "backward ops run in the dtype autocast chose for the forward")
+
+
+def clip_without_unscale(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for fn in ast.walk(source.tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
+            continue
+        calls = sorted(source.calls(fn), key=lambda c: (c.lineno, c.col_offset))
+        if not any(last(call_name(c)) == "scale" and "scaler" in call_name(c).lower() for c in calls):
+            continue
+        for clip in (c for c in calls if last(call_name(c)) in {"clip_grad_norm_", "clip_grad_value_"}):
+            if not any(last(call_name(c)) == "unscale_" and (c.lineno, c.col_offset) < (clip.lineno, clip.col_offset)
+                       for c in calls):
+                yield clip, (f"{call_name(clip)}() clips the gradients while they are still multiplied by the "
+                             "GradScaler's scale")
+        if isinstance(fn, ast.Module):
+            break

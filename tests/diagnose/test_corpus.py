@@ -1,0 +1,59 @@
+"""``keel diagnose`` on its corpus: each faulty script's root cause is named first with its
+evidence, and the clean controls raise no alarm. The default suite runs one script per finding
+id and four controls; ``slow`` runs the whole corpus with the reproducibility check everywhere."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+from diagcorpus import EXPECTED, diagnose_all, verdict
+
+from torchkeel.diagnose.findings import FINDING_IDS
+
+SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "docs" / "diagnose.schema.json").read_text())
+FAULTS = sorted(n for n, e in EXPECTED.items() if e is not None)
+CONTROLS = sorted(n for n, e in EXPECTED.items() if e is None)
+# One script per id (the first in name order) and four controls: the default suite's short form.
+SHORT = sorted({EXPECTED[n]["id"]: n for n in reversed(FAULTS)}.values()) + \
+    ["clean_accumulation.py", "clean_gan.py", "clean_masked_attention.py", "clean_workers.py"]
+NONDET = {n for n in FAULTS if EXPECTED[n]["id"] == "nondeterministic"}
+
+
+def test_corpus_covers_every_runtime_id_and_enough_controls():
+    covered = {EXPECTED[n]["id"] for n in FAULTS}
+    runtime = set(FINDING_IDS) - {"graph-break", "recompile", "script-error"}
+    assert runtime - covered == set()
+    assert len(FAULTS) >= 30 and len(CONTROLS) >= 8
+
+
+@pytest.fixture(scope="module")
+def short_reports():
+    return diagnose_all(SHORT, repro_for=NONDET | set(CONTROLS))
+
+
+@pytest.mark.parametrize("name", SHORT)
+def test_short_corpus(name, short_reports):
+    report, code, _ = short_reports[name]
+    jsonschema.validate(report, SCHEMA)
+    ok, why = verdict(name, report)
+    assert ok, f"{name}: {why}"
+    has_error = any(f["severity"] == "error" for f in report["findings"])
+    assert code == (1 if has_error else 0)
+
+
+@pytest.mark.slow
+def test_whole_corpus_meets_the_goals():
+    reports = diagnose_all(sorted(EXPECTED))
+    failures = {}
+    for name, (report, _, _) in reports.items():
+        jsonschema.validate(report, SCHEMA)
+        ok, why = verdict(name, report)
+        if not ok:
+            failures[name] = why
+    named = sum(1 for n in FAULTS if n not in failures)
+    alarms = sum(1 for n in CONTROLS if n in failures)
+    print(f"faults named first with evidence: {named}/{len(FAULTS)}; false alarms: {alarms}/{len(CONTROLS)}")
+    assert failures == {}
