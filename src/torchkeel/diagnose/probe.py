@@ -24,9 +24,7 @@ error or a bad gradient there can be traced to the user's line.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import gc
 import random
 import sys
 import time
@@ -41,6 +39,7 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
+from torchkeel.diagnose.census import census
 from torchkeel.diagnose.sites import (
     display_path,
     is_nonfinite,
@@ -51,6 +50,7 @@ from torchkeel.diagnose.sites import (
     user_site,
     variable_name,
 )
+from torchkeel.diagnose.tracing import FirstNonfiniteOp, GradTracer, forward_site, graph_nodes, nonfinite_scalar, op_name
 
 _BN = torch.nn.modules.batchnorm._BatchNorm
 _DROPOUT = torch.nn.modules.dropout._DropoutNd
@@ -332,7 +332,7 @@ class Probe:
             frame = user_frame()
             label = variable_name(module, frame) or type(module).__name__
             self.roots[id(module)] = (module, label)
-        if not torch.is_grad_enabled() and module.training:
+        if not torch.is_grad_enabled() and module.training and len(self.facts.events.get("eval-in-train-mode", [])) < 5:
             active = [self.name_of(m) for m in module.modules()
                       if m.training and ((isinstance(m, _DROPOUT) and m.p > 0) or isinstance(m, _BN))]
             site = user_site()
@@ -400,7 +400,7 @@ class Probe:
 
         rng = capture_rng()
         buffers = [(b, b.detach().clone()) for b in module.buffers()]
-        tracer = _FirstNonfiniteOp()
+        tracer = FirstNonfiniteOp()
         try:
             with torch.no_grad(), tracer:
                 module(*args) if isinstance(args, tuple) else module(args)
@@ -421,17 +421,17 @@ class Probe:
         if not outs or not any(is_nonfinite(t) for t in outs):
             return
         inputs = tensors_in(list(args) + list(kwargs.values()))
-        if any(_nonfinite_scalar(a) for a in list(args) + list(kwargs.values())):
+        if any(nonfinite_scalar(a) for a in list(args) + list(kwargs.values())):
             return  # deliberate: a mask filled with -inf, torch.full(..., nan)
         bad_inputs = [t for t in inputs if is_nonfinite(t)]
         site = user_site()
         if site is None:
             return
         if not bad_inputs:
-            self.step_nonfinite_op = {"op": _op_name(func), "step": self.facts.steps + 1, **site}
+            self.step_nonfinite_op = {"op": op_name(func), "step": self.facts.steps + 1, **site}
         elif all(t.grad_fn is None and not t.requires_grad for t in bad_inputs) and not self.facts.events.get("nonfinite-input"):
-            self.step_nonfinite_op = {"op": _op_name(func), "step": self.facts.steps + 1, "from_data": True, **site}
-            self.record("nonfinite-input", {"op": _op_name(func), "step": self.facts.steps + 1,
+            self.step_nonfinite_op = {"op": op_name(func), "step": self.facts.steps + 1, "from_data": True, **site}
+            self.record("nonfinite-input", {"op": op_name(func), "step": self.facts.steps + 1,
                                             **nonfinite_layout(bad_inputs[0]), **site})
 
     def check_classification(self, func: Callable, args: Any, kwargs: dict) -> None:
@@ -498,7 +498,7 @@ class Probe:
         if not self.light:
             self.guarded(self._before_backward, roots, loss_finite)
         traced = self.facts.backward_calls < 50 or self.facts.backward_calls % 20 == 0
-        hooks = _GradTracer(roots) if (not self.light and loss_finite and traced
+        hooks = GradTracer(roots) if (not self.light and loss_finite and traced
                                        and not self.facts.events.get("nonfinite-grad")) else None
         try:
             result = original(tensors, *args, **kwargs)
@@ -536,7 +536,7 @@ class Probe:
                                            "site": user_site()})
             self.watch_ops = False
 
-    def _check_grads(self, tracer: _GradTracer | None) -> None:
+    def _check_grads(self, tracer: GradTracer | None) -> None:
         params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]] or \
                  [p for root, _ in self.roots.values() for p in root.parameters()]
         grads = [p.grad for p in params if p.grad is not None and p.grad.is_floating_point()]
@@ -558,7 +558,7 @@ class Probe:
     def _inplace_error(self, roots: list[torch.Tensor], exc: RuntimeError) -> None:
         message = str(exc).split("\n")[0]
         culprit = None
-        for node in _graph_nodes([r.grad_fn for r in roots if r.grad_fn is not None], limit=20000):
+        for node in graph_nodes([r.grad_fn for r in roots if r.grad_fn is not None], limit=20000):
             for attr in dir(node):
                 if not attr.startswith("_saved_"):
                     continue
@@ -569,7 +569,7 @@ class Probe:
                         culprit = {"backward_op": type(node).__name__, "saved": attr[len("_saved_"):]}
                         trace = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
                         if trace:
-                            culprit.update(_forward_site(trace))
+                            culprit.update(forward_site(trace))
                         break
                 except Exception:  # noqa: BLE001 - other accessors may refuse for other reasons
                     continue
@@ -582,8 +582,8 @@ class Probe:
     def _graph_reused(self, exc: RuntimeError) -> None:
         """backward() reached a graph an earlier backward already freed: find the tensor from an
         earlier step that this step's graph still hangs on (a hidden state carried across steps)."""
-        census, _ = _census(self.facts.steps + 1, self.tracked, self.last_census, want_holder=True)
-        self.record("graph-reused", {"step": self.facts.steps + 1, "holder": census["holder"],
+        found, _ = census(self.facts.steps + 1, self.tracked, self.last_census, want_holder=True)
+        self.record("graph-reused", {"step": self.facts.steps + 1, "holder": found["holder"],
                                      "error": str(exc).split("\n")[0][:300], **(user_site() or {})})
 
     def _module_at(self, site: dict[str, Any]) -> str | None:
@@ -694,9 +694,9 @@ class Probe:
             before = self.facts.censuses[-2:]
             growing = len(before) == 2 and before[0]["num_tensors"] < before[1]["num_tensors"] or \
                 len(before) == 2 and before[0]["max_graph_nodes"] < before[1]["max_graph_nodes"]
-            census, self.tracked = _census(self.facts.steps, self.tracked, self.last_census, want_holder=growing)
+            found, self.tracked = census(self.facts.steps, self.tracked, self.last_census, want_holder=growing)
             self.last_census = list(self.tracked)
-            self.facts.censuses.append(census)
+            self.facts.censuses.append(found)
             self.overhead_s += time.perf_counter() - start
 
     # ---------------------------------------------------------------- data, seeds, zero_grad
@@ -836,194 +836,3 @@ class Probe:
 
 
 _ORIGINAL_BACKWARD = torch.autograd.backward
-
-
-def _nonfinite_scalar(value: Any) -> bool:
-    return isinstance(value, float) and not np.isfinite(value)
-
-
-def _op_name(func: Any) -> str:
-    name = getattr(func, "__name__", str(func))
-    owner = getattr(func, "__module__", None) or ""
-    if owner.startswith("torch.nn.functional"):
-        return f"F.{name}"
-    if "Tensor" in getattr(func, "__qualname__", ""):
-        return f"Tensor.{name}"
-    return f"torch.{name}"
-
-
-class _FirstNonfiniteOp(TorchFunctionMode):
-    """Records the first op whose floating output is non-finite while its inputs were finite."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.found: dict[str, Any] | None = None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self.found is None:
-            outs = [t for t in tensors_in(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-            values = list(args) + list(kwargs.values())
-            if outs and any(is_nonfinite(t) for t in outs) and not any(_nonfinite_scalar(a) for a in values) \
-                    and not any(is_nonfinite(t) for t in tensors_in(values)):
-                self.found = {"op": _op_name(func), **(user_site(sys._getframe(1)) or {})}
-        return out
-
-
-class _GradTracer:
-    """Hooks on every node of a backward graph; names the first backward op whose output
-    gradients turned non-finite while the gradients it received were finite."""
-
-    def __init__(self, roots: list[torch.Tensor]) -> None:
-        self.found: dict[str, Any] | None = None
-        self.handles = []
-        nodes = _graph_nodes([r.grad_fn for r in roots if r.grad_fn is not None], limit=2000)
-        for node in nodes:
-            try:
-                self.handles.append(node.register_hook(self._hook(node)))
-            except RuntimeError:
-                pass
-
-    def _hook(self, node: Any) -> Callable:
-        def hook(grad_inputs: Any, grad_outputs: Any) -> None:
-            if self.found is None:
-                try:
-                    look(grad_inputs, grad_outputs)
-                except Exception:  # noqa: BLE001 - runs inside the script's backward: never raise there
-                    self.found = {}
-
-        def look(grad_inputs: Any, grad_outputs: Any) -> None:
-            produced = [g for g in grad_inputs if isinstance(g, torch.Tensor)]
-            received = [g for g in grad_outputs if isinstance(g, torch.Tensor)]
-            if any(is_nonfinite(g) for g in produced) and not any(is_nonfinite(g) for g in received):
-                self.found = {"backward_op": type(node).__name__}
-                trace = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
-                if trace:
-                    self.found.update(_forward_site(trace))
-        return hook
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-def _graph_nodes(starts: list[Any], limit: int) -> list[Any]:
-    seen: list[Any] = []
-    ids: set[int] = set()
-    todo = list(starts)
-    while todo and len(seen) < limit:
-        node = todo.pop()
-        if node is None or id(node) in ids:
-            continue
-        ids.add(id(node))
-        seen.append(node)
-        todo.extend(n for n, _ in getattr(node, "next_functions", ()))
-    return seen
-
-
-def _forward_site(trace: str | list[str]) -> dict[str, Any]:
-    """The innermost user frame of an anomaly-mode forward traceback (``File "x", line N, in f``)."""
-    import re
-
-    from torchkeel.diagnose.sites import is_user_file
-
-    if not isinstance(trace, str):
-        trace = "".join(trace)
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace)
-    for path, line, function in reversed(frames):
-        if is_user_file(path):
-            return {"file": display_path(path), "line": int(line), "function": function}
-    return {}
-
-
-def _census(step: int, tracked: list[weakref.ref], previous: list[weakref.ref],
-            want_holder: bool) -> tuple[dict[str, Any], list[weakref.ref]]:
-    """Live tensors that hold an autograd graph (among those the probe has seen made: module
-    outputs, ops outside modules, losses), the size of the largest graph, and what holds the one
-    kept longest. Returns the census and the pruned weak references of the live ones."""
-    seen: dict[int, torch.Tensor] = {}
-    for ref in tracked:
-        t = ref()
-        if t is not None and t.grad_fn is not None:
-            seen[id(t)] = t
-    holders = list(seen.values())
-    largest, largest_nodes, budget = None, 0, 200000
-    for t in holders:
-        nodes = len(_graph_nodes([t.grad_fn], limit=min(20000, budget)))
-        budget -= nodes
-        if nodes > largest_nodes:
-            largest, largest_nodes = t, nodes
-        if budget <= 0:
-            break
-    survivors = [t for t in (r() for r in previous) if t is not None and id(t) in seen and t.grad_fn is not None]
-    keep = max(survivors, key=lambda t: len(_graph_nodes([t.grad_fn], limit=20000))) if survivors else largest
-    refs = [weakref.ref(t) for t in holders]
-    ignore = {id(holders), id(survivors), id(seen)}
-    census = {"step": step, "num_tensors": len(holders), "max_graph_nodes": largest_nodes,
-              "holder": _holder(keep, ignore) if keep is not None and want_holder else None}
-    del holders, survivors, largest, seen
-    return census, refs
-
-
-def _holder(t: torch.Tensor, ignore: set[int]) -> str | None:
-    """What keeps ``t`` alive, as the user would name it: a variable, a list, an attribute."""
-    named = _name_in_stack(t)
-    if named:
-        return f"variable {named}"
-    for ref in gc.get_referrers(t):
-        if id(ref) in ignore:
-            continue
-        if isinstance(ref, dict):
-            for name, value in ref.items():
-                if value is t and isinstance(name, str):
-                    return f"{_dict_owner(ref) or 'dict key '}'{name}'"
-        elif isinstance(ref, (list, tuple, set, collections.deque)):
-            kind = type(ref).__name__
-            name = _name_in_stack(ref) or _attribute_name(ref)
-            return f"{kind} {name}" if name else f"a {kind}"
-        elif not isinstance(ref, torch.Tensor) and hasattr(ref, "__dict__"):
-            name = _attribute_name(t)
-            if name:
-                return name
-    return None
-
-
-def _name_in_stack(obj: Any) -> str | None:
-    """``'name' in function() (file:line)`` for the user frame on the current stack that binds ``obj``."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if user_frame(frame) is frame:
-            for name, value in frame.f_locals.items():
-                if value is obj:
-                    scope = "global" if frame.f_code.co_name == "<module>" else f"in {frame.f_code.co_name}()"
-                    return f"'{name}' {scope} ({site_text(user_site(frame))})"
-        frame = frame.f_back
-    return None
-
-
-def _attribute_name(obj: Any) -> str | None:
-    """``attribute 'x' of Class`` (or ``global 'x'``) for the object or module that holds ``obj``."""
-    import types as pytypes
-
-    for ref in gc.get_referrers(obj):
-        owners = [ref] if not isinstance(ref, dict) else [o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref]
-        for owner in owners:
-            attrs = getattr(owner, "__dict__", None)
-            if not isinstance(attrs, dict):
-                continue
-            for name, value in attrs.items():
-                if value is obj:
-                    if isinstance(owner, pytypes.ModuleType):
-                        return f"global '{name}'"
-                    return f"attribute '{name}' of {type(owner).__name__}"
-    return None
-
-
-def _dict_owner(d: dict) -> str | None:
-    import types as pytypes
-
-    for ref in gc.get_referrers(d):
-        if getattr(ref, "__dict__", None) is d:
-            return "global " if isinstance(ref, pytypes.ModuleType) else f"attribute of {type(ref).__name__}: "
-    return "global " if d.get("__name__") == "__main__" else None

@@ -1,0 +1,104 @@
+"""Censuses of live autograd graphs (what keeps a step's graph alive into the next) and names
+for what holds a tensor, as the user's code spells them: a variable, a list, an attribute."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import sys
+import types
+import weakref
+from typing import Any
+
+import torch
+
+from torchkeel.diagnose.sites import site_text, user_frame, user_site
+from torchkeel.diagnose.tracing import graph_nodes
+
+
+def census(step: int, tracked: list[weakref.ref], previous: list[weakref.ref],
+            want_holder: bool) -> tuple[dict[str, Any], list[weakref.ref]]:
+    """Live tensors that hold an autograd graph (among those the probe has seen made: module
+    outputs, ops outside modules, losses), the size of the largest graph, and what holds the one
+    kept longest. Returns the census and the pruned weak references of the live ones."""
+    seen: dict[int, torch.Tensor] = {}
+    for ref in tracked:
+        t = ref()
+        if t is not None and t.grad_fn is not None:
+            seen[id(t)] = t
+    holders = list(seen.values())
+    largest, largest_nodes, budget = None, 0, 200000
+    for t in holders:
+        nodes = len(graph_nodes([t.grad_fn], limit=min(20000, budget)))
+        budget -= nodes
+        if nodes > largest_nodes:
+            largest, largest_nodes = t, nodes
+        if budget <= 0:
+            break
+    survivors = [t for t in (r() for r in previous) if t is not None and id(t) in seen and t.grad_fn is not None]
+    keep = max(survivors, key=lambda t: len(graph_nodes([t.grad_fn], limit=20000))) if survivors else largest
+    refs = [weakref.ref(t) for t in holders]
+    ignore = {id(holders), id(survivors), id(seen)}
+    census = {"step": step, "num_tensors": len(holders), "max_graph_nodes": largest_nodes,
+              "holder": holder_of(keep, ignore) if keep is not None and want_holder else None}
+    del holders, survivors, largest, seen
+    return census, refs
+
+
+def holder_of(t: torch.Tensor, ignore: set[int]) -> str | None:
+    """What keeps ``t`` alive, as the user would name it: a variable, a list, an attribute."""
+    named = _name_in_stack(t)
+    if named:
+        return f"variable {named}"
+    for ref in gc.get_referrers(t):
+        if id(ref) in ignore:
+            continue
+        if isinstance(ref, dict):
+            for name, value in ref.items():
+                if value is t and isinstance(name, str):
+                    return f"{_dict_owner(ref) or 'dict key '}'{name}'"
+        elif isinstance(ref, (list, tuple, set, collections.deque)):
+            kind = type(ref).__name__
+            name = _name_in_stack(ref) or _attribute_name(ref)
+            return f"{kind} {name}" if name else f"a {kind}"
+        elif not isinstance(ref, torch.Tensor) and hasattr(ref, "__dict__"):
+            name = _attribute_name(t)
+            if name:
+                return name
+    return None
+
+
+def _name_in_stack(obj: Any) -> str | None:
+    """``'name' in function() (file:line)`` for the user frame on the current stack that binds ``obj``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if user_frame(frame) is frame:
+            for name, value in frame.f_locals.items():
+                if value is obj:
+                    scope = "global" if frame.f_code.co_name == "<module>" else f"in {frame.f_code.co_name}()"
+                    return f"'{name}' {scope} ({site_text(user_site(frame))})"
+        frame = frame.f_back
+    return None
+
+
+def _attribute_name(obj: Any) -> str | None:
+    """``attribute 'x' of Class`` (or ``global 'x'``) for the object or module that holds ``obj``."""
+    for ref in gc.get_referrers(obj):
+        owners = [ref] if not isinstance(ref, dict) else [o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref]
+        for owner in owners:
+            attrs = getattr(owner, "__dict__", None)
+            if not isinstance(attrs, dict):
+                continue
+            for name, value in attrs.items():
+                if value is obj:
+                    if isinstance(owner, types.ModuleType):
+                        return f"global '{name}'"
+                    return f"attribute '{name}' of {type(owner).__name__}"
+    return None
+
+
+def _dict_owner(d: dict) -> str | None:
+    for ref in gc.get_referrers(d):
+        if getattr(ref, "__dict__", None) is d:
+            return "global " if isinstance(ref, types.ModuleType) else f"attribute of {type(ref).__name__}: "
+    return "global " if d.get("__name__") == "__main__" else None
