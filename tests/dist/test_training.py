@@ -167,3 +167,17 @@ def test_out_of_memory_on_one_rank_redoes_the_step_on_every_rank(work, one_rank)
     assert [(r["kind"], r["step"], r["micro_batch_size"]) for r in rows] == [("oom_split", 1, 8)], result.stderr
     _, weights = final(work, "oom")
     assert max_difference(weights, one_rank[case][1]) < 1e-5  # the same result as without the fault
+
+
+F1 = "metrics=[{name: f1, target: 'torchmetrics.classification:MulticlassF1Score', args: {num_classes: 4}}]"
+
+
+def test_torchmetrics_over_two_ranks_count_each_sample_once(work):
+    # 120 validation samples over 2 ranks of 32 per batch: the last global batch is short, and
+    # rank 1's share of it is empty. torchmetrics' own sync must still see each sample once.
+    for nproc in (1, 2):
+        run_ok(work, nproc, f"name=f1-{nproc}", F1, "train.max_steps=6", "checkpoint.enabled=false")
+    one, two = summary(work, "f1-1"), summary(work, "f1-2")
+    assert 0 < one["val_f1"] <= 1 and "val_accuracy" not in one
+    assert two["val_f1"] == pytest.approx(one["val_f1"], abs=1e-6)
+    assert two["val_loss"] == pytest.approx(one["val_loss"], abs=1e-6)

@@ -81,7 +81,12 @@ def to_dict(config: Any) -> dict[str, Any]:
     result = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        result[_key(f)] = to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+        if dataclasses.is_dataclass(value):
+            result[_key(f)] = to_dict(value)
+        elif isinstance(value, list) and any(dataclasses.is_dataclass(v) for v in value):
+            result[_key(f)] = [to_dict(v) for v in value]
+        else:
+            result[_key(f)] = copy.deepcopy(value)
     return result
 
 

@@ -235,6 +235,16 @@ class DistConfig:
 
 
 @dataclass
+class MetricConfig:
+    name: str = ""
+    """The metric's name in the run files: logged as ``val_<name>``."""
+    target: str = ""
+    """``module:Class`` of the metric, e.g. ``torchmetrics.classification:MulticlassF1Score``."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for ``target`` (``num_classes: 10``)."""
+
+
+@dataclass
 class KeelConfig:
     name: str = "run"
     """Run name; the run directory is ``<out_dir>/<name>``."""
@@ -261,6 +271,9 @@ class KeelConfig:
     oom: OomConfig = field(default_factory=OomConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    metrics: list[MetricConfig] = field(default_factory=list)
+    """Validation metrics (torchmetrics): a list of ``{name, target, args}``, each computed over the
+    whole validation set and logged as ``val_<name>``; with none, classification gets ``val_accuracy``."""
 
     def validate(self) -> "KeelConfig":
         """Check values and combinations; raise ``ConfigError`` naming the key to change."""
@@ -332,6 +345,16 @@ class KeelConfig:
             raise ConfigError(f"memory.warn_cuda_fraction must be in (0, 1], got {m.warn_cuda_fraction}")
         if self.dist.init_timeout_s <= 0 or self.dist.timeout_s <= 0:
             raise ConfigError("dist.init_timeout_s and dist.timeout_s must be > 0 (seconds)")
+        names = [m.name for m in self.metrics]
+        for i, m in enumerate(self.metrics):
+            if not m.name.isidentifier():
+                raise ConfigError(f"metrics[{i}].name must be a name like f1 (logged as val_<name>), got {m.name!r}")
+            if not m.target:
+                raise ConfigError(f"metrics[{i}].target is missing: give 'module:Class', "
+                                  "e.g. torchmetrics.classification:MulticlassF1Score")
+            if m.name in ("loss", "accuracy") or names.count(m.name) > 1:
+                raise ConfigError(f"metrics[{i}].name {m.name!r} is taken (val_loss, val_accuracy or another "
+                                  "metric): choose another name")
         if self.device == "cpu" and self.precision == "fp16":
             raise ConfigError("precision fp16 needs a CUDA device; use precision=bf16 on CPU")
         return self

@@ -21,7 +21,7 @@ MARKERS = {"nonfinite": "tab:red", "rollback": "tab:purple", "oom_split": "tab:o
            "spike": "tab:pink", "memory": "tab:olive", "resume": "tab:green", "preempted": "black"}
 CHARTS = [
     ("loss", "Loss", [("train", "loss", "train loss"), ("val", "val_loss", "validation loss")], False),
-    ("val_metrics", "Validation metrics", [("val", "val_accuracy", "accuracy")], False),
+    ("val_metrics", "Validation metrics", [], False),  # every val_* metric the run logged but the loss
     ("lr", "Learning rate", [("train", "lr", "lr")], False),
     ("grad_norm", "Gradient norm (before clipping)", [("train", "grad_norm", "grad norm")], True),
     ("throughput", "Throughput (samples/s)", [("train", "samples_per_s", "samples/s")], False),
@@ -62,7 +62,11 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     if summary and summary.get("status") == "preempted":
         marks.append((summary.get("steps", 0), "preempted"))
     report.marks = sorted(marks)
+    val_keys = sorted({k for r in rows if r.get("kind") == "val" for k in r
+                       if k.startswith("val_") and k != "val_loss" and isinstance(r[k], (int, float))})
     for name, title, series, log_scale in CHARTS:
+        if name == "val_metrics":
+            series = [("val", key, key[len("val_"):]) for key in val_keys]
         lines = [(label, [(r["step"], r[key]) for r in rows if r.get("kind") == kind and isinstance(r.get(key), (int, float))])
                  for kind, key, label in series]
         lines = [(label, points) for label, points in lines if points]
@@ -135,7 +139,7 @@ def _html(run: Path, summary: Any, incidents: list[dict[str, Any]], report: Repo
     facts = {
         "status": (summary or {}).get("status", "unknown (no summary.json)"),
         "steps": (summary or {}).get("steps"), "epochs": (summary or {}).get("epochs"),
-        "val_loss": (summary or {}).get("val_loss"), "val_accuracy": (summary or {}).get("val_accuracy"),
+        **{k: v for k, v in (summary or {}).items() if k.startswith("val_")},
         "wall_s": (summary or {}).get("wall_s"), "incidents": (summary or {}).get("incidents"),
         "torch": manifest.get("torch_version"), "torchkeel": manifest.get("torchkeel_version"),
         "git commit": (manifest.get("git_commit") or "not a git repository")

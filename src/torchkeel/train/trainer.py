@@ -42,6 +42,7 @@ from torchkeel.train.inputbound import InputBoundDetector, TimedBatches
 from torchkeel.train.memory import LeakDetector, MemoryMonitor, MemoryProbe
 from torchkeel.train.objective import LabelOutOfRange
 from torchkeel.train.metrics import MetricsWriter, Progress
+from torchkeel.train.metricset import MetricSet
 from torchkeel.train.optim import build_optimizer
 from torchkeel.train.precision import make_precision
 from torchkeel.train.preempt import StopSignals
@@ -146,6 +147,7 @@ class Trainer:
         self.job.seed_rank(cfg.seed)
         self.forward_model = CompiledOrEager(wrapped) if cfg.compile else wrapped
         self.objective = build_objective(cfg.loss, loss_fn)
+        self.val_scores = MetricSet.from_config(cfg.metrics, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(cfg.optim, self.params)
         self.total_steps = total_steps(
@@ -399,6 +401,7 @@ class Trainer:
             self.val_metrics = evaluate(
                 self.job.evaluation_model(self.model), self.job.batches(self.val_loader.epoch(0), self._streaming),
                 self.objective, device=self.device, precision=self.precision, across_ranks=True,
+                metrics=self.val_scores,
             )
         self._log({"kind": "val", "step": self.step, "epoch": self.epoch, **self.val_metrics})
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from torchkeel.data.batch import num_samples
+from torchkeel.train.metricset import MetricSet
 from torchkeel.train.objective import Objective
 from torchkeel.train.precision import Precision
 
@@ -21,6 +22,7 @@ def evaluate(
     device: torch.device,
     precision: Precision | None = None,
     across_ranks: bool = False,
+    metrics: MetricSet | None = None,
 ) -> dict[str, float]:
     """Mean loss (and accuracy, for class-index targets) over every sample of ``batches``.
 
@@ -31,7 +33,9 @@ def evaluate(
     classification: integer targets of shape ``[batch]`` and outputs of shape ``[batch, classes]``).
     The values are read back to the host once, at the end. ``across_ranks``: each rank saw its
     own share of the set; sums and counts are added over the ranks (one all-reduce), so the
-    metrics are those of the whole set, as in one process.
+    metrics are those of the whole set, as in one process. ``metrics``: a ``MetricSet`` fed each
+    batch's outputs and targets (torchmetrics syncs its states across ranks itself); its values
+    replace ``val_accuracy``.
     """
     objective = Objective.of(loss_fn)
     was_training = model.training
@@ -56,13 +60,17 @@ def evaluate(
                     value = torch.as_tensor(value, device=device).double() * scale
                     metric_sums[name] = metric_sums[name] + value if name in metric_sums else value
                 count = count + weight
-                if is_classification and _is_class_index(out.outputs, out.targets):
+                if metrics is not None:
+                    metrics.update(out.outputs, out.targets)
+                elif is_classification and _is_class_index(out.outputs, out.targets):
                     correct += (out.outputs.argmax(dim=1) == out.targets).sum()
                     samples += out.targets.shape[0]
                 else:
                     is_classification = False
     finally:
         model.train(was_training)
+    if metrics is not None:
+        is_classification = False
     names = sorted(metric_sums)
     sums = torch.stack([loss_sum, torch.as_tensor(count, device=device).double(), correct.double(),
                         torch.tensor(float(samples), device=device, dtype=torch.float64),
@@ -72,13 +80,15 @@ def evaluate(
         dist.all_reduce(sums)
     values = sums.tolist()  # host sync, once per validation
     total, samples = values[1], int(values[3])
+    computed = metrics.compute() if metrics is not None else {}  # every rank: torchmetrics syncs here
     if total == 0:
         return {}
-    metrics = {"val_loss": values[0] / total}
-    metrics.update({f"val_{name}": value / total for name, value in zip(names, values[5:])})
+    result = {"val_loss": values[0] / total}
+    result.update({f"val_{name}": value / total for name, value in zip(names, values[5:])})
     if values[4] == 0 and samples:
-        metrics["val_accuracy"] = values[2] / samples
-    return metrics
+        result["val_accuracy"] = values[2] / samples
+    result.update(computed)
+    return result
 
 
 def _is_class_index(outputs: Any, targets: Any) -> bool:
