@@ -34,11 +34,13 @@ from torchkeel.train.accumulate import iter_groups, steps_per_epoch, total_steps
 from torchkeel.train.clipping import clip_grad_norm
 from torchkeel.train.compile import CompiledOrEager
 from torchkeel.train.diagnose import diagnose_nonfinite
+from torchkeel.train.early_stop import EarlyStopping
 from torchkeel.train.guards import Action, NonFiniteGuard, SpikeDetector
 from torchkeel.train.incidents import IncidentLog
 from torchkeel.train.inputbound import InputBoundDetector, TimedBatches
 from torchkeel.train.memory import LeakDetector, MemoryMonitor
 from torchkeel.train.metrics import MetricsWriter, read_metrics
+from torchkeel.train.metricset import MetricSet
 from torchkeel.train.objective import Objective
 from torchkeel.train.oom import OomInjector
 from torchkeel.train.precision import Precision, make_precision
@@ -55,6 +57,8 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 __all__ = [
     "Diagnosis",
+    "EarlyStopping",
+    "MetricSet",
     "diagnose_script",
     "lint_paths",
     "Action",

@@ -91,8 +91,8 @@ def launch(nproc: int, argv: list[str]) -> int:
 
 
 def exit_code(summary: dict) -> int:
-    """0 completed, 128 + signal number when preempted (143 SIGTERM, 130 SIGINT), else 1."""
-    if summary["status"] == "completed":
+    """0 completed or stopped early, 128 + signal number when preempted (143 SIGTERM, 130 SIGINT), else 1."""
+    if summary["status"] in ("completed", "stopped_early"):
         return 0
     if summary["status"] == "preempted":
         return 128 + signal.Signals[summary["signal"]].value
@@ -102,8 +102,9 @@ def exit_code(summary: dict) -> int:
 def format_summary(summary: dict) -> str:
     """One line for a person: status, validation metrics, steps, wall time, run directory."""
     parts = [f"status {summary['status']}"]
-    for key in ("val_accuracy", "val_loss"):
-        if key in summary:
-            parts.append(f"{key} {summary[key]:.4f}")
+    if summary["status"] == "stopped_early":
+        parts[0] += f" (best at step {summary['best_step']})"
+    for key in sorted(k for k in summary if k.startswith("val_") and isinstance(summary[k], (int, float))):
+        parts.append(f"{key} {summary[key]:.4f}")
     parts += [f"steps {summary['steps']}", f"wall {summary['wall_s']:.1f} s", f"run dir {summary['run_dir']}"]
     return " | ".join(parts)

@@ -124,6 +124,18 @@ class ScheduleConfig:
 
 
 @dataclass
+class EarlyStopConfig:
+    patience: int = 0
+    """Stop after this many validations in a row without improvement (0: off)."""
+    monitor: Optional[str] = None
+    """The validation metric to watch (``null``: ``checkpoint.monitor``)."""
+    mode: Optional[Literal["min", "max"]] = None
+    """Whether lower or higher is better (``null``: ``checkpoint.mode``)."""
+    min_delta: float = 0.0
+    """An improvement must beat the best by more than this."""
+
+
+@dataclass
 class TrainConfig:
     max_epochs: Optional[int] = 1
     """Stop after this many epochs (``null``: no epoch limit; then ``max_steps`` is required)."""
@@ -140,6 +152,8 @@ class TrainConfig:
     """Validate every N optimizer steps; 0 validates at the end of each epoch. Always at the end."""
     log_every: int = 10
     """Write a metrics row (and a progress line) every N optimizer steps."""
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    """End training when the validation metric stops improving."""
 
 
 @dataclass
@@ -282,6 +296,8 @@ class KeelConfig:
         _positive("train.accumulate", t.accumulate)
         _positive("train.log_every", t.log_every)
         _at_least("train.val_every", t.val_every, 0)
+        _at_least("train.early_stop.patience", t.early_stop.patience, 0)
+        _at_least("train.early_stop.min_delta", t.early_stop.min_delta, 0)
         d = self.data
         if d.num_workers != "auto":
             _at_least("data.num_workers", d.num_workers, 0)

@@ -138,6 +138,7 @@ def _html(run: Path, summary: Any, incidents: list[dict[str, Any]], report: Repo
     config = (run / "config.yaml").read_text() if (run / "config.yaml").exists() else "(no config.yaml)"
     facts = {
         "status": (summary or {}).get("status", "unknown (no summary.json)"),
+        "reason": (summary or {}).get("reason"),
         "steps": (summary or {}).get("steps"), "epochs": (summary or {}).get("epochs"),
         **{k: v for k, v in (summary or {}).items() if k.startswith("val_")},
         "wall_s": (summary or {}).get("wall_s"), "incidents": (summary or {}).get("incidents"),

@@ -36,6 +36,7 @@ from torchkeel.train.build import build_model, build_objective, resolve_device
 from torchkeel.errors import CheckpointError, TrainingDiverged
 from torchkeel.train.compile import CompiledOrEager
 from torchkeel.train.diagnose import diagnose_nonfinite
+from torchkeel.train.early_stop import EarlyStopping
 from torchkeel.train.guards import Action, NonFiniteGuard, Snapshot, SpikeDetector, apply_lr_scale
 from torchkeel.train.incidents import IncidentLog
 from torchkeel.train.inputbound import InputBoundDetector, TimedBatches
@@ -55,7 +56,7 @@ from torchkeel.train.validate import evaluate
 
 # The counters a checkpoint carries, so a resumed run continues with the very next batch.
 PROGRESS = ("step", "epoch", "batch_in_epoch", "samples", "val_metrics", "validated_at", "saved_at",
-            "micro_batch_size", "diagnosis")
+            "micro_batch_size", "diagnosis", "early_stop")
 
 
 class Trainer:
@@ -116,6 +117,10 @@ class Trainer:
             max_overhead=mem.leak_max_overhead, device=self.device, probe=memory_probe,
         ) if mem.leak_check else None
         self.input_bound = InputBoundDetector()
+        self._best_unsaved = False
+        es = cfg.train.early_stop
+        self.stopper = EarlyStopping(es.monitor or ck.monitor, es.mode or ck.mode, es.patience,
+                                     es.min_delta) if es.patience else None
         self.oom_hook = oom_hook
         self.resume, self.overwrite, self.show_progress = resume, overwrite, progress
         # Progress counters: all a resumed run needs to continue with the very next batch.
@@ -207,7 +212,13 @@ class Trainer:
                 self._train()
             if self.saver is not None:
                 self.saver.wait()  # the final save is on disk before the run reports done
-            summary = {"status": "preempted", "signal": self._signals.name} if self._signals.requested else {"status": "completed"}
+            if self._signals.requested:
+                summary = {"status": "preempted", "signal": self._signals.name}
+            elif self.stopper is not None and self.stopper.stop_reason:
+                summary = {"status": "stopped_early", "reason": self.stopper.stop_reason,
+                           "best_step": self.stopper.best_step, "best": self.stopper.best}
+            else:
+                summary = {"status": "completed"}
         except KeyboardInterrupt as exc:
             summary, error = {"status": "interrupted"}, exc
             raise
@@ -224,13 +235,23 @@ class Trainer:
                                    f"the previous run was put back in '{self.run_dir}'"]
         return summary
 
+    @property
+    def early_stop(self) -> dict[str, Any] | None:
+        """The early-stopping state a checkpoint carries (None when it is off)."""
+        return self.stopper.state_dict() if self.stopper else None
+
+    @early_stop.setter
+    def early_stop(self, state: dict[str, Any] | None) -> None:
+        if self.stopper is not None and state is not None:
+            self.stopper.load_state_dict(state)
+
     def _settle_previous_run(self, status: str) -> bool:
         """Discard the run ``--overwrite`` set aside once the new one is safe, else put it back
         (and return True)."""
         previous, self._previous = self._previous, None
         if previous is None:
             return False
-        if status in ("completed", "preempted"):
+        if status in ("completed", "preempted", "stopped_early"):
             previous.discard()
             return False
         previous.restore()
@@ -240,6 +261,8 @@ class Trainer:
         train, num_batches = self.config.train, len(self.train_loader)
         window_samples, window_start = 0, time.perf_counter()
         self._take_snapshot()
+        if self.stopper is not None and self.stopper.stop_reason:
+            return  # resumed from the checkpoint where it stopped early: nothing left to do
         while self.step < self.total_steps and (train.max_epochs is None or self.epoch < train.max_epochs):
             batches = TimedBatches(self.train_loader.epoch(self.epoch, start_batch=self.batch_in_epoch))
             self.input_bound.start()
@@ -274,6 +297,8 @@ class Trainer:
                     window_samples, window_start = 0, time.perf_counter()
                 if train.val_every and self.step % train.val_every == 0:
                     self._validate()
+                    if self._is_stopping_early(at_epoch_end=self.batch_in_epoch >= num_batches):
+                        return
                 if sync is not None:
                     stop, due = sync.agreed
                 else:
@@ -287,9 +312,11 @@ class Trainer:
                 if not train.val_every:
                     self._validate()
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+                if not train.val_every and self._is_stopping_early(at_epoch_end=True):
+                    return
                 with self.job.watch("the agreement on saving", self.step):
                     due = any_rank(self._is_save_due(True), self.device)
-                if due or self._is_every_steps():
+                if due or self._is_every_steps() or self._best_unsaved:
                     self._save()
         if self.validated_at != self.step:
             self._validate()
@@ -405,6 +432,22 @@ class Trainer:
             )
         self._log({"kind": "val", "step": self.step, "epoch": self.epoch, **self.val_metrics})
 
+    def _is_stopping_early(self, at_epoch_end: bool) -> bool:
+        """After a validation: save when the monitored metric improved (so the best state is on
+        disk), and when early stopping says stop (the run ends there). A mid-epoch validation at
+        the epoch's last batch leaves the save to the epoch end, like every other save."""
+        self._best_unsaved = False
+        if self.stopper is None or self.val_loader is None:
+            return False
+        improved = self.stopper.observe(self.val_metrics, self.step)
+        if self.stopper.stop_reason or (improved and not (at_epoch_end and self.config.train.val_every)):
+            self._save()
+        elif improved:
+            self._best_unsaved = True
+        if self.stopper.stop_reason and self.rank.is_main:
+            self._progress.note(f"stopping early at step {self.step}: {self.stopper.stop_reason}")
+        return self.stopper.stop_reason is not None
+
     def _is_every_steps(self) -> bool:
         every = self.config.checkpoint.every_steps
         return bool(every) and self.step % every == 0
@@ -462,7 +505,8 @@ class Trainer:
             load_sharded(found, self.model, self.optimizer)
         progress = restore_training_state(found.state, self.model, self.optimizer, self.scheduler, self.precision.scaler)
         for name in PROGRESS:
-            setattr(self, name, progress[name])
+            if name in progress or name != "early_stop":  # checkpoints from before early stopping lack it
+                setattr(self, name, progress[name])
         per_rank_rng = (found.state.get("ranks") or {}).get("rng") or []
         if len(per_rank_rng) == self.rank.world_size > 1:
             restore_rng(per_rank_rng[self.rank.rank])  # dropout continues exactly on every rank
