@@ -249,6 +249,15 @@ class DistConfig:
 
 
 @dataclass
+class LoggingConfig:
+    tensorboard: bool = False
+    """Write TensorBoard event files under ``<run_dir>/tensorboard`` (needs ``tensorboard``)."""
+    loggers: list[str] = field(default_factory=list)
+    """``module:callable`` per extra logger, called with ``(run_dir, config_dict)``; it returns an
+    object with ``log_metrics(step, values)``, ``log_incident(row)`` and ``close()``."""
+
+
+@dataclass
 class MetricConfig:
     name: str = ""
     """The metric's name in the run files: logged as ``val_<name>``."""
@@ -285,6 +294,7 @@ class KeelConfig:
     oom: OomConfig = field(default_factory=OomConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: list[MetricConfig] = field(default_factory=list)
     """Validation metrics (torchmetrics): a list of ``{name, target, args}``, each computed over the
     whole validation set and logged as ``val_<name>``; with none, classification gets ``val_accuracy``."""

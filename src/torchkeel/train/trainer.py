@@ -42,6 +42,7 @@ from torchkeel.train.incidents import IncidentLog
 from torchkeel.train.inputbound import InputBoundDetector, TimedBatches
 from torchkeel.train.memory import LeakDetector, MemoryMonitor, MemoryProbe
 from torchkeel.train.objective import LabelOutOfRange
+from torchkeel.train.loggers import RunLoggers
 from torchkeel.train.metrics import MetricsWriter, Progress
 from torchkeel.train.metricset import MetricSet
 from torchkeel.train.optim import build_optimizer
@@ -133,6 +134,7 @@ class Trainer:
         # step goes non-finite the newer one may already be on the diverging path.
         self.snapshots: list[Snapshot] = []
         self.incidents = IncidentLog(None)
+        self._loggers = RunLoggers([])
         self._previous: PreviousRun | None = None  # the run --overwrite set aside, until this one is safe
 
     def _build(self, cfg: KeelConfig, model: torch.nn.Module | None, train_data: Any, val_data: Any,
@@ -188,6 +190,9 @@ class Trainer:
             for name in ("metrics.jsonl", "incidents.jsonl"):
                 truncate_metrics(self.run_dir / name, found.step if found else 0)
         self._metrics = MetricsWriter(self.run_dir / "metrics.jsonl") if is_main else None
+        self._loggers = RunLoggers.from_config(
+            cfg.logging, self.run_dir, to_dict(cfg), yaml.safe_dump(to_dict(cfg), sort_keys=False),
+            found.step if found else None) if is_main else RunLoggers([])
         self.incidents = IncidentLog(self.run_dir / "incidents.jsonl" if is_main else None)
         self._provenance = provenance(config_hash(cfg))
         self._start = time.perf_counter()
@@ -419,6 +424,7 @@ class Trainer:
         row = self.incidents.record(kind, self.step, message, **details)
         if self.rank.is_main:
             self._progress.warn(f"step {row['step']}: {message}")
+            self._loggers.log_incident(row)
 
     def _validate(self) -> None:
         self.validated_at = self.step
@@ -539,6 +545,7 @@ class Trainer:
         row["wall_s"] = round(time.perf_counter() - self._start, 4)
         if self._metrics is not None:
             self._metrics.write(row)
+        self._loggers.log(row)
         self._progress.log(row)
 
     def _finish(self, summary: dict[str, Any]) -> dict[str, Any]:
@@ -554,6 +561,7 @@ class Trainer:
             "steps": self.step, "epochs": self.epoch, "samples": self.samples,
             "wall_s": round(time.perf_counter() - self._start, 3), "run_dir": str(self.run_dir),
         }
+        self._loggers.close()
         if self._metrics is not None:
             self._metrics.close()
             write_json_atomic(self.run_dir / "summary.json", summary)

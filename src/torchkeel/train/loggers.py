@@ -1,0 +1,93 @@
+"""Where a run's rows go besides ``metrics.jsonl``: TensorBoard, or any logger with three methods.
+
+A logger is anything with ``log_metrics(step, values)``, ``log_incident(row)`` and ``close()``.
+TensorBoard is built in (``logging.tensorboard: true``); others plug in through
+``logging.loggers: [module:callable]``, each called with ``(run_dir, config_dict)``. Only rank 0
+logs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from torchkeel.config.imports import build_target
+from torchkeel.errors import ConfigError, MissingExtraError
+
+_NOT_SCALARS = {"kind", "step", "epoch", "wall_s", "time"}
+
+
+class Logger(Protocol):
+    def log_metrics(self, step: int, values: dict[str, float]) -> None: ...
+    def log_incident(self, row: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+class TensorBoardLogger:
+    """Event files under ``log_dir``: every scalar as ``<kind>/<key>`` (``train/loss``,
+    ``val/val_f1``, ``memory/rss_bytes``) at its step, incidents and the config as text.
+
+    ``purge_step``: on resume, events from that step on (written after the checkpoint the run
+    continues from) are dropped, as ``metrics.jsonl`` is truncated.
+    """
+
+    def __init__(self, log_dir: str | Path, *, config_text: str | None = None, purge_step: int | None = None) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise MissingExtraError("tensorboard", "tensorboard", "logging.tensorboard") from None
+        self.writer = SummaryWriter(str(log_dir), purge_step=purge_step or None)
+        if config_text is not None and not purge_step:
+            self.writer.add_text("config", f"```\n{config_text}\n```", 0)
+
+    def log_metrics(self, step: int, values: dict[str, float]) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def log_incident(self, row: dict[str, Any]) -> None:
+        self.writer.add_text("incidents", f"{row['kind']}: {row['message']}", row["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class RunLoggers:
+    """The run's loggers, fed the rows the Trainer writes to ``metrics.jsonl`` and ``incidents.jsonl``."""
+
+    def __init__(self, loggers: list[Logger]) -> None:
+        self.loggers = loggers
+
+    @classmethod
+    def from_config(cls, logging_config: Any, run_dir: Path, config: dict[str, Any], config_text: str,
+                    resume_step: int | None) -> RunLoggers:
+        loggers: list[Logger] = []
+        if logging_config.tensorboard:
+            loggers.append(TensorBoardLogger(run_dir / "tensorboard", config_text=config_text, purge_step=resume_step))
+        for i, spec in enumerate(logging_config.loggers):
+            logger = build_target(spec, {}, f"logging.loggers[{i}]", call_args=(run_dir, config))
+            missing = [m for m in ("log_metrics", "log_incident", "close") if not callable(getattr(logger, m, None))]
+            if missing:
+                raise ConfigError(f"logging.loggers[{i}]={spec!r} returned a {type(logger).__name__} without "
+                                  f"{', '.join(missing)}; a logger needs log_metrics(step, values), "
+                                  "log_incident(row) and close()")
+            loggers.append(logger)
+        return cls(loggers)
+
+    def log(self, row: dict[str, Any]) -> None:
+        """One ``metrics.jsonl`` row: its numbers, tagged ``<kind>/<key>``, at its step."""
+        if not self.loggers or "step" not in row:
+            return
+        kind = row.get("kind", "train")
+        values = {f"{kind}/{k}": float(v) for k, v in row.items()
+                  if k not in _NOT_SCALARS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if values:
+            for logger in self.loggers:
+                logger.log_metrics(int(row["step"]), values)
+
+    def log_incident(self, row: dict[str, Any]) -> None:
+        for logger in self.loggers:
+            logger.log_incident(row)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
