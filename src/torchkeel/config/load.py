@@ -118,6 +118,8 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
 
 def _convert(tp: Any, value: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, bool) and "enabled" in {f.name for f in dataclasses.fields(tp)}:
+            value = {"enabled": value}  # `compile: true` is short for `compile: {enabled: true}`
         return from_dict(tp, value, key)
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):

@@ -249,6 +249,21 @@ class DistConfig:
 
 
 @dataclass
+class CompileConfig:
+    enabled: bool = False
+    """Train through ``torch.compile`` (``compile: true`` is short for ``compile: {enabled: true}``)."""
+    mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    """``reduce-overhead`` (CUDA graphs: fast start, less Python overhead), ``max-autotune``
+    (searches kernels: minutes of compile time, fastest kernels)."""
+    fullgraph: bool = False
+    """A graph break is an error naming it, instead of an incident."""
+    dynamic: Optional[bool] = None
+    """Dynamic shapes: ``null`` lets torch decide after the first recompile, ``true``/``false`` force it."""
+    backend: str = "inductor"
+    """The ``torch.compile`` backend (``aot_eager``, ``eager`` to debug)."""
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = False
     """Write TensorBoard event files under ``<run_dir>/tensorboard`` (needs ``tensorboard``)."""
@@ -281,8 +296,8 @@ class KeelConfig:
     """``auto`` picks cuda, then mps, then cpu."""
     precision: PrecisionName = "fp32"
     """``bf16`` autocast (CPU, CUDA), ``fp16`` autocast with a GradScaler (CUDA only)."""
-    compile: bool = False
-    """Use ``torch.compile``; falls back to eager with a warning when compilation fails."""
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    """``torch.compile`` settings; graph breaks and fall-backs are incidents."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)

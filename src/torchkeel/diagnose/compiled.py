@@ -93,29 +93,11 @@ class CompileWatch:
         self.depth = max(0, self.depth - 1)
 
     def _explain(self, module: torch.nn.Module, args: Any) -> None:
-        from torchkeel.checkpoint.state import capture_rng, restore_rng
+        from torchkeel.train.compile import explain_breaks
 
-        rng = capture_rng()
-        buffers = [(b, b.detach().clone()) for b in module.buffers()]
         for handle in self.handles:  # dynamo would trace into these hooks
             handle.remove()
-        try:
-            with torch.no_grad():
-                report = torch._dynamo.explain(module)(*args)
-            for reason in report.break_reasons:
-                frames = [f for f in (reason.user_stack or []) if is_user_file(f.filename)]
-                self.explained.append({"reason": str(reason.reason).splitlines()[0][:300],
-                                       "file": display_path(frames[-1].filename) if frames else None,
-                                       "line": frames[-1].lineno if frames else None})
-        except Exception as exc:  # noqa: BLE001 - a model dynamo cannot trace at all is a finding too
-            self.explained.append({"reason": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
-                                   "file": None, "line": None})
-        finally:
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
-            restore_rng(rng)
-            torch._dynamo.reset()
+        self.explained = explain_breaks(module, *args)
 
     def findings(self) -> list[Finding]:
         out: list[Finding] = []

@@ -152,7 +152,9 @@ class Trainer:
         wrapped = self.job.wrap(self.model, precision=cfg.precision, batch_size=cfg.train.batch_size,
                                 accumulate=cfg.train.accumulate)
         self.job.seed_rank(cfg.seed)
-        self.forward_model = CompiledOrEager(wrapped) if cfg.compile else wrapped
+        c = cfg.compile
+        self.forward_model = CompiledOrEager(wrapped, c.backend, mode=c.mode, fullgraph=c.fullgraph, dynamic=c.dynamic,
+                                             report=self._compile_event) if c.enabled else wrapped
         self.objective = build_objective(cfg.loss, loss_fn)
         self.val_scores = MetricSet.from_config(cfg.metrics, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -437,6 +439,14 @@ class Trainer:
                 metrics=self.val_scores,
             )
         self._log({"kind": "val", "step": self.step, "epoch": self.epoch, **self.val_metrics})
+
+    def _compile_event(self, kind: str, message: str, details: dict[str, Any]) -> None:
+        """A graph break or a fall-back to eager is an incident; the compile time a metrics row."""
+        if "compile_s" in details:
+            self._log({"kind": "compile", "step": self.step, **details})
+            self._progress.note(message)
+        else:
+            self._incident(kind, message, **details)
 
     def _is_stopping_early(self, at_epoch_end: bool) -> bool:
         """After a validation: save when the monitored metric improved (so the best state is on
