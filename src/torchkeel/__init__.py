@@ -35,6 +35,7 @@ from torchkeel.train.clipping import clip_grad_norm
 from torchkeel.train.compile import CompiledOrEager
 from torchkeel.train.diagnose import diagnose_nonfinite
 from torchkeel.train.early_stop import EarlyStopping
+from torchkeel.train.ema import WeightAverage
 from torchkeel.train.guards import Action, NonFiniteGuard, SpikeDetector
 from torchkeel.train.incidents import IncidentLog
 from torchkeel.train.inputbound import InputBoundDetector, TimedBatches
@@ -59,6 +60,7 @@ __all__ = [
     "Diagnosis",
     "EarlyStopping",
     "MetricSet",
+    "WeightAverage",
     "diagnose_script",
     "lint_paths",
     "Action",

@@ -26,5 +26,6 @@ def run(args: argparse.Namespace) -> int:
     sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
     meta = export_run(args.source, args.format, args.out, sizes)
     print(describe(meta["parity"]))
-    print(f"exported {meta['name']} ({meta['format']}) to {args.out or 'the run directory'}: {meta['file']}, model.json")
+    print(f"exported {meta['name']} ({meta['format']}, {meta['weights']} weights of step {meta['step']}) to "
+          f"{args.out or 'the run directory'}: {meta['file']}, model.json")
     return 0

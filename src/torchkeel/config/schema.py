@@ -136,6 +136,14 @@ class EarlyStopConfig:
 
 
 @dataclass
+class EmaConfig:
+    decay: float = 0.0
+    """Keep an exponential moving average of the weights with this decay (``0``: off; e.g. 0.999)."""
+    start_step: int = 0
+    """Start averaging at this optimizer step (the first update copies the weights)."""
+
+
+@dataclass
 class TrainConfig:
     max_epochs: Optional[int] = 1
     """Stop after this many epochs (``null``: no epoch limit; then ``max_steps`` is required)."""
@@ -154,6 +162,8 @@ class TrainConfig:
     """Write a metrics row (and a progress line) every N optimizer steps."""
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     """End training when the validation metric stops improving."""
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    """An exponential moving average of the weights, used for validation and export."""
 
 
 @dataclass
@@ -323,6 +333,12 @@ class KeelConfig:
         _at_least("train.val_every", t.val_every, 0)
         _at_least("train.early_stop.patience", t.early_stop.patience, 0)
         _at_least("train.early_stop.min_delta", t.early_stop.min_delta, 0)
+        if not 0 <= t.ema.decay < 1:
+            raise ConfigError(f"train.ema.decay must be in [0, 1) (0: off), got {t.ema.decay}")
+        _at_least("train.ema.start_step", t.ema.start_step, 0)
+        if t.ema.decay and self.dist.strategy == "fsdp":
+            raise ConfigError("train.ema does not work with dist.strategy=fsdp yet (the average would need the "
+                              "full weights on every rank); use dist.strategy=ddp or set train.ema.decay=0")
         d = self.data
         if d.num_workers != "auto":
             _at_least("data.num_workers", d.num_workers, 0)

@@ -11,6 +11,7 @@ import torch
 
 from torchkeel.checkpoint import CheckpointStore, load_model_weights, read_checkpoint
 from torchkeel.checkpoint.foreign import checkpoint_weights
+from torchkeel.train.ema import averaged_weights
 from torchkeel.checkpoint.store import is_checkpoint_dir
 from torchkeel.config.load import load_config
 from torchkeel.errors import CheckpointError, ConfigError, ParityError
@@ -48,7 +49,10 @@ def export_run(
     checkpoint, run_dir = _resolve(Path(source))
     config = load_config(run_dir / "config.yaml")
     model = build_model(config.model)
-    load_model_weights(model, checkpoint_weights(checkpoint), strict=True, source=f"checkpoint '{checkpoint.path}'")
+    ema = checkpoint.state.get("ema") if checkpoint.state else None
+    weights = averaged_weights(ema) if ema is not None else checkpoint_weights(checkpoint)
+    which = "ema" if ema is not None else "model"
+    load_model_weights(model, weights, strict=True, source=f"checkpoint '{checkpoint.path}' ({which} weights)")
     model = model.float().eval()
     train_set, val_set = build_datasets(config.data)
     samples = sample_inputs(val_set if val_set is not None else train_set, limit=max(max(batch_sizes), 8)).float()
@@ -70,6 +74,7 @@ def export_run(
         "reference": reference_stats(sample_inputs(train_set).float().numpy()),
         "parity": parity,
         "checkpoint": str(checkpoint.path),
+        "weights": which,
         "step": checkpoint.step,
         "torch_version": torch.__version__,
     }

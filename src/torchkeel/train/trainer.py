@@ -37,6 +37,7 @@ from torchkeel.errors import CheckpointError, TrainingDiverged
 from torchkeel.train.compile import CompiledOrEager
 from torchkeel.train.diagnose import diagnose_nonfinite
 from torchkeel.train.early_stop import EarlyStopping
+from torchkeel.train.ema import WeightAverage
 from torchkeel.train.guards import Action, NonFiniteGuard, Snapshot, SpikeDetector, apply_lr_scale
 from torchkeel.train.incidents import IncidentLog
 from torchkeel.train.inputbound import InputBoundDetector, TimedBatches
@@ -158,6 +159,8 @@ class Trainer:
         self.objective = build_objective(cfg.loss, loss_fn)
         self.val_scores = MetricSet.from_config(cfg.metrics, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        ema = cfg.train.ema
+        self.ema = WeightAverage(self.model, ema.decay, ema.start_step) if ema.decay else None
         self.optimizer = build_optimizer(cfg.optim, self.params)
         self.total_steps = total_steps(
             len(self.train_loader), cfg.train.accumulate, cfg.train.max_epochs, cfg.train.max_steps
@@ -288,6 +291,8 @@ class Trainer:
                 self.batch_in_epoch += len(group)
                 self.samples += result.num_samples
                 window_samples += result.num_samples
+                if self.ema is not None and result.status == "ok":  # a skipped step is not averaged in
+                    self.ema.update(self.step)
                 self._progress.advance(1)
                 self._protect(result, group, batches.take())
                 if is_log:
@@ -434,7 +439,7 @@ class Trainer:
             return
         with self.job.watch("validation", self.step):
             self.val_metrics = evaluate(
-                self.job.evaluation_model(self.model), self.job.batches(self.val_loader.epoch(0), self._streaming),
+                self.ema.module if self.ema is not None else self.job.evaluation_model(self.model), self.job.batches(self.val_loader.epoch(0), self._streaming),
                 self.objective, device=self.device, precision=self.precision, across_ranks=True,
                 metrics=self.val_scores,
             )
@@ -492,6 +497,8 @@ class Trainer:
                                                progress, protections, weights=not self.job.sharded)
                 if len(ranks) > 1:
                     state["ranks"] = {"rng": [r["rng"] for r in ranks]}
+                if self.ema is not None:
+                    state["ema"] = self.ema.state_dict()
             kwargs = {"step": self.step, "epoch": self.epoch, "metrics": self.val_metrics, "meta": self._provenance}
             start = time.perf_counter()
             if self.job.sharded:
@@ -520,6 +527,8 @@ class Trainer:
         if found.shards is not None:
             load_sharded(found, self.model, self.optimizer)
         progress = restore_training_state(found.state, self.model, self.optimizer, self.scheduler, self.precision.scaler)
+        if self.ema is not None and found.state.get("ema") is not None:
+            self.ema.load_state_dict(found.state["ema"])  # else the average starts afresh from these weights
         for name in PROGRESS:
             if name in progress or name != "early_stop":  # checkpoints from before early stopping lack it
                 setattr(self, name, progress[name])
