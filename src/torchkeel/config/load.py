@@ -109,6 +109,8 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
         )
     fields = {_key(f): f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
+    if True in data and "on" in fields:  # YAML 1.1 reads a bare `on:` key as the boolean true
+        data = {("on" if key is True else key): value for key, value in data.items()}
     for key in data:
         if key not in fields:
             raise ConfigError(_unknown_key_message(_join(prefix, str(key)), str(key), list(fields)))

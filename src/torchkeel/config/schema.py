@@ -290,6 +290,9 @@ class MetricConfig:
     """``module:Class`` of the metric, e.g. ``torchmetrics.classification:MulticlassF1Score``."""
     args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for ``target`` (``num_classes: 10``)."""
+    on: list[Literal["val", "train"]] = field(default_factory=lambda: ["val"])
+    """Where to compute it: ``val`` (over each validation) and/or ``train`` (over the steps between
+    two logged rows, as ``train_<name>``)."""
 
 
 @dataclass
@@ -409,6 +412,8 @@ class KeelConfig:
             if not m.target:
                 raise ConfigError(f"metrics[{i}].target is missing: give 'module:Class', "
                                   "e.g. torchmetrics.classification:MulticlassF1Score")
+            if not m.on:
+                raise ConfigError(f"metrics[{i}].on is empty: give [val], [train] or [val, train]")
             if m.name in ("loss", "accuracy") or names.count(m.name) > 1:
                 raise ConfigError(f"metrics[{i}].name {m.name!r} is taken (val_loss, val_accuracy or another "
                                   "metric): choose another name")

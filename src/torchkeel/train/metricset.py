@@ -41,18 +41,20 @@ class MetricSet:
         self.prefix = prefix
 
     @classmethod
-    def from_config(cls, entries: Sequence[Any], device: torch.device) -> MetricSet | None:
-        """One metric per ``metrics:`` entry (``name``, ``target``, ``args``); None when there are none."""
-        if not entries:
+    def from_config(cls, entries: Sequence[Any], device: torch.device, on: str = "val") -> MetricSet | None:
+        """One metric per ``metrics:`` entry (``name``, ``target``, ``args``) whose ``on`` lists
+        ``on`` (``val`` or ``train``); None when there are none. Train metrics log as ``train_<name>``."""
+        chosen = [(i, e) for i, e in enumerate(entries) if on in getattr(e, "on", ["val"])]
+        if not chosen:
             return None
         built = {}
-        for i, entry in enumerate(entries):
+        for i, entry in chosen:
             metric = build_target(entry.target, entry.args, f"metrics[{i}]")
             if not all(callable(getattr(metric, attr, None)) for attr in ("update", "compute", "reset")):
                 raise ConfigError(f"metrics[{i}].target={entry.target!r} returned a {type(metric).__name__} without "
                                   "update/compute/reset; use a torchmetrics Metric class")
             built[entry.name] = metric
-        return cls(built, device)
+        return cls(built, device, prefix=f"{on}_")
 
     def update(self, outputs: Any, targets: Any) -> None:
         for metric in self.metrics.values():

@@ -63,6 +63,7 @@ def train_step(
     micro_batch_size: int | None = None,
     before_forward: Callable[[int], None] | None = None,
     sync: GradSync | None = None,
+    on_outputs: Callable[[Any, Any], None] | None = None,
 ) -> StepResult:
     """One optimizer step over ``group``, a list of micro-batches.
 
@@ -80,6 +81,9 @@ def train_step(
     weighted by global counts, gradients are reduced on the last micro-batch only, the returned
     loss and ``num_samples`` are the job's, and an out-of-memory error on any rank makes every
     rank redo the step with the smallest micro-batch size any rank needed.
+
+    ``on_outputs(outputs, targets)`` is called once per piece of an applied step, after it
+    (training metrics): an attempt redone after an out-of-memory error is not counted twice.
     """
     if not group:
         raise ValueError("train_step needs at least one micro-batch")
@@ -87,11 +91,14 @@ def train_step(
     sizes = [num_samples(batch) for batch in group]
     weights = [objective.weight(batch) for batch in group] if objective.count_key else [float(n) for n in sizes]
     num_splits = 0
+    seen: list[tuple[Any, Any]] | None = [] if on_outputs is not None else None
     while True:
+        if seen is not None:
+            seen.clear()
         if sync is not None:  # every rank tries; all redo the step if any ran out of memory
             loss_sum, metrics, micro_batch_size, redo = _synced(
                 model, group, sizes, weights, objective, precision, device, micro_batch_size, before_forward,
-                params, sync, split_on_oom)
+                params, sync, split_on_oom, seen)
             if not redo:
                 break
             optimizer.zero_grad(set_to_none=True)
@@ -99,8 +106,8 @@ def train_step(
             continue
         try:
             loss_sum, metrics = _forward_backward(
-                model, group, sizes, weights, objective, precision, device, micro_batch_size, before_forward, params
-            )
+                model, group, sizes, weights, objective, precision, device, micro_batch_size, before_forward, params,
+                seen=seen)
             break
         except torch.OutOfMemoryError:
             if not split_on_oom:
@@ -126,6 +133,9 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     if scheduler is not None and status == "ok":
         scheduler.step()
+    if seen is not None and status != "nonfinite":
+        for outputs, targets in seen:
+            on_outputs(outputs, targets)
     return StepResult(
         loss=loss_sum, grad_norm=grad_norm, num_samples=sum(sizes) if sync is None else sync.samples,
         num_micro_batches=len(group), status=status,
@@ -156,6 +166,7 @@ def _synced(
     params: Sequence[torch.nn.Parameter],
     sync: GradSync,
     split_on_oom: bool,
+    seen: list[tuple[Any, Any]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None, int | None, bool]:
     """One data-parallel attempt at the step; returns the job's mean loss, this rank's metrics,
     the micro-batch size every rank continues with, and whether every rank must redo the step."""
@@ -165,7 +176,7 @@ def _synced(
     try:
         loss_sum, metric_sums, count = _forward_backward(
             model, group, sizes, weights, objective, precision, device, micro_batch_size, before_forward, params,
-            sync=sync, pieces_per_batch=per_batch)
+            sync=sync, pieces_per_batch=per_batch, seen=seen)
     except torch.OutOfMemoryError:
         oom = True
     if oom:
@@ -214,6 +225,7 @@ def _forward_backward(
     params: Sequence[torch.nn.Parameter],
     sync: GradSync | None = None,
     pieces_per_batch: int | None = None,
+    seen: list[tuple[Any, Any]] | None = None,
 ) -> Any:
     """Forward and backward of every piece, weighted by its count; returns the mean loss and metrics.
 
@@ -248,6 +260,9 @@ def _forward_backward(
                 offset += n
                 if n:
                     kinds.add(out.is_sum)
+                    if seen is not None:
+                        outputs = out.outputs.detach() if isinstance(out.outputs, torch.Tensor) else out.outputs
+                        seen.append((outputs, out.targets))
                 if len(kinds) > 1:
                     raise ValueError("loss.step_fn returned a mean for one micro-batch and a (sum, count) for another")
                 if out.is_sum:

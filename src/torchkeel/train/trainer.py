@@ -158,6 +158,7 @@ class Trainer:
                                              report=self._compile_event) if c.enabled else wrapped
         self.objective = build_objective(cfg.loss, loss_fn)
         self.val_scores = MetricSet.from_config(cfg.metrics, self.device)
+        self.train_scores = MetricSet.from_config(cfg.metrics, self.device, on="train")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         ema = cfg.train.ema
         self.ema = WeightAverage(self.model, ema.decay, ema.start_step) if ema.decay else None
@@ -301,6 +302,8 @@ class Trainer:
                         loss, grad_norm = result.loss.item(), result.grad_norm.item()
                     now = time.perf_counter()
                     metrics = {k: v.item() for k, v in (result.metrics or {}).items()}  # host sync, log steps only
+                    if self.train_scores is not None:  # every rank, at the same steps: torchmetrics syncs here
+                        metrics.update(self.train_scores.compute())
                     self._log({
                         "kind": "train", "step": self.step, "epoch": self.epoch, "loss": loss, "lr": lr,
                         "grad_norm": grad_norm, "samples": self.samples,
@@ -346,6 +349,7 @@ class Trainer:
                 clip_grad_norm_max=train.clip_grad_norm, scheduler=self.scheduler,
                 check_finite=self.config.guard.enabled, split_on_oom=self.config.oom.auto_split,
                 micro_batch_size=self.micro_batch_size, before_forward=self.oom_hook, sync=self.job.sync,
+                on_outputs=self.train_scores.update if self.train_scores is not None else None,
             )
         except LabelOutOfRange as exc:
             origin = self.train_loader.origin(group[exc.micro_batch], exc.sample)
