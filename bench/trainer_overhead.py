@@ -10,13 +10,15 @@ a warmup/cosine schedule and AdamW, three ways:
 - the Trainer with the guards off (no non-finite check, memory rows, leak census or OOM split),
   writing metrics.jsonl every 10 steps;
 - the Trainer with its defaults: non-finite check every step, memory rows every 100 steps,
-  leak census every 200 steps, OOM splitting armed.
+  leak census every 200 steps, OOM splitting armed;
+- the Trainer with its defaults and a validation every 100 steps (2,048 samples);
+- the same with a torchmetrics F1 on validation and TensorBoard logging on (the ecosystem).
 
 Step time is measured from step 10 to the last (set-up and warm-up left out; the Trainer's from
 its metrics.jsonl wall times), over many short rounds, because this machine's speed drifts by
 several percent from one second to the next. Goals, as the median of per-round ratios (each
 round's runs back to back, so drift cancels): Trainer (guards off) ≤ 1.03 × the hand loop;
-guards on ≤ 1.02 × guards off.
+guards on ≤ 1.02 × guards off; F1 + TensorBoard ≤ 1.03 × the same Trainer without them.
 
     python bench/trainer_overhead.py [--rounds 31] [--steps 300]
 """
@@ -37,6 +39,8 @@ import torchkeel as tk
 BATCH = 64
 FIRST = 10  # timing starts after this step: set-up and the first steps' warm-up are left out
 GUARDS_OFF = ["guard.enabled=false", "memory.every_steps=0", "memory.leak_check=false", "oom.auto_split=false"]
+ECOSYSTEM = ["metrics=[{name: f1, target: 'torchmetrics.classification:MulticlassF1Score', args: {num_classes: 10}}]",
+             "logging.tensorboard=true"]
 
 
 def make_model() -> nn.Module:
@@ -72,14 +76,14 @@ def hand_loop(data: TensorDataset, steps: int, out_dir: str) -> float:
     return (time.perf_counter() - start) / (steps - FIRST)
 
 
-def trainer(data: TensorDataset, steps: int, out_dir: str, extra: list[str]) -> float:
+def trainer(data: TensorDataset, steps: int, out_dir: str, extra: list[str], val: TensorDataset | None = None) -> float:
     """Seconds per step of Trainer.fit from step FIRST to the last, from metrics.jsonl's wall times."""
     config = tk.load_config(
         None,
         [f"out_dir={out_dir}", "train.max_epochs=1", f"train.batch_size={BATCH}", "train.clip_grad_norm=1.0",
          "schedule.warmup_steps=20", "optim.lr=1e-3", "train.log_every=10", "checkpoint.enabled=false", *extra],
     )
-    fit = tk.Trainer(config, model=make_model(), train_data=data, val_data=None, overwrite=True, progress=False)
+    fit = tk.Trainer(config, model=make_model(), train_data=data, val_data=val, overwrite=True, progress=False)
     summary = fit.fit()
     assert summary["steps"] == steps
     wall = {r["step"]: r["wall_s"] for r in tk.read_metrics(f"{out_dir}/run/metrics.jsonl") if r["kind"] == "train"}
@@ -93,10 +97,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     data = make_data(args.steps)
+    val = make_data(2048 // BATCH)
     contenders = {
         "hand-written loop": lambda d: hand_loop(data, args.steps, d),
         "Trainer, guards off": lambda d: trainer(data, args.steps, d, GUARDS_OFF),
         "Trainer, guards on": lambda d: trainer(data, args.steps, d, []),
+        "Trainer, + validation": lambda d: trainer(data, args.steps, d, ["train.val_every=100"], val),
+        "  + F1 + TensorBoard": lambda d: trainer(data, args.steps, d, ["train.val_every=100", *ECOSYSTEM], val),
     }
     times: dict[str, list[float]] = {name: [] for name in contenders}
     names = list(contenders)
@@ -104,7 +111,7 @@ def main() -> None:
         for run in contenders.values():  # warm-up
             run(out_dir)
         for round_ in range(args.rounds):
-            for name in names[round_ % 3 :] + names[: round_ % 3]:
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                 times[name].append(contenders[name](out_dir))
     print(f"rounds {args.rounds} x {args.steps} steps, MLP 64-256-256-10, batch {BATCH}, 1 thread")
     for name, values in times.items():
@@ -116,6 +123,7 @@ def main() -> None:
     print(f"Trainer (guards off) / hand loop   {paired(names[1], names[0]):.3f}   (goal <= 1.03)")
     print(f"guards on / guards off             {paired(names[2], names[1]):.3f}   (goal <= 1.02)")
     print(f"Trainer (guards on) / hand loop    {paired(names[2], names[0]):.3f}")
+    print(f"F1 + TensorBoard / without them    {paired(names[4], names[3]):.3f}   (goal <= 1.03)")
 
 
 if __name__ == "__main__":

@@ -99,3 +99,20 @@ def test_the_average_survives_a_kill_and_resume_bitwise(tmp_path):
         assert torch.equal(value, ends[1].state["ema"][key]), key
     rows = [json.loads(line) for line in (tmp_path / "killed" / "runs" / "ema" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "resume"] == [10]
+
+
+def test_a_skipped_step_is_not_averaged_in(tiny_config):
+    from test_guards import NaNOnSteps
+
+    config = tiny_config("train.ema={decay: 0.5}", "train.max_steps=6", "train.max_epochs=null",
+                         "checkpoint.every_steps=1", "checkpoint.keep_last=100", "checkpoint.every_s=0",
+                         "checkpoint.async=false")
+    trainer = tk.Trainer(config, model=NaNOnSteps([4]), progress=False)
+    summary = trainer.fit()
+    assert summary["incidents"] == {"nonfinite": 1}
+    store = CheckpointStore(trainer.run_dir / "checkpoints")
+    states = {step: read_checkpoint(path).state for step, path in store.steps()}
+    assert int(states[6]["ema"]["n_averaged"]) == 5  # six steps, one skipped
+    e3, e4 = averaged_weights(states[3]["ema"]), averaged_weights(states[4]["ema"])
+    for key in e3:
+        assert torch.equal(e3[key], e4[key]), key  # step 4 was skipped: the average did not move

@@ -27,25 +27,34 @@ class TensorBoardLogger:
     """Event files under ``log_dir``: every scalar as ``<kind>/<key>`` (``train/loss``,
     ``val/val_f1``, ``memory/rss_bytes``) at its step, incidents and the config as text.
 
-    ``purge_step``: on resume, events from that step on (written after the checkpoint the run
-    continues from) are dropped, as ``metrics.jsonl`` is truncated.
+    A row's scalars go out as one event (one summary with several values) rather than one event
+    each: building the protocol buffers is what costs, on the training thread. ``purge_step``:
+    on resume, the events from that step on (written after the checkpoint the run continues
+    from) are dropped by TensorBoard's reader, as ``metrics.jsonl`` is truncated.
     """
 
     def __init__(self, log_dir: str | Path, *, config_text: str | None = None, purge_step: int | None = None) -> None:
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from torch.utils.tensorboard.summary import text
+            from torch.utils.tensorboard.writer import FileWriter
         except ImportError:
             raise MissingExtraError("tensorboard", "tensorboard", "logging.tensorboard") from None
-        self.writer = SummaryWriter(str(log_dir), purge_step=purge_step or None)
-        if config_text is not None and not purge_step:
-            self.writer.add_text("config", f"```\n{config_text}\n```", 0)
+        self._summary, self._text = Summary, text
+        self.writer = FileWriter(str(log_dir))
+        if purge_step:
+            self.writer.add_event(Event(step=purge_step, file_version="brain.Event:2"))
+            self.writer.add_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+        elif config_text is not None:
+            self.writer.add_summary(text("config", f"```\n{config_text}\n```"), 0)
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
-        for tag, value in values.items():
-            self.writer.add_scalar(tag, value, step)
+        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=value) for tag, value in values.items()])
+        self.writer.add_summary(summary, step)
 
     def log_incident(self, row: dict[str, Any]) -> None:
-        self.writer.add_text("incidents", f"{row['kind']}: {row['message']}", row["step"])
+        self.writer.add_summary(self._text("incidents", f"{row['kind']}: {row['message']}"), row["step"])
 
     def close(self) -> None:
         self.writer.close()
