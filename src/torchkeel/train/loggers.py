@@ -8,6 +8,7 @@ logs.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -15,6 +16,7 @@ from torchkeel.config.imports import build_target
 from torchkeel.errors import ConfigError, MissingExtraError
 
 _NOT_SCALARS = {"kind", "step", "epoch", "wall_s", "time"}
+FLUSH_ROWS, FLUSH_S = 100, 30.0
 
 
 class Logger(Protocol):
@@ -43,6 +45,8 @@ class TensorBoardLogger:
             raise MissingExtraError("tensorboard", "tensorboard", "logging.tensorboard") from None
         self._summary, self._text = Summary, text
         self.writer = FileWriter(str(log_dir))
+        self.pending: list[tuple[Any, int]] = []
+        self.flushed_at = time.monotonic()
         if purge_step:
             self.writer.add_event(Event(step=purge_step, file_version="brain.Event:2"))
             self.writer.add_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
@@ -51,12 +55,24 @@ class TensorBoardLogger:
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
         summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=value) for tag, value in values.items()])
-        self.writer.add_summary(summary, step)
+        self.pending.append((summary, step))
+        # Handed to the writer thread in bursts (its checksums are pure Python and hold the GIL):
+        # at a validation row, every FLUSH_ROWS rows, every FLUSH_S seconds, and at close.
+        if any(tag.startswith("val/") for tag in values) or len(self.pending) >= FLUSH_ROWS or \
+                time.monotonic() - self.flushed_at >= FLUSH_S:
+            self.flush()
 
     def log_incident(self, row: dict[str, Any]) -> None:
-        self.writer.add_summary(self._text("incidents", f"{row['kind']}: {row['message']}"), row["step"])
+        self.pending.append((self._text("incidents", f"{row['kind']}: {row['message']}"), row["step"]))
+
+    def flush(self) -> None:
+        for summary, step in self.pending:
+            self.writer.add_summary(summary, step)
+        self.pending.clear()
+        self.flushed_at = time.monotonic()
 
     def close(self) -> None:
+        self.flush()
         self.writer.close()
 
 
