@@ -93,3 +93,14 @@ def test_compile_settings_and_the_boolean_short_form(tiny_config):
     assert (c.mode, c.dynamic, c.fullgraph) == ("max-autotune", False, False)
     with pytest.raises(ConfigError, match="compile.mode"):
         tiny_config("compile={enabled: true, mode: fastest}")
+
+
+def test_a_fallback_is_reported_not_warned_when_a_reporter_is_given():
+    events = []
+    model = nn.Linear(4, 2)
+    wrapped = tk.CompiledOrEager(model, backend=failing_backend, report=lambda kind, message, details:
+                                 events.append((kind, message, details)))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(wrapped(x), model(x))
+    (kind, message, details), = [e for e in events if e[0] == "compile"]
+    assert "backend exploded" in message and details == {"fallback": "eager", "error": "BackendCompilerFailed"}
