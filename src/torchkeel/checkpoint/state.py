@@ -3,8 +3,10 @@ scaler, every RNG, and the caller's progress counters."""
 
 from __future__ import annotations
 
+import contextlib
+
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -32,6 +34,21 @@ def restore_rng(state: Mapping[str, Any]) -> None:
     if state["cuda"] and torch.cuda.is_available():
         for device, rng in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(rng, device)
+
+
+@contextlib.contextmanager
+def leaving_no_trace(module: torch.nn.Module) -> Iterator[None]:
+    """Run extra forward passes of ``module`` (a replay, a trace) without changing what comes
+    after: the RNG states and the module's buffers (batch-norm statistics) are restored on exit."""
+    rng = capture_rng()
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        restore_rng(rng)
 
 
 def capture_training_state(

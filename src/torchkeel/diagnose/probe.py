@@ -396,21 +396,14 @@ class Probe:
     def _replay_for_op(self, module: torch.nn.Module, args: Any) -> dict[str, Any] | None:
         """Run the module again on the same input under an op tracer, leaving no trace, to name the
         first op inside it whose output went non-finite from finite inputs."""
-        from torchkeel.checkpoint.state import capture_rng, restore_rng
+        from torchkeel.checkpoint.state import leaving_no_trace
 
-        rng = capture_rng()
-        buffers = [(b, b.detach().clone()) for b in module.buffers()]
         tracer = FirstNonfiniteOp()
         try:
-            with torch.no_grad(), tracer:
+            with leaving_no_trace(module), torch.no_grad(), tracer:
                 module(*args) if isinstance(args, tuple) else module(args)
         except Exception:  # noqa: BLE001 - a replay that fails names nothing
             pass
-        finally:
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
-            restore_rng(rng)
         return tracer.found
 
     # ---------------------------------------------------------------- ops outside modules

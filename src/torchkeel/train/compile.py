@@ -30,14 +30,12 @@ def explain_breaks(module: torch.nn.Module, *args: Any, **kwargs: Any) -> list[d
     Runs ``torch._dynamo.explain`` once and leaves no trace: RNG states and buffers (batch-norm
     statistics) are restored, and dynamo's caches are reset afterwards.
     """
-    from torchkeel.checkpoint.state import capture_rng, restore_rng
+    from torchkeel.checkpoint.state import leaving_no_trace
     from torchkeel.diagnose.sites import display_path, is_user_file
 
-    rng = capture_rng()
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
     breaks: list[dict[str, Any]] = []
     try:
-        with torch.no_grad():
+        with leaving_no_trace(module), torch.no_grad():
             report = torch._dynamo.explain(module)(*args, **kwargs)
         for reason in report.break_reasons:
             frames = [f for f in (reason.user_stack or []) if is_user_file(f.filename)]
@@ -47,10 +45,6 @@ def explain_breaks(module: torch.nn.Module, *args: Any, **kwargs: Any) -> list[d
     except Exception as exc:  # noqa: BLE001 - a model dynamo cannot trace at all
         breaks.append({"reason": f"{type(exc).__name__}: {_message(exc)}", "file": None, "line": None})
     finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        restore_rng(rng)
         torch._dynamo.reset()
     return breaks
 
