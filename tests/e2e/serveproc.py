@@ -20,7 +20,7 @@ from keelproc import keel_env
 from torchkeel.export import export_run
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # read-only: shared by the serving test modules
 def exported(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve")
     trainer = train_tiny(out, 30)
@@ -29,18 +29,46 @@ def exported(tmp_path_factory):
     return out / "export", eager
 
 
+@pytest.fixture(scope="session")
+def image_exported(tmp_path_factory):
+    """A small CNN trained on encoded images through ``data.preprocess``, exported: (dir, eager, config)."""
+    from imagedata import image_run_overrides
+
+    out = tmp_path_factory.mktemp("serve-images")
+    trainer = train_tiny(out, 12, *image_run_overrides(), "name=colours")
+    export_run(out / "colours", "torchscript", out / "export")
+    return out / "export", trainer.model.eval(), trainer.config
+
+
+def metric(server: "Server", name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` with ``labels`` in the server's /metrics."""
+    text = server.request("GET", "/metrics")[1].decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def eager_rows(eager, inputs: np.ndarray) -> np.ndarray:
     with torch.inference_mode():
         return eager(torch.from_numpy(inputs)).numpy()
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Server:
-    def __init__(self, export_dir: Path, *args: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+    def __init__(self, export_dir: Path | list[Path], *args: str, grpc: bool = False) -> None:
+        self.port = free_port()
+        self.grpc_port = free_port() if grpc else 0
+        dirs = [str(d) for d in (export_dir if isinstance(export_dir, list) else [export_dir])]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torchkeel.cli.main", "serve", str(export_dir), "--port", str(self.port), *args],
+            [sys.executable, "-m", "torchkeel.cli.main", "serve", *dirs, "--port", str(self.port),
+             "--grpc-port", str(self.grpc_port), *args],
             env=keel_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         deadline = time.monotonic() + 60
@@ -54,6 +82,10 @@ class Server:
                 raise RuntimeError(self.proc.stderr.read())
             time.sleep(0.1)
         raise RuntimeError("server did not become ready")
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
 
     @property
     def url(self) -> str:
@@ -77,5 +109,5 @@ class Server:
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        self.proc.communicate(timeout=60)
+        self.stdout, self.stderr = self.proc.communicate(timeout=60)
         return self.proc.returncode

@@ -93,8 +93,12 @@ def test_demo_reaches_95_percent_and_runs_again(tmp_path):
     assert summary["status"] == "completed" and summary["val_accuracy"] >= 0.95
     assert "validation accuracy" in result.stdout
     assert "export: parity passed" in result.stdout
-    served = [line for line in result.stdout.splitlines() if line.startswith("served prediction")]
-    assert len(served) == 1 and "KServe v1): digit " in served[0]
+    served = [line for line in result.stdout.splitlines() if line.startswith("served ")]
+    png = tmp_path / "runs" / "demo" / "digit.png"
+    assert len(served) == 1 and served[0].startswith(f"served {png} ") and "KServe v1 image_bytes): digit " in served[0]
+    digit, truth = served[0].split("): digit ")[1].split(" (score")[0], served[0].rsplit("true label ", 1)[1]
+    assert digit == truth  # the demo's model reads the PNG of the first validation digit right
+    assert png.read_bytes().startswith(b"\x89PNG")
     assert (tmp_path / "runs" / "demo" / "export-torchscript" / "model.json").is_file()
     assert result.stdout.strip().endswith(f"report: {tmp_path / 'runs' / 'demo' / 'report.html'}")
     assert (tmp_path / "runs" / "demo" / "loss.png").is_file()
@@ -204,3 +208,19 @@ def test_a_failing_overwrite_rerun_puts_the_previous_run_back(cfg, tmp_path):
               cwd=tmp_path)
     assert ok.returncode == 0 and not (tmp_path / "runs" / ".tiny.previous").exists()
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
+
+
+def test_serve_usage_errors_exit_2_with_one_line(tmp_path):
+    import socket
+
+    missing = keel("serve", str(tmp_path / "nope"), "--grpc-port", "0", cwd=tmp_path)
+    assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0
+    assert "no model could be loaded" in missing.stderr and "not a directory" in missing.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = keel("serve", str(tmp_path), "--port", "0", "--grpc-port", str(port), cwd=tmp_path)
+    assert busy.returncode == 2 and f"--grpc-port {port}: cannot listen on 127.0.0.1:{port}" in busy.stderr
+    flags = keel("export", str(tmp_path), "--format", "onnx", "--resize", "224", cwd=tmp_path)
+    assert flags.returncode == 2 and "--resize need --image-mode RGB or L" in flags.stderr

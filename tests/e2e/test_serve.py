@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tritonclient.http as tritonhttp
-from serveproc import Server, eager_rows, exported  # noqa: F401 - exported is a fixture
+from serveproc import Server, eager_rows, exported, metric  # noqa: F401 - exported is a fixture
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +90,6 @@ def test_64_concurrent_clients_each_get_their_own_answer(server, exported):
             np.testing.assert_allclose(got, eager_rows(exported[1], x), atol=1e-5)
     executions = metric(server, "nv_inference_exec_count") - before
     assert executions < 64 * 5  # requests were batched together
-
-
-def metric(server: Server, name: str, **labels: str) -> float:
-    text = server.request("GET", "/metrics")[1].decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def v2(data, shape=(1, 32), datatype="FP32", name="input", **extra):
@@ -221,26 +212,39 @@ def test_overload_gives_503_and_memory_settles(exported):
         assert srv.stop() == 0
 
 
-def test_sigterm_answers_everything_in_flight(exported):
-    srv = Server(exported[0], "--max-queue-delay-ms", "2000")
+def test_sigterm_answers_everything_in_flight_over_rest_and_grpc(exported):
+    import tritonclient.grpc as tritongrpc
+
+    srv = Server(exported[0], "--max-queue-delay-ms", "2000", grpc=True)
     statuses: list[int] = []
+    answers: list[np.ndarray] = []
+    x = np.random.default_rng(3).normal(size=(1, 32)).astype(np.float32)
 
     def client() -> None:
         statuses.append(srv.request("POST", "/v2/models/tiny/infer", v2(GOOD))[0])
 
-    threads = [threading.Thread(target=client) for _ in range(16)]
+    def grpc_client() -> None:
+        channel = tritongrpc.InferenceServerClient(srv.grpc_url)
+        tensor = tritongrpc.InferInput("input", [1, 32], "FP32")
+        tensor.set_data_from_numpy(x)
+        answers.append(channel.infer("tiny", [tensor], client_timeout=60).as_numpy("output"))
+        channel.close()
+
+    threads = [threading.Thread(target=client) for _ in range(16)] + [threading.Thread(target=grpc_client) for _ in range(8)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
     # Wait until the requests are in the server, queued for a batch that waits up to 2 s to fill.
-    while metric(srv, "nv_inference_pending_request_count") < 8 and time.monotonic() < deadline:
+    while metric(srv, "nv_inference_pending_request_count") < 16 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert metric(srv, "nv_inference_pending_request_count") >= 8
+    assert metric(srv, "nv_inference_pending_request_count") >= 16
     srv.proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(timeout=60)
     assert srv.stop() == 0
-    assert statuses == [200] * 16
+    assert statuses == [200] * 16 and len(answers) == 8
+    for answer in answers:
+        np.testing.assert_allclose(answer, eager_rows(exported[1], x), atol=1e-5)
 
 
 def test_dashboard_and_alerts_use_metrics_the_server_exposes(server):
@@ -258,8 +262,13 @@ def test_dashboard_and_alerts_use_metrics_the_server_exposes(server):
     used = {name for e in exprs for name in re.findall(r"\b(nv_[a-z_]+|torchkeel_[a-z_]+)\b", e)}
     assert len(used) >= 10 and used - exposed == set()
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
-    for topic in ("throughput", "latency", "batch size", "queue", "drift"):
+    for topic in ("throughput", "latency", "batch size", "queue", "drift", "protocol"):
         assert topic in titles
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert "label_values(nv_inference_request_success, model)" in variables["model"]["query"]
+    assert "version" in variables["version"]["query"] and variables["model"]["multi"]
+    panel_exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert all('model=~"$model",version=~"$version"' in e for e in panel_exprs)  # every panel follows the selectors
 
 
 def test_metrics_parse_with_prometheus_own_parser_and_every_family_is_typed(server):

@@ -1,6 +1,7 @@
 """A live ``keel serve`` under generated HTTP traffic: random methods, paths, headers and bodies
-(valid, mutated, truncated, deeply nested, oversized). Every answer is below 500, no connection
-is reset, nothing hangs, and afterwards the server still answers correctly.
+(valid, mutated, truncated, deeply nested, oversized), and for its image model encoded images that
+are valid, corrupted, truncated, of formats it does not take, or decompression bombs. Every answer
+is below 500, no connection is reset, nothing hangs, and afterwards the server still answers correctly.
 
 500 requests in the default suite, 5,000 behind the ``slow`` marker.
 """
@@ -14,10 +15,12 @@ import random
 import numpy as np
 import pytest
 
-from serveproc import Server, eager_rows, exported  # noqa: F401 - exported is a fixture
+from imagedata import encode, image_pixels
+from serveproc import Server, eager_rows, exported, image_exported  # noqa: F401 - fixtures
 
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
 INFER = ["/v2/models/tiny/infer", "/v2/models/tiny/versions/1/infer", "/v1/models/tiny:predict"]
+IMAGE_INFER = ["/v1/models/colours:predict", "/v2/models/colours/infer"]
 PATHS = [
     *INFER, "/v2/models/tiny",
     "/v2/models/tiny/ready", "/v2/health/live", "/v2/health/ready", "/v2", "/metrics", "/v1/models/tiny",
@@ -40,6 +43,51 @@ def valid_body(rng: random.Random, path: str) -> tuple[bytes, dict[str, str]]:
         length = rng.choice([len(header), len(header), rng.randint(-5, len(header) + rows.nbytes + 5), "x"])
         return header + rows.tobytes(), {"Inference-Header-Content-Length": str(length)}
     return json.dumps({"inputs": [{**tensor, "data": rows.reshape(-1).tolist()}], "id": "r"}).encode(), {}
+
+
+def _image_bytes(rng: random.Random) -> bytes:
+    """An encoded image, often broken: corrupted, truncated, another format, a bomb, or noise."""
+    kind = rng.randrange(7)
+    pixels = image_pixels(rng.randrange(3), rng.randrange(2**31), (rng.randint(8, 48), rng.randint(8, 48)))
+    data = encode(pixels, rng.choice(["PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF"]))
+    if kind == 0:
+        return data[: rng.randrange(len(data))]
+    if kind == 1:
+        flipped = bytearray(data)
+        for _ in range(rng.randint(1, 20)):
+            flipped[rng.randrange(len(flipped))] = rng.randrange(256)
+        return bytes(flipped)
+    if kind == 2:
+        return encode(pixels, rng.choice(["ICO", "PPM", "TGA", "PCX"]))
+    if kind == 3:
+        from PIL import Image
+        import io
+
+        buffer = io.BytesIO()
+        Image.new("L", (rng.randint(6400, 9000), rng.randint(6400, 9000))).save(buffer, "PNG")
+        return buffer.getvalue()
+    if kind == 4:
+        return bytes(rng.randrange(256) for _ in range(rng.randint(0, 300)))
+    return data
+
+
+def valid_image_body(rng: random.Random, path: str) -> tuple[bytes, dict[str, str]]:
+    import base64
+
+    blobs = [_image_bytes(rng) for _ in range(rng.randint(1, 3))]
+    texts = [base64.b64encode(b).decode() for b in blobs]
+    if rng.random() < 0.1:
+        texts[0] = rng.choice(["***", "", "QUJD=", texts[0][:-3]])
+    if "/v1/" in path:
+        return json.dumps({"instances": [{"image_bytes": {"b64": t}} for t in texts]}).encode(), {}
+    if rng.random() < 0.5:
+        raw = b"".join(len(b).to_bytes(4, "little") + b for b in blobs)
+        if rng.random() < 0.2:
+            raw = raw[: rng.randrange(len(raw) + 1)]
+        header = json.dumps({"inputs": [{"name": "image", "shape": [len(blobs)], "datatype": "BYTES",
+                                         "parameters": {"binary_data_size": len(raw)}}]}).encode()
+        return header + raw, {"Inference-Header-Content-Length": str(len(header))}
+    return json.dumps({"inputs": [{"name": "image", "shape": [len(blobs)], "datatype": "BYTES", "data": texts}]}).encode(), {}
 
 
 def mutate(rng: random.Random, body: bytes) -> bytes:
@@ -65,15 +113,20 @@ def mutate(rng: random.Random, body: bytes) -> bytes:
     return body
 
 
-def fuzz(server: Server, exported_dir, eager, count: int, seed: int) -> dict[int, int]:
+def fuzz(server: Server, exported_dir, eager, count: int, seed: int) -> tuple[dict[int, int], dict[int, int]]:
+    """Statuses of all requests, and of those that carried images."""
     rng = random.Random(seed)
     statuses: dict[int, int] = {}
+    image_statuses: dict[int, int] = {}
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=20)
     for i in range(count):
         # Most requests are inferences (where the parsing is); the rest go anywhere.
-        method, path = ("POST", rng.choice(INFER)) if rng.random() < 0.75 else (rng.choice(METHODS), rng.choice(PATHS))
-        body, headers = valid_body(rng, path)
-        if rng.random() < 0.7:
+        method, path = ("POST", rng.choice(INFER)) if rng.random() < 0.6 else (rng.choice(METHODS), rng.choice(PATHS))
+        if rng.random() < 0.2:
+            method, path = "POST", rng.choice(IMAGE_INFER)
+        image = path in IMAGE_INFER
+        body, headers = valid_image_body(rng, path) if image else valid_body(rng, path)
+        if rng.random() < (0.2 if image else 0.7):
             body = mutate(rng, body)
         if rng.random() < 0.2:
             headers["Content-Type"] = rng.choice(["text/plain", "application/octet-stream", "\u00ff/\u00ff"])
@@ -87,6 +140,8 @@ def fuzz(server: Server, exported_dir, eager, count: int, seed: int) -> dict[int
         if response.status >= 400 and method != "HEAD":
             assert json.loads(payload)["error"], payload
         statuses[response.status] = statuses.get(response.status, 0) + 1
+        if image:
+            image_statuses[response.status] = image_statuses.get(response.status, 0) + 1
         if response.getheader("Connection", "").lower() == "close":
             conn.close()
             conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=20)
@@ -95,22 +150,23 @@ def fuzz(server: Server, exported_dir, eager, count: int, seed: int) -> dict[int
     status, payload, _ = server.request("POST", "/v1/models/tiny:predict", json.dumps({"instances": rows.tolist()}))
     assert status == 200
     np.testing.assert_allclose(np.asarray(json.loads(payload)["predictions"]), eager_rows(eager, rows), atol=1e-5)
-    return statuses
+    return statuses, image_statuses
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(exported):
-    srv = Server(exported[0], "--max-body-mb", "1")
+def fuzz_server(exported, image_exported):
+    srv = Server([exported[0], image_exported[0]], "--max-body-mb", "1")
     yield srv
     assert srv.stop() == 0
 
 
 def test_live_fuzz_500_requests(fuzz_server, exported):
-    statuses = fuzz(fuzz_server, *exported, count=500, seed=1)
+    statuses, images = fuzz(fuzz_server, *exported, count=500, seed=1)
     assert sum(statuses.values()) == 500 and statuses.get(200, 0) > 20 and 413 in statuses and 400 in statuses
+    assert images.get(200, 0) >= 5 and images.get(400, 0) >= 20
 
 
 @pytest.mark.slow
 def test_live_fuzz_5000_requests(fuzz_server, exported):
-    statuses = fuzz(fuzz_server, *exported, count=5000, seed=2)
+    statuses, _ = fuzz(fuzz_server, *exported, count=5000, seed=2)
     assert sum(statuses.values()) == 5000

@@ -123,6 +123,48 @@ def test_batcher_stacks_concurrent_requests_and_splits_answers():
     assert sum(batches) == 20 and max(batches) == 8 and len(batches) <= 4
 
 
+def test_threads_submit_into_the_same_batches_as_the_event_loop():
+    """gRPC's handler threads and REST's coroutines share one queue: each gets its own rows."""
+    import threading
+
+    batches = []
+    release = threading.Event()
+
+    def model(x):
+        release.wait(5)  # the first forward holds the model while both sides queue up
+        batches.append(len(x))
+        return x * 3
+
+    async def main():
+        batcher = DynamicBatcher(model, max_batch_size=64, inline_max_ms=0)
+        await batcher.start()
+        loop_inputs = [np.full((1, 2), i, dtype=np.float32) for i in range(8)]
+        thread_inputs = [np.full((2, 2), 100 + i, dtype=np.float32) for i in range(8)]
+        first = asyncio.ensure_future(batcher.submit(np.zeros((1, 2), np.float32)))
+        await asyncio.sleep(0.05)
+        futures = []
+        threads = [threading.Thread(target=lambda x=x: futures.append((x, batcher.submit_threadsafe(x))))
+                   for x in thread_inputs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        pending = [asyncio.ensure_future(batcher.submit(x)) for x in loop_inputs]
+        await asyncio.sleep(0.05)
+        assert batcher.pending == 17
+        release.set()
+        await first
+        answers = await asyncio.gather(*pending)
+        from_threads = [(x, await asyncio.wrap_future(f)) for x, f in futures]
+        await batcher.stop()
+        return loop_inputs, answers, from_threads
+
+    loop_inputs, answers, from_threads = run(main())
+    assert all(np.array_equal(a, x * 3) for x, a in zip(loop_inputs, answers))
+    assert all(np.array_equal(a, x * 3) for x, a in from_threads)
+    assert batches == [1, 24]  # the 8 thread requests (2 rows each) and the 8 loop requests: one batch
+
+
 def test_a_lone_request_is_not_kept_waiting():
     async def main():
         # A batcher that waited for the batch to fill would sit out the whole hour.

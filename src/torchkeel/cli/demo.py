@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
         return exit_code(summary)
     served = export_and_serve_one(summary["run_dir"])
     print(f"export: {describe(served['parity'])} -> {served['export_dir']}")
-    print(f"served prediction ({served['url']}, KServe v1): digit {served['predicted']} "
+    print(f"served {served['png']} ({served['url']}, KServe v1 image_bytes): digit {served['predicted']} "
           f"(score {served['score']:.3f}); true label {served['label']}")
     print(f"serve it yourself: keel serve {served['export_dir']}")
     print(f"report: {build_report(summary['run_dir']).path}")

@@ -6,6 +6,7 @@ names the key to change. Loading from YAML and overrides lives in ``torchkeel.co
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
@@ -27,6 +28,27 @@ class ModelConfig:
     """Load weights only (fine-tuning) from a torchkeel checkpoint, ``.safetensors`` or ``.pt``/``.pth``."""
     init_strict: bool = True
     """With ``init_from``: every key must match; false loads the matching weights and reports the rest."""
+
+
+@dataclass
+class PreprocessConfig:
+    mode: Optional[Literal["RGB", "L"]] = None
+    """Decode each sample's input as an image in this mode (``null``: no image preprocessing).
+    The input is the first item of a tuple sample or the ``input`` key of a dict sample: encoded
+    bytes, a file path, a PIL image or a uint8 array. ``keel export`` records these keys in
+    ``model.json`` and ``keel serve`` applies the same code to the images it receives."""
+    resize: Union[int, list[int], None] = None
+    """An int scales the shorter side to it; ``[height, width]`` resizes to that size (``null``: no resize)."""
+    crop: Union[int, list[int], None] = None
+    """A centre crop of ``size`` or ``[height, width]`` after the resize (``null``: no crop)."""
+    interpolation: Literal["nearest", "bilinear", "bicubic"] = "bilinear"
+    """The resize filter (Pillow's, antialiased, as torchvision's ``Resize`` uses on images)."""
+    scale: float = 1 / 255
+    """Pixel values are multiplied by this first (1/255: [0, 1], as ``ToTensor``)."""
+    mean: list[float] = field(default_factory=list)
+    """Subtracted per channel after scaling (empty: nothing)."""
+    std: list[float] = field(default_factory=list)
+    """Divided by per channel after the mean (empty: nothing)."""
 
 
 @dataclass
@@ -80,6 +102,8 @@ class DataConfig:
     (fail to read, decode or transform); below it they are skipped and recorded as incidents."""
     shuffle: bool = True
     """Shuffle the training set each epoch (the order depends only on ``seed`` and the epoch)."""
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    """Image decoding and normalization of each sample's input, recorded in the export for serving."""
 
 
 @dataclass
@@ -348,6 +372,12 @@ class KeelConfig:
         _positive("data.prefetch_factor", d.prefetch_factor)
         _positive("data.bucket_window", d.bucket_window)
         _at_least("data.shuffle_buffer", d.shuffle_buffer, 0)
+        if d.preprocess.mode is not None:
+            from torchkeel.data.images import ImagePreprocess  # torch and numpy: only when asked for
+
+            ImagePreprocess.from_spec(dataclasses.asdict(d.preprocess), "data.preprocess")
+        elif d.preprocess != PreprocessConfig():
+            raise ConfigError("data.preprocess is set but data.preprocess.mode is null; set mode: RGB or L")
         if not 0 <= d.max_bad_fraction <= 1:
             raise ConfigError(f"data.max_bad_fraction must be in [0, 1], got {d.max_bad_fraction}")
         if d.format == "map" and d.train is not None:

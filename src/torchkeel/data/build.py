@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,7 +90,7 @@ def loader_factory(
 ) -> LoaderFactory:
     """``make(data, num_workers, train=True)``: a loader for a dataset or source with the config's settings."""
     collate = build_collate(cfg.collate, cfg.pad_value) if cfg.collate != "default" else None
-    transform = resolve_target(cfg.transform, "data.transform") if cfg.transform else None
+    transform = sample_transform(cfg)
     batch_transform = resolve_target(cfg.batch_transform, "data.batch_transform") if cfg.batch_transform else None
 
     def make(data: Any, num_workers: int, *, train: bool = True) -> Loader:
@@ -148,6 +149,43 @@ def build_loaders(
     return Loaders(train, val, tuning)
 
 
+def sample_transform(cfg: DataConfig) -> Callable[[Any], Any] | None:
+    """What each sample goes through: ``data.preprocess`` on its input, then ``data.transform``."""
+    transform = resolve_target(cfg.transform, "data.transform") if cfg.transform else None
+    if cfg.preprocess.mode is None:
+        return transform
+    from torchkeel.data.images import ImagePreprocess
+
+    return PreprocessInput(ImagePreprocess.from_spec(dataclasses.asdict(cfg.preprocess), "data.preprocess"), transform)
+
+
+def transformed_datasets(cfg: DataConfig) -> tuple[Any, Any]:
+    """The map-style datasets of the config, each sample as the training loader sees it."""
+    train, val = build_datasets(cfg)
+    transform = sample_transform(cfg)
+    if transform is None:
+        return train, val
+    return _Transformed(train, transform), (_Transformed(val, transform) if val is not None else None)
+
+
+class PreprocessInput:
+    """Applies an image preprocess to a sample's input (a tuple's first item, a dict's ``input``)."""
+
+    def __init__(self, preprocess: Callable[[Any], Any], then: Callable[[Any], Any] | None = None) -> None:
+        self.preprocess, self.then = preprocess, then
+
+    def __call__(self, sample: Any) -> Any:
+        if isinstance(sample, dict):
+            if "input" not in sample:
+                raise KeyError(f"data.preprocess needs an 'input' key in dict samples; this one has {sorted(sample)}")
+            sample = {**sample, "input": self.preprocess(sample["input"])}
+        elif isinstance(sample, (tuple, list)):
+            sample = (self.preprocess(sample[0]), *sample[1:])
+        else:
+            sample = self.preprocess(sample)
+        return self.then(sample) if self.then is not None else sample
+
+
 class _Transformed(torch.utils.data.Dataset):
     """A map-style dataset with ``data.transform`` applied to each item."""
 
@@ -165,7 +203,8 @@ def data_fingerprint(data: Any, cfg: DataConfig, batch_size: int) -> str:
     """Identifies the data and batch settings for the worker-count cache."""
     what = data.fingerprint() if is_source(data) else [
         f"{type(data).__module__}.{type(data).__qualname__}", len(data), cfg.target, cfg.args]
-    return json.dumps([what, batch_size, cfg.collate, cfg.transform, cfg.batch_transform, cfg.prefetch_factor],
+    return json.dumps([what, batch_size, cfg.collate, cfg.transform, cfg.batch_transform, cfg.prefetch_factor,
+                       dataclasses.asdict(cfg.preprocess)],
                       default=str, sort_keys=True)
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ from torchkeel.export.formats import FILENAMES, export_model, load_exported
 from torchkeel.export.parity import check_parity, describe
 from torchkeel.export.stats import reference_stats, sample_inputs
 from torchkeel.io import write_json_atomic
-from torchkeel.data.build import build_datasets
+from torchkeel.config.schema import DataConfig
+from torchkeel.data.build import transformed_datasets
+from torchkeel.data.images import ImagePreprocess
 from torchkeel.train.build import build_model
 
 DATATYPES = {
@@ -34,13 +37,21 @@ def export_run(
     fmt: str,
     out_dir: str | Path | None = None,
     batch_sizes: Sequence[int] = (1, 8),
+    preprocess: Mapping[str, Any] | None = None,
+    labels: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Export the model of a run directory (its newest valid checkpoint) or of a checkpoint.
 
     Writes ``<out_dir>/model.pt|model.pt2|model.onnx`` and ``model.json`` (default out_dir:
     ``<run_dir>/export-<fmt>``) and returns the ``model.json`` content.
 
+    ``preprocess`` (an image preprocess spec, see ``torchkeel.data.images``) is what the server
+    applies to encoded images; by default it is the run's ``data.preprocess``, if set. ``labels``
+    name the output classes (default: the training dataset's ``classes``).
+
     Raises:
+        ConfigError: ``preprocess`` is invalid or gives a shape the model does not take, or
+            ``labels`` do not match the outputs.
         ParityError: the exported model differs from the eager one (``model.json`` is still
             written, with ``parity.passed: false``, so the report can be read).
     """
@@ -54,7 +65,7 @@ def export_run(
     which = "ema" if ema is not None else "model"
     load_model_weights(model, weights, strict=True, source=f"checkpoint '{checkpoint.path}' ({which} weights)")
     model = model.float().eval()
-    train_set, val_set = build_datasets(config.data)
+    train_set, val_set = transformed_datasets(config.data)
     samples = sample_inputs(val_set if val_set is not None else train_set, limit=max(max(batch_sizes), 8)).float()
     out = Path(out_dir) if out_dir is not None else run_dir / f"export-{fmt}"
     out.mkdir(parents=True, exist_ok=True)
@@ -63,13 +74,16 @@ def export_run(
     parity = check_parity(model, load_exported(fmt, artifact), samples, sorted(set(batch_sizes)))
     with torch.inference_mode():
         output = model(samples[:1])
+    spec = _preprocess(preprocess, config.data, list(samples.shape[1:]))
+    names = _labels(train_set, output) if labels is None else _given_labels(labels, output)
     meta = {
         "name": config.name,
         "format": fmt,
         "file": artifact.name,
         "inputs": [{"name": "input", "datatype": DATATYPES[samples.dtype], "shape": [-1, *samples.shape[1:]]}],
         "outputs": [{"name": "output", "datatype": DATATYPES[output.dtype], "shape": [-1, *output.shape[1:]]}],
-        "labels": _labels(train_set, output),
+        "labels": names,
+        **({"preprocess": spec} if spec is not None else {}),
         "max_batch_size": max(batch_sizes),
         "reference": reference_stats(sample_inputs(train_set).float().numpy()),
         "parity": parity,
@@ -110,7 +124,33 @@ def _resolve(source: Path):
     raise ConfigError(f"'{source}' is neither a run directory (with config.yaml) nor a checkpoint directory")
 
 
+def _preprocess(given: Mapping[str, Any] | None, data: DataConfig, input_shape: list[int]) -> dict[str, Any] | None:
+    """The preprocess spec to record (given, else the run's), checked against the model's input."""
+    if given is not None:
+        preprocess, where = ImagePreprocess.from_spec(given, "--preprocess"), "--preprocess"
+    elif data.preprocess.mode is not None:
+        preprocess, where = ImagePreprocess.from_spec(dataclasses.asdict(data.preprocess), "data.preprocess"), "data.preprocess"
+    else:
+        return None
+    shape = preprocess.output_shape
+    if shape is None:
+        raise ConfigError(f"{where} leaves the image size open; give a crop or a resize to [height, width] "
+                          f"so that every image becomes the model's {input_shape}")
+    if shape != input_shape:
+        raise ConfigError(f"{where} makes images of shape {shape}, but the model takes {input_shape}; "
+                          f"change mode, resize or crop")
+    return preprocess.to_spec()
+
+
+def _given_labels(labels: Sequence[str], output: torch.Tensor) -> list[str]:
+    if output.dim() != 2 or len(labels) != output.shape[1]:
+        raise ConfigError(f"--labels gives {len(labels)} labels, but the model has {list(output.shape[1:])} outputs; "
+                          f"give one label per output class")
+    return [str(label) for label in labels]
+
+
 def _labels(dataset: Any, output: torch.Tensor) -> list[str] | None:
+    dataset = getattr(dataset, "dataset", dataset) if not hasattr(dataset, "classes") else dataset
     labels = getattr(dataset, "classes", None)
     if labels is not None and output.dim() == 2 and len(labels) == output.shape[1]:
         return [str(label) for label in labels]

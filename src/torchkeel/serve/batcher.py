@@ -15,6 +15,8 @@ thread, so that the event loop keeps reading and parsing requests during the for
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -48,7 +50,7 @@ class BatchStats:
 @dataclass
 class _Item:
     inputs: np.ndarray
-    future: asyncio.Future
+    future: asyncio.Future | concurrent.futures.Future  # the same done/set_result/set_exception
     enqueued: float
 
 
@@ -81,15 +83,19 @@ class DynamicBatcher:
         self._items: deque[_Item] = deque()
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inbox: deque[_Item] = deque()  # submitted from other threads, moved to the queue on the loop
+        self._inbox_scheduled = threading.Lock()  # held while a move is scheduled: one wake-up per burst
         self.in_flight = 0  # requests taken from the queue, not yet answered
 
     @property
     def pending(self) -> int:
         """Requests queued or being computed."""
-        return len(self._items) + self.in_flight
+        return len(self._items) + len(self._inbox) + self.in_flight
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="torchkeel-batcher")
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._batches(), name="torchkeel-batcher")
 
     async def stop(self) -> None:
         """Answer everything already queued, then stop."""
@@ -138,6 +144,28 @@ class DynamicBatcher:
         self._ready.set()
         return await future
 
+    def submit_threadsafe(self, inputs: np.ndarray) -> concurrent.futures.Future:
+        """From another thread (gRPC's): queue ``inputs`` and return a future of their output rows.
+
+        Requests from threads join the same queue and batches as the event loop's; a burst of
+        them wakes the loop once.
+        """
+        if self._loop is None:
+            raise RuntimeError("start() the batcher first")
+        if len(self._items) + len(self._inbox) >= self.max_queue:
+            raise QueueFull(f"the queue holds {self.max_queue} requests")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.append(_Item(inputs, future, time.perf_counter()))
+        if self._inbox_scheduled.acquire(blocking=False):
+            self._loop.call_soon_threadsafe(self._take_inbox)
+        return future
+
+    def _take_inbox(self) -> None:
+        self._inbox_scheduled.release()  # before emptying it: a later arrival schedules another move
+        while self._inbox:
+            self._items.append(self._inbox.popleft())
+        self._ready.set()
+
     def _is_inline(self) -> bool:
         # The fastest of the recent forwards: robust to a slow first call and to forwards on the
         # worker thread that were stretched by the event loop sharing their core.
@@ -161,7 +189,7 @@ class DynamicBatcher:
         if self.on_batch is not None:
             self.on_batch(stats, batch)
 
-    async def _loop(self) -> None:
+    async def _batches(self) -> None:
         while True:
             await self._wait_for_items(None)
             items: list[_Item] = []

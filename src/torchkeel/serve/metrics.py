@@ -34,67 +34,34 @@ TRITON_COUNTERS = {
 # Triton's failure reasons: queue full or timed out, cancelled, the model failed, anything else
 # (for us: an invalid request).
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
-PROTOCOLS = ("v1", "v2")
+PROTOCOLS = ("v1", "v2", "grpc")
+
+_Key = tuple[str, tuple[tuple[str, str], ...]]
 
 
 class ServerMetrics:
-    """The metrics of one model served by one server."""
+    """The metrics of every model one server serves, in one registry (one family per name)."""
 
-    def __init__(self, model: str, version: str, drift: DriftMonitor | None,
-                 pending: Callable[[], int] = lambda: 0) -> None:
-        self.labels = {"model": model, "version": version}
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._counts: dict[tuple[str, tuple[tuple[str, str], ...]], float] = defaultdict(float)
+        self._counts: dict[_Key, float] = defaultdict(float)
         self._lock = threading.Lock()
-        self.pending = pending  # read at scrape time: requests queued or being computed
-        self.drift = drift
+        self.models: list[ModelMetrics] = []
         self.registry.register(_Collector(self))
-        self.batch_size = Histogram("torchkeel_batch_size", "Samples per model execution", ["model"],
+        self.batch_size = Histogram("torchkeel_batch_size", "Samples per model execution", ["model", "version"],
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=self.registry)
         self.latency = Histogram("torchkeel_request_latency_seconds", "Request latency, received to answered",
-                                 ["model", "protocol"], registry=self.registry,
+                                 ["model", "version", "protocol"], registry=self.registry,
                                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
-        self.in_flight = Gauge("torchkeel_inflight_requests", "Requests being handled", ["model"], registry=self.registry)
+        self.in_flight = Gauge("torchkeel_inflight_requests", "Requests being handled", ["model", "version"],
+                               registry=self.registry)
 
-        # Label children and counter keys, bound once: the request path only adds numbers.
-        self.requests_in_flight = 0
-        self.in_flight.labels(model).set_function(lambda: self.requests_in_flight)
-        self._batch_size = self.batch_size.labels(model)
-        self._latency = {p: self.latency.labels(model, p) for p in PROTOCOLS}
-        self._keys: dict[tuple[str, str | None], tuple[str, tuple[tuple[str, str], ...]]] = {}
-        key = self._key
-        self._success, self._duration = key("nv_inference_request_success"), key("nv_inference_request_duration_us")
-        self._exec, self._count = key("nv_inference_exec_count"), key("nv_inference_count")
-        self._compute, self._queue = key("nv_inference_compute_infer_duration_us"), key("nv_inference_queue_duration_us")
-
-    def request_started(self) -> None:
-        self.requests_in_flight += 1
-
-    def request_done(self, protocol: str, seconds: float, failure: str | None = None) -> None:
-        """One request answered: success or failure (Triton's ``reason``), its duration."""
-        self.requests_in_flight -= 1
-        outcome = self._success if failure is None else self._key("nv_inference_request_failure", failure)
-        with self._lock:
-            self._counts[outcome] += 1
-            self._counts[self._duration] += seconds * 1e6
-        self._latency[protocol].observe(seconds)
-
-    def batch_done(self, batch_size: int, num_requests: int, compute_s: float, queue_s: float) -> None:
-        """One model execution: its samples, requests, compute time and the requests' total queue time."""
-        counts = self._counts
-        with self._lock:
-            counts[self._exec] += 1
-            counts[self._count] += batch_size
-            counts[self._compute] += compute_s * 1e6 * num_requests
-            counts[self._queue] += queue_s * 1e6
-        self._batch_size.observe(batch_size)
-
-    def _key(self, name: str, reason: str | None = None) -> tuple[str, tuple[tuple[str, str], ...]]:
-        key = self._keys.get((name, reason))
-        if key is None:
-            labels = {**self.labels, **({"reason": reason} if reason else {})}
-            key = self._keys[(name, reason)] = (name, tuple(sorted(labels.items())))
-        return key
+    def model(self, name: str, version: str, drift: DriftMonitor | None = None,
+              pending: Callable[[], int] = lambda: 0) -> ModelMetrics:
+        """The metrics of one model (labels ``model`` and ``version``, as Triton's)."""
+        metrics = ModelMetrics(self, name, version, drift, pending)
+        self.models.append(metrics)
+        return metrics
 
     def render(self) -> bytes:
         return self._render_triton_counters().encode() + generate_latest(self.registry)
@@ -106,13 +73,65 @@ class ServerMetrics:
         for name, help_text in TRITON_COUNTERS.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
             label_sets = [{}] if name != "nv_inference_request_failure" else [{"reason": r} for r in FAILURE_REASONS]
-            for extra in label_sets:  # every series exists from the start, at 0
-                counts.setdefault((name, tuple(sorted({**self.labels, **extra}.items()))), 0.0)
+            for model in self.models:  # every series exists from the start, at 0
+                for extra in label_sets:
+                    counts.setdefault((name, tuple(sorted({**model.labels, **extra}.items()))), 0.0)
             for (n, labels), value in sorted(counts.items()):
                 if n == name:
                     text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
                     lines.append(f"{name}{{{text}}} {float(value)!r}")
         return "\n".join(lines) + "\n"
+
+
+class ModelMetrics:
+    """One model's counters and histogram children, bound once: the request path only adds numbers."""
+
+    def __init__(self, server: ServerMetrics, model: str, version: str, drift: DriftMonitor | None,
+                 pending: Callable[[], int]) -> None:
+        self.server = server
+        self.labels = {"model": model, "version": version}
+        self.pending = pending  # read at scrape time: requests queued or being computed
+        self.drift = drift
+        self.requests_in_flight = 0
+        server.in_flight.labels(model, version).set_function(lambda: self.requests_in_flight)
+        self._batch_size = server.batch_size.labels(model, version)
+        self._latency = {p: server.latency.labels(model, version, p) for p in PROTOCOLS}
+        self._keys: dict[tuple[str, str | None], _Key] = {}
+        key = self._key
+        self._success, self._duration = key("nv_inference_request_success"), key("nv_inference_request_duration_us")
+        self._exec, self._count = key("nv_inference_exec_count"), key("nv_inference_count")
+        self._compute, self._queue = key("nv_inference_compute_infer_duration_us"), key("nv_inference_queue_duration_us")
+
+    def request_started(self) -> None:
+        with self.server._lock:  # also called from gRPC's handler threads
+            self.requests_in_flight += 1
+
+    def request_done(self, protocol: str, seconds: float, failure: str | None = None) -> None:
+        """One request answered: success or failure (Triton's ``reason``), its duration."""
+        outcome = self._success if failure is None else self._key("nv_inference_request_failure", failure)
+        with self.server._lock:
+            self.requests_in_flight -= 1
+            counts = self.server._counts
+            counts[outcome] += 1
+            counts[self._duration] += seconds * 1e6
+        self._latency[protocol].observe(seconds)
+
+    def batch_done(self, batch_size: int, num_requests: int, compute_s: float, queue_s: float) -> None:
+        """One model execution: its samples, requests, compute time and the requests' total queue time."""
+        with self.server._lock:
+            counts = self.server._counts
+            counts[self._exec] += 1
+            counts[self._count] += batch_size
+            counts[self._compute] += compute_s * 1e6 * num_requests
+            counts[self._queue] += queue_s * 1e6
+        self._batch_size.observe(batch_size)
+
+    def _key(self, name: str, reason: str | None = None) -> _Key:
+        key = self._keys.get((name, reason))
+        if key is None:
+            labels = {**self.labels, **({"reason": reason} if reason else {})}
+            key = self._keys[(name, reason)] = (name, tuple(sorted(labels.items())))
+        return key
 
 
 def _escape(value: str) -> str:
@@ -124,24 +143,29 @@ class _Collector:
         self.metrics = metrics
 
     def collect(self) -> Any:
-        m = self.metrics
+        models = self.metrics.models
         pending = Metric("nv_inference_pending_request_count", "Instantaneous number of pending requests awaiting execution", "gauge")
-        pending.add_sample("nv_inference_pending_request_count", dict(m.labels), m.pending())
+        for m in models:
+            pending.add_sample("nv_inference_pending_request_count", dict(m.labels), m.pending())
         yield pending
-        if m.drift is not None:
+        drifting = [m for m in models if m.drift is not None]
+        if not drifting:
+            return
+        psi = Metric("torchkeel_input_psi", "Population stability index of recent inputs vs training, per feature", "gauge")
+        outside = Metric("torchkeel_input_out_of_range_ratio", "Share of recent input values outside the training range", "gauge")
+        score = Metric("torchkeel_input_drift_score", "Chi-square drift statistic per feature over its "
+                       "critical value (above 1: drifted)", "gauge")
+        samples = Metric("torchkeel_drift_window_samples", "Samples in the drift window", "gauge")
+        alert = Metric("torchkeel_drift_alert", "1 when the window holds enough samples and any feature's "
+                       "drift score is above 1 (false alarms at most 1e-6 per reading)", "gauge")
+        for m in drifting:
+            assert m.drift is not None
             reading = m.drift.read()
-            psi = Metric("torchkeel_input_psi", "Population stability index of recent inputs vs training, per feature", "gauge")
-            outside = Metric("torchkeel_input_out_of_range_ratio", "Share of recent input values outside the training range", "gauge")
-            for i, (p, o) in enumerate(zip(reading["psi"], reading["out_of_range"])):
-                psi.add_sample("torchkeel_input_psi", {"model": m.labels["model"], "feature": str(i)}, p)
-                outside.add_sample("torchkeel_input_out_of_range_ratio", {"model": m.labels["model"], "feature": str(i)}, o)
-            score = Metric("torchkeel_input_drift_score", "Chi-square drift statistic per feature over its "
-                           "critical value (above 1: drifted)", "gauge")
-            for i, value in enumerate(reading["score"]):
-                score.add_sample("torchkeel_input_drift_score", {"model": m.labels["model"], "feature": str(i)}, value)
-            samples = Metric("torchkeel_drift_window_samples", "Samples in the drift window", "gauge")
-            samples.add_sample("torchkeel_drift_window_samples", {"model": m.labels["model"]}, reading["samples"])
-            alert = Metric("torchkeel_drift_alert", "1 when the window holds enough samples and any feature's "
-                           "drift score is above 1 (false alarms at most 1e-6 per reading)", "gauge")
-            alert.add_sample("torchkeel_drift_alert", {"model": m.labels["model"]}, float(reading["alert"]))
-            yield from (psi, outside, score, samples, alert)
+            for i, (p, o, value) in enumerate(zip(reading["psi"], reading["out_of_range"], reading["score"])):
+                labels = {**m.labels, "feature": str(i)}
+                psi.add_sample("torchkeel_input_psi", labels, p)
+                outside.add_sample("torchkeel_input_out_of_range_ratio", labels, o)
+                score.add_sample("torchkeel_input_drift_score", labels, value)
+            samples.add_sample("torchkeel_drift_window_samples", dict(m.labels), reading["samples"])
+            alert.add_sample("torchkeel_drift_alert", dict(m.labels), float(reading["alert"]))
+        yield from (psi, outside, score, samples, alert)

@@ -10,8 +10,11 @@ declares ``parameters.binary_data_size``, and outputs come back in binary when a
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,10 +25,11 @@ from torchkeel.errors import first_line
 
 DTYPES: dict[str, Any] = {
     "BOOL": np.bool_, "UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
-    "INT64": np.int64, "FP16": np.float16, "FP32": np.float32, "FP64": np.float64, "BF16": None,
+    "INT64": np.int64, "FP16": np.float16, "FP32": np.float32, "FP64": np.float64, "BF16": None, "BYTES": object,
 }
-NUMPY_TO_V2 = {np.dtype(v): k for k, v in DTYPES.items() if v is not None}
+NUMPY_TO_V2 = {np.dtype(v): k for k, v in DTYPES.items() if v not in (None, object)}
 HEADER_LENGTH = "Inference-Header-Content-Length"
+EXTENSIONS = ["binary_tensor_data", "classification"]
 
 
 class ProtocolError(Exception):
@@ -54,11 +58,16 @@ class InferRequest:
     outputs: dict[str, bool] | None  # requested output → binary; None: all outputs, default encoding
     binary_default: bool
     parameters: dict[str, Any] = field(default_factory=dict)
+    classification: dict[str, int] = field(default_factory=dict)  # output → k (Triton's classification extension)
 
 
 def parse_infer(body: bytes, header_length: str | None, inputs: list[TensorSpec], outputs: list[TensorSpec],
-                max_batch_size: int, allow_nonfinite: bool = False) -> InferRequest:
-    """Parse and validate a v2 ``infer`` request against the model's input and output specs."""
+                max_batch_size: int, allow_nonfinite: bool = False, one_of: bool = False) -> InferRequest:
+    """Parse and validate a v2 ``infer`` request against the model's input and output specs.
+
+    ``one_of``: the request gives exactly one of ``inputs`` (an image model takes encoded images
+    or the preprocessed tensor), instead of all of them.
+    """
     if header_length is not None:
         try:
             length = int(header_length)
@@ -77,50 +86,75 @@ def parse_infer(body: bytes, header_length: str | None, inputs: list[TensorSpec]
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise ProtocolError(400, "'inputs' must be a non-empty list of tensors")
-    specs = {s.name: s for s in inputs}
-    arrays: dict[str, np.ndarray] = {}
+    collected = InputSet(inputs, max_batch_size, allow_nonfinite, one_of)
     offset = 0
     for i, raw in enumerate(raw_inputs):
         where = f"inputs[{i}]"
         if not isinstance(raw, dict):
             raise ProtocolError(400, f"{where} must be an object with name, shape, datatype and data")
-        name = raw.get("name")
-        if not isinstance(name, str) or name not in specs:
-            raise ProtocolError(400, f"{where}.name {name!r} is not an input of the model; expected {sorted(specs)}")
-        array, offset = _input_array(raw, where, specs[name], binary, offset, max_batch_size)
-        if not allow_nonfinite and not all_finite(array):
-            bad = int((~np.isfinite(array)).sum())
-            raise ProtocolError(400, f"{where} '{name}' holds {bad} NaN/Inf values; send finite numbers")
-        if name in arrays:
-            raise ProtocolError(400, f"{where}.name {name!r} is given twice; send each input once")
-        arrays[name] = array
+        spec, shape = collected.header(where, raw.get("name"), raw.get("datatype"), raw.get("shape"))
+        array, offset = _input_array(raw, where, spec, shape, binary, offset)
+        collected.add(where, spec, array)
     if offset != len(binary):
         raise ProtocolError(400, f"the body has {len(binary) - offset} bytes after the declared binary inputs")
-    missing = sorted(set(specs) - set(arrays))
-    if missing:
-        raise ProtocolError(400, f"'inputs' lacks {missing}; the model needs {sorted(specs)}")
-    sizes = {a.shape[0] for a in arrays.values()}
-    if len(sizes) > 1:
-        raise ProtocolError(400, f"inputs disagree on the batch size: {sorted(sizes)}")
     binary_default = bool(parameters.get("binary_data_output", False))
-    return InferRequest(request_id, arrays, _requested_outputs(doc.get("outputs"), outputs, binary_default),
-                        binary_default, parameters)
+    requested, classification = _requested_outputs(doc.get("outputs"), outputs, binary_default)
+    return InferRequest(request_id, collected.finish(), requested, binary_default, parameters, classification)
 
 
-def _input_array(raw: dict[str, Any], where: str, spec: TensorSpec, binary: memoryview, offset: int,
-                 max_batch_size: int) -> tuple[np.ndarray, int]:
-    datatype = raw.get("datatype")
-    if datatype != spec.datatype:
-        raise ProtocolError(400, f"{where}.datatype is {datatype!r}; the model's '{spec.name}' takes {spec.datatype}")
-    shape = raw.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise ProtocolError(400, f"{where}.shape must be a list of non-negative integers, got {shape!r}")
-    expected = [str(d) if d >= 0 else "N" for d in spec.shape]
-    if len(shape) != len(spec.shape) or any(d >= 0 and d != s for d, s in zip(spec.shape, shape)):
-        raise ProtocolError(400, f"{where}.shape is {shape}; the model's '{spec.name}' takes [{', '.join(expected)}]")
-    if not 1 <= shape[0] <= max_batch_size:
-        raise ProtocolError(400, f"{where}.shape[0] is {shape[0]}; send between 1 and {max_batch_size} samples")
+class InputSet:
+    """A request's input tensors, checked against the model's specs: the same checks for REST and gRPC."""
+
+    def __init__(self, specs: list[TensorSpec], max_batch_size: int, allow_nonfinite: bool, one_of: bool = False) -> None:
+        self.specs = {s.name: s for s in specs}
+        self.max_batch_size, self.allow_nonfinite, self.one_of = max_batch_size, allow_nonfinite, one_of
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def header(self, where: str, name: Any, datatype: Any, shape: Any) -> tuple[TensorSpec, list[int]]:
+        """The spec of the input ``name`` and its checked shape; a ProtocolError names what is wrong."""
+        if not isinstance(name, str) or name not in self.specs:
+            raise ProtocolError(400, f"{where}.name {name!r} is not an input of the model; expected {sorted(self.specs)}")
+        if name in self.arrays:
+            raise ProtocolError(400, f"{where}.name {name!r} is given twice; send each input once")
+        spec = self.specs[name]
+        if datatype != spec.datatype:
+            raise ProtocolError(400, f"{where}.datatype is {datatype!r}; the model's '{spec.name}' takes {spec.datatype}")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise ProtocolError(400, f"{where}.shape must be a list of non-negative integers, got {shape!r}")
+        expected = [str(d) if d >= 0 else "N" for d in spec.shape]
+        if spec.datatype == "BYTES" and len(shape) == 2 and shape[1] == 1:
+            shape = shape[:1]  # [N, 1] encoded items are N items
+        if len(shape) != len(spec.shape) or any(d >= 0 and d != s for d, s in zip(spec.shape, shape)):
+            raise ProtocolError(400, f"{where}.shape is {shape}; the model's '{spec.name}' takes [{', '.join(expected)}]")
+        if not 1 <= shape[0] <= self.max_batch_size:
+            raise ProtocolError(400, f"{where}.shape[0] is {shape[0]}; send between 1 and {self.max_batch_size} samples")
+        return spec, shape
+
+    def add(self, where: str, spec: TensorSpec, array: np.ndarray) -> None:
+        if not self.allow_nonfinite and not all_finite(array):
+            bad = int((~np.isfinite(array)).sum())
+            raise ProtocolError(400, f"{where} '{spec.name}' holds {bad} NaN/Inf values; send finite numbers")
+        self.arrays[spec.name] = array
+
+    def finish(self) -> dict[str, np.ndarray]:
+        """The arrays by input name, once all are there and agree on the batch size."""
+        if self.one_of:
+            if len(self.arrays) != 1:
+                raise ProtocolError(400, f"send exactly one of the inputs {sorted(self.specs)}, got {sorted(self.arrays)}")
+        else:
+            missing = sorted(set(self.specs) - set(self.arrays))
+            if missing:
+                raise ProtocolError(400, f"'inputs' lacks {missing}; the model needs {sorted(self.specs)}")
+        sizes = {len(a) for a in self.arrays.values()}
+        if len(sizes) > 1:
+            raise ProtocolError(400, f"inputs disagree on the batch size: {sorted(sizes)}")
+        return self.arrays
+
+
+def _input_array(raw: dict[str, Any], where: str, spec: TensorSpec, shape: list[int], binary: memoryview,
+                 offset: int) -> tuple[np.ndarray, int]:
     count = int(np.prod(shape))
+    datatype = spec.datatype
     params = _parameters(raw, f"{where}.parameters")
     if "binary_data_size" in params:
         size = params["binary_data_size"]
@@ -128,19 +162,25 @@ def _input_array(raw: dict[str, Any], where: str, spec: TensorSpec, binary: memo
             raise ProtocolError(400, f"{where}.parameters.binary_data_size {size!r} does not fit the "
                                      f"{len(binary) - offset} binary bytes left")
         chunk = binary[offset: offset + size]
-        array = _from_bytes(chunk, datatype, count, where)
+        array = array_from_bytes(chunk, datatype, count, where)
         return array.reshape(shape), offset + size
     if "data" not in raw:
         raise ProtocolError(400, f"{where} has neither 'data' nor parameters.binary_data_size")
     if datatype == "BF16":
         raise ProtocolError(400, f"{where}: BF16 tensors must be sent as binary data")
-    array = _numbers(raw["data"], DTYPES[datatype], f"{where}.data holds values that are not {datatype}")
+    if datatype == "BYTES":
+        array = _base64_items(raw["data"], where)
+    else:
+        array = _numbers(raw["data"], DTYPES[datatype], f"{where}.data holds values that are not {datatype}")
     if array.size != count:
         raise ProtocolError(400, f"{where}.data has {array.size} values; shape {shape} needs {count}")
     return array.reshape(shape), offset
 
 
-def _from_bytes(chunk: memoryview, datatype: str, count: int, where: str) -> np.ndarray:
+def array_from_bytes(chunk: memoryview | bytes, datatype: str, count: int, where: str) -> np.ndarray:
+    """``count`` values of ``datatype`` from raw bytes (Triton's layout: BYTES items length-prefixed)."""
+    if datatype == "BYTES":
+        return _length_prefixed(memoryview(chunk), count, where)
     if datatype == "BF16":
         if len(chunk) != 2 * count:
             raise ProtocolError(400, f"{where}: {len(chunk)} binary bytes for {count} BF16 values (need {2 * count})")
@@ -152,20 +192,103 @@ def _from_bytes(chunk: memoryview, datatype: str, count: int, where: str) -> np.
     return np.frombuffer(chunk, dtype=dtype).copy()
 
 
-def _requested_outputs(raw: Any, outputs: list[TensorSpec], binary_default: bool) -> dict[str, bool] | None:
+def _length_prefixed(chunk: memoryview, count: int, where: str) -> np.ndarray:
+    items, offset = [], 0
+    for i in range(count):
+        if offset + 4 > len(chunk):
+            raise ProtocolError(400, f"{where}: the binary data ends before BYTES item {i} of {count}")
+        size = int.from_bytes(chunk[offset: offset + 4], "little")
+        if offset + 4 + size > len(chunk):
+            raise ProtocolError(400, f"{where}: BYTES item {i} declares {size} bytes; {len(chunk) - offset - 4} are left")
+        items.append(bytes(chunk[offset + 4: offset + 4 + size]))
+        offset += 4 + size
+    if offset != len(chunk):
+        raise ProtocolError(400, f"{where}: {len(chunk) - offset} bytes after the {count} BYTES items")
+    return _object_array(items)
+
+
+def _base64_items(data: Any, where: str) -> np.ndarray:
+    """JSON ``data`` of a BYTES input: base64 strings (flat or nested), decoded."""
+    flat = data
+    while isinstance(flat, list) and flat and isinstance(flat[0], list):
+        flat = [v for row in flat for v in (row if isinstance(row, list) else [row])]
+    if not isinstance(flat, list):
+        raise ProtocolError(400, f"{where}.data must be a list of base64 strings")
+    items = []
+    for i, item in enumerate(flat):
+        if not isinstance(item, str):
+            raise ProtocolError(400, f"{where}.data[{i}] must be a base64 string, got {type(item).__name__}")
+        items.append(b64decode(item, f"{where}.data[{i}]"))
+    return _object_array(items)
+
+
+def b64decode(text: str, where: str) -> bytes:
+    """Strict base64 (no stray characters), or a 400 naming ``where``."""
+    try:
+        if _STRICT_BASE64:
+            return binascii.a2b_base64(text, strict_mode=True)  # C, one pass
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ProtocolError(400, f"{where} is not valid base64") from None
+
+
+_STRICT_BASE64 = sys.version_info >= (3, 11)
+
+
+def _object_array(items: list[bytes]) -> np.ndarray:
+    array = np.empty(len(items), dtype=object)
+    array[:] = items
+    return array
+
+
+def length_prefixed(items: np.ndarray) -> bytes:
+    """BYTES items in Triton's binary layout: each a 4-byte little-endian length, then the bytes."""
+    return b"".join(len(b).to_bytes(4, "little") + b for b in (_as_bytes(v) for v in items.reshape(-1)))
+
+
+def _as_bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def classification(outputs: np.ndarray, labels: list[str] | None, k: int) -> np.ndarray:
+    """Triton's classification extension: per row, the ``k`` largest values as ``"value:index[:label]"``."""
+    best = np.argsort(-outputs, axis=1, kind="stable")[:, :k]
+    rows = [[f"{outputs[i, j]:f}:{j}" + (f":{labels[j]}" if labels else "") for j in row] for i, row in enumerate(best)]
+    array = np.empty((len(rows), k), dtype=object)
+    for i, row in enumerate(rows):
+        array[i, :] = [r.encode() for r in row]
+    return array
+
+
+def _requested_outputs(raw: Any, outputs: list[TensorSpec], binary_default: bool) -> tuple[dict[str, bool] | None, dict[str, int]]:
+    """The outputs asked for (name → binary) and those asked as classifications (name → k)."""
     if raw is None:
-        return None
+        return None, {}
     if not isinstance(raw, list):
         raise ProtocolError(400, "'outputs' must be a list of {name, parameters}")
-    known = {o.name for o in outputs}
-    requested = {}
+    requested, classes = {}, {}
     for i, item in enumerate(raw):
         name = item.get("name") if isinstance(item, dict) else None
-        if not isinstance(name, str) or name not in known:
-            raise ProtocolError(400, f"outputs[{i}].name {name!r} is not an output of the model; expected {sorted(known)}")
-        params = _parameters(item, f"outputs[{i}].parameters")
-        requested[name] = bool(params.get("binary_data", binary_default))
-    return requested
+        params = _parameters(item, f"outputs[{i}].parameters") if isinstance(item, dict) else {}
+        requested[checked_output(name, f"outputs[{i}]", outputs)] = bool(params.get("binary_data", binary_default))
+        if "classification" in params:
+            classes[name] = checked_classification(params["classification"], f"outputs[{i}]", outputs)
+    return requested, classes
+
+
+def checked_output(name: Any, where: str, outputs: list[TensorSpec]) -> str:
+    known = {o.name for o in outputs}
+    if not isinstance(name, str) or name not in known:
+        raise ProtocolError(400, f"{where}.name {name!r} is not an output of the model; expected {sorted(known)}")
+    return name
+
+
+def checked_classification(k: Any, where: str, outputs: list[TensorSpec]) -> int:
+    num_classes = outputs[0].shape[-1] if len(outputs[0].shape) == 2 else 0
+    if not _is_int(k) or not 1 <= k <= max(num_classes, 1) or num_classes <= 0:
+        raise ProtocolError(400, f"{where}.parameters.classification must be an integer from 1 to {num_classes} "
+                                 f"(the model's classes), got {k!r}")
+    return k
 
 
 def encode_infer(model: str, version: str, request: InferRequest, results: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
@@ -174,11 +297,14 @@ def encode_infer(model: str, version: str, request: InferRequest, results: dict[
     entries, chunks = [], []
     for name, binary in wanted.items():
         array = np.ascontiguousarray(results[name])
-        entry: dict[str, Any] = {"name": name, "datatype": NUMPY_TO_V2[array.dtype], "shape": list(array.shape)}
+        datatype = "BYTES" if array.dtype == object else NUMPY_TO_V2[array.dtype]
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if binary:
-            data = array.tobytes()
+            data = length_prefixed(array) if datatype == "BYTES" else array.tobytes()
             entry["parameters"] = {"binary_data_size": len(data)}
             chunks.append(data)
+        elif datatype == "BYTES":
+            entry["data"] = [_as_bytes(v).decode("utf-8", "replace") for v in array.reshape(-1)]
         else:
             entry["data"] = array.reshape(-1).tolist()
         entries.append(entry)
@@ -192,20 +318,55 @@ def encode_infer(model: str, version: str, request: InferRequest, results: dict[
 
 
 def parse_v1(body: bytes, spec: TensorSpec, max_batch_size: int, allow_nonfinite: bool = False) -> tuple[np.ndarray, dict[str, Any]]:
-    """A KServe v1 ``{"instances": [...]}`` body → the input batch and the request's parameters."""
+    """A KServe v1 ``{"instances": [...]}`` body of tensors → the input batch and the request's parameters."""
+    instances, parameters = parse_v1_instances(body, max_batch_size)
+    return v1_tensor(instances, spec, allow_nonfinite), parameters
+
+
+def parse_v1_instances(body: bytes, max_batch_size: int) -> tuple[list[Any], dict[str, Any]]:
+    """A KServe v1 body → its ``instances`` (checked: a non-empty list within the batch limit) and ``parameters``."""
     doc = _json_object(body)
     instances = doc.get("instances")
     if not isinstance(instances, list) or not instances:
         raise ProtocolError(400, "'instances' must be a non-empty list, one entry per sample")
     if len(instances) > max_batch_size:
         raise ProtocolError(400, f"'instances' has {len(instances)} entries; send at most {max_batch_size}")
+    return instances, _parameters(doc, "parameters")
+
+
+def v1_tensor(instances: list[Any], spec: TensorSpec, allow_nonfinite: bool = False) -> np.ndarray:
+    """v1 instances of numbers → the batch, checked against the model's input ``spec``."""
     array = _numbers(instances, DTYPES[spec.datatype],
                      f"'instances' must be numbers of shape {spec.shape[1:]} each (ragged or non-numeric)")
     if list(array.shape[1:]) != spec.shape[1:]:
         raise ProtocolError(400, f"each instance has shape {list(array.shape[1:])}; the model takes {spec.shape[1:]}")
     if not allow_nonfinite and not all_finite(array):
         raise ProtocolError(400, "'instances' hold NaN/Inf values; send finite numbers")
-    return array, _parameters(doc, "parameters")
+    return array
+
+
+def v1_has_images(instances: list[Any]) -> bool:
+    """Whether v1 instances are encoded images (objects), not tensors (numbers)."""
+    return isinstance(instances[0], dict)
+
+
+def v1_images(instances: list[Any]) -> tuple[list[bytes], list[str]]:
+    """v1 image instances → the encoded images and where each was (for errors).
+
+    Each instance is ``{"image_bytes": {"b64": "..."}}`` (the TF Serving / KServe convention) or
+    ``{"b64": "..."}``.
+    """
+    images, wheres = [], []
+    for i, instance in enumerate(instances):
+        where = f"instances[{i}]"
+        value = instance.get("image_bytes", instance) if isinstance(instance, dict) else None
+        if isinstance(instance, dict) and "image_bytes" in instance:
+            where += ".image_bytes"
+        if not isinstance(value, dict) or not isinstance(value.get("b64"), str):
+            raise ProtocolError(400, f'{where} must be {{"image_bytes": {{"b64": "<base64 of an encoded image>"}}}}')
+        images.append(b64decode(value["b64"], f"{where}.b64"))
+        wheres.append(where)
+    return images, wheres
 
 
 def v1_top_k(parameters: dict[str, Any], default: int | None, num_classes: int) -> int | None:
@@ -224,6 +385,12 @@ def top_k(outputs: np.ndarray, labels: list[str] | None, k: int) -> list[dict[st
     best = np.argsort(-probs, axis=1)[:, :k]
     names = labels or [str(i) for i in range(outputs.shape[1])]
     return [{"labels": [names[j] for j in row], "scores": [float(probs[i, j]) for j in row]} for i, row in enumerate(best)]
+
+
+def label_scores(outputs: np.ndarray, labels: list[str] | None, k: int) -> list[list[dict[str, Any]]]:
+    """Per row, the ``k`` best classes by softmax probability as ``[{"label", "score"}, ...]``."""
+    ranked = top_k(outputs, labels, k)
+    return [[{"label": label, "score": score} for label, score in zip(r["labels"], r["scores"])] for r in ranked]
 
 
 def _json_object(data: bytes) -> dict[str, Any]:

@@ -1,0 +1,210 @@
+"""One exported model behind its own dynamic batcher, with its metadata, drift and metrics.
+
+Both front ends (REST in ``app``, gRPC in ``grpc``) call the same three things: ``counted``
+(metrics and the mapping of failures to statuses), ``infer`` (v2 requests, parsed) and
+``images`` + ``predict`` (KServe v1). An image model — its ``model.json`` records a
+``preprocess`` — takes encoded images (input ``image``, BYTES) or the preprocessed tensor; the
+images are decoded and preprocessed on a thread pool, off the event loop, by the same code that
+prepared the training samples, then batched like any request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from torchkeel.data.images import MAX_PIXELS, ImageError, ImagePreprocess
+from torchkeel.errors import ConfigError
+from torchkeel.export.export import read_model_json
+from torchkeel.export.formats import load_exported
+from torchkeel.serve.batcher import BatchStats, DynamicBatcher, QueueFull, QueueTimeout
+from torchkeel.serve.drift import DriftMonitor
+from torchkeel.serve.metrics import ServerMetrics
+from torchkeel.serve.protocol import InferRequest, ProtocolError, TensorSpec, classification
+
+VERSION = "1"
+IMAGE_INPUT = "image"
+PLATFORMS = {"torchscript": "pytorch_libtorch", "onnx": "onnxruntime_onnx", "torch-export": "pytorch_torch_export"}
+T = TypeVar("T")
+
+
+@dataclass
+class ServeOptions:
+    max_batch_size: int = 64
+    max_queue_delay_ms: float = 0.0
+    inline_max_ms: float = 10.0
+    max_queue: int = 1024
+    queue_timeout_ms: float = 10_000.0
+    max_body_mb: float = 16.0
+    allow_nonfinite: bool = False
+    top_k: int | None = None  # v1: tensor models answer top-k labels and scores when set; image models default to 5
+    max_image_pixels: int = MAX_PIXELS
+    image_threads: int = 2  # threads decoding and preprocessing images (shared by the models)
+    grpc_port: int = 0  # 0: no gRPC; `keel serve` defaults to 8001
+    grpc_host: str = "127.0.0.1"
+
+
+class ServedModel:
+    """An export, loaded, with its batcher, drift monitor and metrics."""
+
+    def __init__(self, export_dir: str | Path, options: ServeOptions, metrics: ServerMetrics, images: Executor) -> None:
+        self.meta = read_model_json(export_dir)
+        if not self.meta.get("parity", {}).get("passed"):
+            raise ConfigError(f"the export in '{export_dir}' failed its parity check; it is not served")
+        self.path, self.options, self._images = Path(export_dir), options, images
+        self.name, self.version = self.meta["name"], VERSION
+        self.tensor = TensorSpec(**{k: self.meta["inputs"][0][k] for k in ("name", "datatype", "shape")})
+        self.outputs = [TensorSpec(t["name"], t["datatype"], t["shape"]) for t in self.meta["outputs"]]
+        self.labels: list[str] | None = self.meta.get("labels")
+        spec = self.meta.get("preprocess")
+        self.preprocess = ImagePreprocess.from_spec(spec, f"'{self.path / 'model.json'}' preprocess") if spec else None
+        self.inputs = [TensorSpec(IMAGE_INPUT, "BYTES", [-1]), self.tensor] if self.preprocess else [self.tensor]
+        self.run = load_exported(self.meta["format"], self.path / self.meta["file"])
+        self.drift = DriftMonitor(self.meta["reference"]) if self.meta.get("reference") else None
+        self.batcher = DynamicBatcher(
+            self.run, max_batch_size=options.max_batch_size, max_queue_delay_ms=options.max_queue_delay_ms,
+            max_queue=options.max_queue, queue_timeout_ms=options.queue_timeout_ms,
+            inline_max_ms=options.inline_max_ms, on_batch=self._on_batch,
+        )
+        self.metrics = metrics.model(self.name, self.version, self.drift, pending=lambda: self.batcher.pending)
+        self.ready = False
+
+    @property
+    def is_image_model(self) -> bool:
+        return self.preprocess is not None
+
+    def metadata(self) -> dict[str, Any]:
+        """v2 model metadata: an image model advertises its ``image`` input (it also takes the tensor)."""
+        return {"name": self.name, "versions": [self.version], "platform": PLATFORMS[self.meta["format"]],
+                "inputs": [spec_dict(self.inputs[0])], "outputs": [spec_dict(t) for t in self.outputs]}
+
+    def _on_batch(self, stats: BatchStats, inputs: np.ndarray) -> None:
+        self.metrics.batch_done(stats.batch_size, stats.num_requests, stats.compute_s, sum(stats.queue_s))
+        if self.drift is not None:  # once per batch, not per request; on the preprocessed tensors
+            self.drift.observe(inputs)
+
+    async def counted(self, protocol: str, work: Callable[[], Awaitable[T]]) -> T:
+        """Run one request's ``work``, counted in the metrics; every failure leaves as a ProtocolError."""
+        start = time.perf_counter()
+        self.metrics.request_started()
+        failure = None
+        try:
+            return await work()
+        except asyncio.CancelledError:
+            failure = "CANCELED"
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status by _failed
+            failure, error = _failed(exc)
+            raise error from None
+        finally:
+            self.metrics.request_done(protocol, time.perf_counter() - start, failure)
+
+    def counted_in_thread(self, protocol: str, work: Callable[[], T]) -> T:
+        """``counted`` for a handler thread (gRPC's): the same metrics and statuses."""
+        start = time.perf_counter()
+        self.metrics.request_started()
+        failure = None
+        try:
+            return work()
+        except Exception as exc:  # noqa: BLE001 - mapped to a status by _failed
+            failure, error = _failed(exc)
+            raise error from None
+        finally:
+            self.metrics.request_done(protocol, time.perf_counter() - start, failure)
+
+    async def predict(self, batch: np.ndarray) -> np.ndarray:
+        """The model's output rows for a batch of (preprocessed) inputs."""
+        if not self.ready:
+            raise QueueFull("the model is not ready")
+        return await self.batcher.submit(batch)
+
+    async def images(self, blobs: list[bytes], wheres: list[str]) -> np.ndarray:
+        """Encoded images → the model's input batch, decoded and preprocessed off the event loop.
+
+        Raises:
+            ProtocolError: 400 naming the image (``wheres[i]``) that cannot be decoded, is of a
+                format not accepted, is over ``max_image_pixels`` or ends up of the wrong shape;
+                or 400 when the model takes no images.
+        """
+        if self.preprocess is None:
+            raise ProtocolError(400, f"model '{self.name}' takes {self.tensor.datatype} tensors of shape "
+                                     f"{self.tensor.shape}, not images: its export records no preprocess "
+                                     f"(keel export --image-mode ...)")
+        return await asyncio.get_running_loop().run_in_executor(self._images, self._preprocessed, blobs, wheres)
+
+    def _preprocessed(self, blobs: list[bytes], wheres: list[str]) -> np.ndarray:
+        assert self.preprocess is not None
+        shape = self.tensor.shape[1:]
+        batch = np.empty((len(blobs), *shape), dtype=np.float32)
+        for i, (blob, where) in enumerate(zip(blobs, wheres)):
+            try:
+                array = self.preprocess.array(blob, self.options.max_image_pixels)
+            except ImageError as exc:
+                raise ProtocolError(400, f"{where}: {exc}") from None
+            if list(array.shape) != shape:
+                raise ProtocolError(400, f"{where}: the image is {list(array.shape)} after preprocessing; "
+                                         f"the model takes {shape}")
+            batch[i] = array
+        return batch
+
+    async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
+        """A parsed v2 request (REST) → its outputs by name, classifications applied."""
+        images = self._images_of(request)
+        if images is not None:
+            batch = await self.images(*images)
+        else:
+            batch = request.inputs[self.tensor.name]
+        return self._results(request, await self.predict(batch))
+
+    def infer_in_thread(self, request: InferRequest, timeout_s: float) -> dict[str, np.ndarray]:
+        """``infer`` from a handler thread (gRPC's): images are preprocessed right here, off the
+        event loop already, and the batch joins the same queue as REST's."""
+        images = self._images_of(request)
+        if images is not None:
+            if self.preprocess is None:
+                raise ProtocolError(400, f"model '{self.name}' takes tensors, not images")
+            batch = self._preprocessed(*images)
+        else:
+            batch = request.inputs[self.tensor.name]
+        if not self.ready:
+            raise QueueFull("the model is not ready")
+        try:
+            outputs = self.batcher.submit_threadsafe(batch).result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise QueueTimeout(f"no answer within {timeout_s:.1f} s") from None
+        return self._results(request, outputs)
+
+    def _images_of(self, request: InferRequest) -> tuple[list[bytes], list[str]] | None:
+        if IMAGE_INPUT not in request.inputs or self.preprocess is None:
+            return None
+        items = request.inputs[IMAGE_INPUT]
+        return list(items), [f"input '{IMAGE_INPUT}' item {i}" for i in range(len(items))]
+
+    def _results(self, request: InferRequest, outputs: np.ndarray) -> dict[str, np.ndarray]:
+        results = {self.outputs[0].name: outputs}
+        for name, k in request.classification.items():
+            results[name] = classification(results[name], self.labels, k)
+        return results
+
+
+def _failed(exc: Exception) -> tuple[str, ProtocolError]:
+    """Triton's failure reason for ``exc``, and the error the client gets."""
+    if isinstance(exc, ProtocolError):
+        return "OTHER", exc
+    if isinstance(exc, QueueFull):
+        return "REJECTED", ProtocolError(503, f"server busy: {exc}; retry later", {"Retry-After": "1"})
+    if isinstance(exc, QueueTimeout):
+        return "REJECTED", ProtocolError(503, f"request timed out in the queue: {exc}", {"Retry-After": "1"})
+    return "BACKEND", ProtocolError(500, f"model execution failed: {type(exc).__name__}: {exc}")
+
+
+def spec_dict(t: TensorSpec) -> dict[str, Any]:
+    return {"name": t.name, "datatype": t.datatype, "shape": t.shape}
