@@ -7,8 +7,8 @@ metrics (``protocol="grpc"``) and shutdown. A client mistake is ``INVALID_ARGUME
 field named; an unknown model ``NOT_FOUND``; a full queue, or a model that failed to load,
 ``UNAVAILABLE``; a failing model ``INTERNAL``.
 
-grpcio's threaded server, not ``grpc.aio``: on one core its per-call cost is about half of the
-asyncio server's (most of the HTTP/2 work stays in C). Its handler threads parse the request,
+grpcio's threaded server, not ``grpc.aio``: on one core it costs less per call than the asyncio
+server (about 150–200 µs of CPU for an empty call against 250–330 µs here). Its handler threads parse the request,
 preprocess images, and hand the batch to the event loop's batcher (``submit_threadsafe``, one
 wake-up per burst), then wait for their rows.
 

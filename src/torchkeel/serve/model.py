@@ -169,8 +169,6 @@ class ServedModel:
         event loop already, and the batch joins the same queue as REST's."""
         images = self._images_of(request)
         if images is not None:
-            if self.preprocess is None:
-                raise ProtocolError(400, f"model '{self.name}' takes tensors, not images")
             batch = self._preprocessed(*images)
         else:
             batch = request.inputs[self.tensor.name]
