@@ -223,5 +223,21 @@ def test_serve_usage_errors_exit_2_with_one_line(tmp_path):
         port = taken.getsockname()[1]
         busy = keel("serve", str(tmp_path), "--port", "0", "--grpc-port", str(port), cwd=tmp_path)
     assert busy.returncode == 2 and f"--grpc-port {port}: cannot listen on 127.0.0.1:{port}" in busy.stderr
-    flags = keel("export", str(tmp_path), "--format", "onnx", "--resize", "224", cwd=tmp_path)
-    assert flags.returncode == 2 and "--resize need --image-mode RGB or L" in flags.stderr
+
+
+def test_export_image_flags_become_a_preprocess_spec():
+    import argparse
+
+    from torchkeel.cli import export as export_cli
+    from torchkeel.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    export_cli.add_arguments(parser)
+    args = parser.parse_args(["run", "--format", "onnx", "--image-mode", "RGB", "--resize", "256", "--crop", "224,200",
+                              "--mean", "0.5,0.4,0.3", "--std", "0.2,0.2,0.2"])
+    assert export_cli._preprocess(args) == {"mode": "RGB", "resize": [256], "crop": [224, 200],
+                                            "mean": [0.5, 0.4, 0.3], "std": [0.2, 0.2, 0.2]}
+    with pytest.raises(ConfigError, match="--resize need --image-mode RGB or L"):
+        export_cli._preprocess(parser.parse_args(["run", "--format", "onnx", "--resize", "224"]))
+    with pytest.raises(ConfigError, match="--mean must be comma-separated floats"):
+        export_cli._preprocess(parser.parse_args(["run", "--format", "onnx", "--image-mode", "L", "--mean", "a"]))

@@ -215,22 +215,25 @@ def test_overload_gives_503_and_memory_settles(exported):
 def test_sigterm_answers_everything_in_flight_over_rest_and_grpc(exported):
     import tritonclient.grpc as tritongrpc
 
-    srv = Server(exported[0], "--max-queue-delay-ms", "2000", grpc=True)
+    # A long batching window: all 24 requests are queued together, waiting for a batch to fill.
+    srv = Server(exported[0], "--max-queue-delay-ms", "5000", grpc=True)
     statuses: list[int] = []
     answers: list[np.ndarray] = []
     x = np.random.default_rng(3).normal(size=(1, 32)).astype(np.float32)
+    channels = [tritongrpc.InferenceServerClient(srv.grpc_url) for _ in range(8)]
+    assert all(channel.is_server_ready() for channel in channels)  # connected before the burst
 
     def client() -> None:
         statuses.append(srv.request("POST", "/v2/models/tiny/infer", v2(GOOD))[0])
 
-    def grpc_client() -> None:
-        channel = tritongrpc.InferenceServerClient(srv.grpc_url)
+    def grpc_client(channel) -> None:
         tensor = tritongrpc.InferInput("input", [1, 32], "FP32")
         tensor.set_data_from_numpy(x)
         answers.append(channel.infer("tiny", [tensor], client_timeout=60).as_numpy("output"))
         channel.close()
 
-    threads = [threading.Thread(target=client) for _ in range(16)] + [threading.Thread(target=grpc_client) for _ in range(8)]
+    threads = [threading.Thread(target=client) for _ in range(16)] + \
+        [threading.Thread(target=grpc_client, args=(channel,)) for channel in channels]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
