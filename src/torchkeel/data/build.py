@@ -3,9 +3,9 @@ and the worker count (``auto``: timed once, cached). The Trainer asks for ``buil
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
