@@ -125,6 +125,47 @@ def test_the_server_preprocesses_an_image_exactly_as_training_did(image_exported
     assert float(np.abs(served - expected).max()) <= 1e-6
 
 
+class _Recording:
+    """An image preprocess that notes the thread it ran on."""
+
+    def __init__(self, preprocess) -> None:
+        self.preprocess, self.threads = preprocess, []
+
+    def array(self, image, max_pixels):
+        self.threads.append(threading.current_thread().name)
+        return self.preprocess.array(image, max_pixels)
+
+
+def test_images_are_preprocessed_off_the_event_loop_and_batched_like_any_request(image_exported):
+    dataset = EncodedImages(96, 0)
+    parts = ServerParts([image_exported[0]], ServeOptions(max_queue_delay_ms=200, inline_max_ms=0))
+    model = parts.repository.models["colours"]
+    model.preprocess = recording = _Recording(model.preprocess)
+
+    async def main():
+        await parts.repository.start()
+        loop_thread = threading.current_thread().name
+
+        async def one(i: int):
+            return await model.predict(await model.images([dataset[i][0]], [f"image {i}"]))
+
+        answers = await asyncio.gather(*(one(i) for i in range(8)))
+        await parts.repository.stop()
+        return loop_thread, answers
+
+    loop_thread, answers = asyncio.run(main())
+    parts.images.shutdown()
+    assert len(recording.threads) == 8 and loop_thread not in recording.threads
+    assert all(name.startswith("torchkeel-image") for name in recording.threads)
+    with torch.inference_mode():
+        expected = image_exported[1](torch.from_numpy(training_tensors(image_exported, range(8)))).numpy()
+    np.testing.assert_allclose(np.concatenate(answers), expected, atol=1e-5)
+    text = parts.metrics.render().decode()
+    executions = float(next(line for line in text.splitlines()
+                            if line.startswith("nv_inference_exec_count{")).rsplit(" ", 1)[1])
+    assert executions < 8  # the eight single-image requests shared forwards
+
+
 def test_v1_image_bytes_give_labels_with_scores(server, image_exported):
     dataset = EncodedImages(96, 0)
     indices = [4, 5, 6]  # a JPEG and PNGs, of three sizes

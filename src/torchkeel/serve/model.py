@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,27 +94,24 @@ class ServedModel:
 
     async def counted(self, protocol: str, work: Callable[[], Awaitable[T]]) -> T:
         """Run one request's ``work``, counted in the metrics; every failure leaves as a ProtocolError."""
-        start = time.perf_counter()
-        self.metrics.request_started()
-        failure = None
-        try:
+        with self._counting(protocol):
             return await work()
-        except asyncio.CancelledError:
-            failure = "CANCELED"
-            raise
-        except Exception as exc:  # noqa: BLE001 - mapped to a status by _failed
-            failure, error = _failed(exc)
-            raise error from None
-        finally:
-            self.metrics.request_done(protocol, time.perf_counter() - start, failure)
 
     def counted_in_thread(self, protocol: str, work: Callable[[], T]) -> T:
         """``counted`` for a handler thread (gRPC's): the same metrics and statuses."""
+        with self._counting(protocol):
+            return work()
+
+    @contextlib.contextmanager
+    def _counting(self, protocol: str) -> Iterator[None]:
         start = time.perf_counter()
         self.metrics.request_started()
         failure = None
         try:
-            return work()
+            yield
+        except asyncio.CancelledError:
+            failure = "CANCELED"
+            raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status by _failed
             failure, error = _failed(exc)
             raise error from None
