@@ -36,6 +36,7 @@ bench: setup
 	$(PY) bench/data.py
 	$(PY) bench/ddp.py
 	$(PY) bench/diagnose.py
+	$(PY) bench/leaks.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

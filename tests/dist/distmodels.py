@@ -10,3 +10,25 @@ def mlp(num_features: int = 32, hidden: int = 64, num_classes: int = 4, dropout:
     if dropout:
         layers.append(nn.Dropout(dropout))
     return nn.Sequential(*layers, nn.Linear(hidden, num_classes))
+
+
+class WithBadSamples:
+    """The example's samples, with some that fail to load (a map-style dataset)."""
+
+    def __init__(self, dataset, bad: tuple[int, ...]) -> None:
+        self.dataset, self.bad = dataset, set(bad)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        if index in self.bad:
+            raise OSError(f"record {index} is unreadable")
+        return self.dataset[index]
+
+
+def bad_data(bad: tuple[int, ...] = ()):
+    from hand_written_loop import make_data
+
+    train, val = make_data()
+    return WithBadSamples(train, tuple(bad)), val

@@ -181,3 +181,25 @@ def test_torchmetrics_over_two_ranks_count_each_sample_once(work):
     assert 0 < one["val_f1"] <= 1 and "val_accuracy" not in one
     assert two["val_f1"] == pytest.approx(one["val_f1"], abs=1e-6)
     assert two["val_loss"] == pytest.approx(one["val_loss"], abs=1e-6)
+
+
+def test_every_ranks_bad_samples_are_named_and_counted_for_the_job(work):
+    bad = (3, 50, 100, 200, 300, 400)
+    run_ok(work, 2, "name=bad", "data.target=distmodels:bad_data", f"data.args={{bad: {list(bad)}}}",
+           "data.max_bad_fraction=0.02", "train.max_epochs=2", "train.max_steps=null")
+    rows = [json.loads(line) for line in (work / "runs" / "bad" / "incidents.jsonl").read_text().splitlines()]
+    met = [r for r in rows if r["kind"] == "bad_sample"]
+    assert sorted(r["where"] for r in met) == sorted(f"dataset index {i}" for i in bad for _ in range(2))
+    assert {r["rank"] for r in met} == {0, 1}  # rank 1's reach rank 0's file
+    assert summary(work, "bad")["incidents"]["bad_sample"] == 12
+
+
+def test_too_many_bad_samples_over_the_job_stop_every_rank_together(work):
+    # 3 bad of 480 is over 0.005 of the epoch (2.4), while neither rank's own share is.
+    result = train(work, 2, "name=too-bad", "data.target=distmodels:bad_data", "data.args={bad: [3, 50, 100]}",
+                   "data.max_bad_fraction=0.005", "train.max_epochs=1", "train.max_steps=null", timeout=180)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("keel: error:")]
+    assert errors and all("3 bad samples in epoch 0, more than data.max_bad_fraction=0.005 of 480 samples allows"
+                          in line for line in errors), result.stderr[-3000:]
+    assert summary(work, "too-bad")["status"] == "failed"

@@ -241,3 +241,28 @@ def test_export_image_flags_become_a_preprocess_spec():
         export_cli._preprocess(parser.parse_args(["run", "--format", "onnx", "--resize", "224"]))
     with pytest.raises(ConfigError, match="--mean must be comma-separated floats"):
         export_cli._preprocess(parser.parse_args(["run", "--format", "onnx", "--image-mode", "L", "--mean", "a"]))
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["train.batch_size=eight"], "train.batch_size must be an integer, got 'eight' (str)"),
+    (["model.target=nowhere:Net"], "model.target='nowhere:Net': cannot import module 'nowhere'"),
+    (["model.args={width: 3}"], "model.args.width is not an argument of hand_written_loop:make_model"),
+])
+def test_a_config_error_under_nproc_is_said_once_before_any_rank_starts(cfg, tmp_path, args, message):
+    result = keel("train", str(cfg), *args, "--nproc", "2", cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"keel: error: {message}"), result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_keel_train_chooses_the_thread_count_and_says_so(cfg, tmp_path):
+    from torchkeel.env.cpus import cgroup_cpus, usable_cpus
+
+    usable = usable_cpus(quota=cgroup_cpus())
+    result = keel("train", str(cfg), "train.max_epochs=null", "train.max_steps=2", cwd=tmp_path, OMP_NUM_THREADS="")
+    assert result.returncode == 0, result.stderr
+    assert f"keel: torch threads: {usable} per process ({usable} usable CPUs; set OMP_NUM_THREADS to choose)" \
+        in result.stderr
+    chosen = keel("train", str(cfg), "train.max_epochs=null", "train.max_steps=2", "--overwrite", cwd=tmp_path)
+    assert chosen.returncode == 0 and "torch threads" not in chosen.stderr  # OMP_NUM_THREADS=1 is the user's choice

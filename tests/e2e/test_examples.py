@@ -44,3 +44,32 @@ def test_data_bench_prints_the_worker_table(data_dir):
     rows = [line.split() for line in lines[1:3]]
     assert [r[0] for r in rows] == ["0", "1"] and all(float(r[1]) > 0 for r in rows)
     assert any(r[-1] == "chosen" for r in rows) and lines[-1].startswith("best: num_workers=")
+
+
+TOKENS = ROOT / "examples" / "tokens"
+
+
+@pytest.mark.parametrize("name", [
+    "tokens",
+    pytest.param("tokens-parquet", marks=pytest.mark.slow),  # the Parquet × dict journey runs in the default suite
+])
+def test_the_tokens_example_trains_exports_and_learns(tmp_path, name):
+    """A strict transformers-shaped model on padded dict batches, from map-style data and from
+    Parquet list columns (data.columns), as documented in docs/data.md."""
+    sys.path.insert(0, str(TOKENS))
+    try:
+        import tokens
+    finally:
+        sys.path.remove(str(TOKENS))
+    tokens.write_parquet(tmp_path / "data")
+    result = run_keel("train", str(TOKENS / f"{name}.yaml"), "--no-progress", "train.max_epochs=2",
+                      f"out_dir={tmp_path / 'runs'}", cwd=tmp_path, PYTHONPATH=str(TOKENS), timeout=300)
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "runs" / f"{name}-example"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["samples"] == 2 * 1024
+    assert summary["val_loss"] < 1.0  # from ln(32) = 3.5: it learnt to count on
+    exported = run_keel("export", str(run), "--format", "onnx", cwd=tmp_path, PYTHONPATH=str(TOKENS), timeout=300)
+    assert exported.returncode == 0, exported.stderr
+    meta = json.loads((run / "export-onnx" / "model.json").read_text())
+    assert [i["name"] for i in meta["inputs"]] == ["input_ids", "attention_mask"] and meta["parity"]["passed"]

@@ -138,9 +138,14 @@ KILL_POINTS = [
     ("before_manifest", 8),
     ("after_manifest", 12),
 ]
+# The default suite kills in the middle of the first file, after the last file and after the
+# manifest; the other points are under `slow` (make test-slow).
+DEFAULT_POINTS = ("model.safetensors:mid_write", "state.json:after_replace", "after_manifest")
 
 
-@pytest.mark.parametrize(("point", "newest_valid"), KILL_POINTS, ids=[p for p, _ in KILL_POINTS])
+@pytest.mark.parametrize(("point", "newest_valid"), [
+    pytest.param(point, newest, id=point, marks=() if point in DEFAULT_POINTS else pytest.mark.slow)
+    for point, newest in KILL_POINTS])
 def test_kill_during_a_checkpoint_write(tmp_path, reference, point, newest_valid):
     run = Run(tmp_path)
     killed = run.run(resume=False, TORCHKEEL_TEST_FAULTS=f"kill:{point}#3")  # the third save: step 12

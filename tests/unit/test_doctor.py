@@ -90,7 +90,7 @@ def test_cli_json_validates_against_the_documented_schema(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     jsonschema.validate(report, json.loads((ROOT / "docs" / "doctor.schema.json").read_text()))
-    assert report["ok"] is True and len(report["checks"]) == 12
+    assert report["ok"] is True and len(report["checks"]) == 13
 
 
 def test_nproc_is_checked_against_the_visible_gpus():
@@ -124,3 +124,31 @@ def test_nccl_variables_are_explained_and_an_unreachable_master_fails():
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         assert _reachable("127.0.0.1", str(server.getsockname()[1]), timeout_s=1) == (True, None)
+
+
+def test_threads_are_checked_against_the_usable_cpus_and_the_load():
+    from torchkeel.env.checks import check_threads
+
+    assert check_threads(facts(cpu_count=8, cpu_affinity=8, torch_threads=8, load_1m=0.5)).status == "ok"
+    quota = check_threads(facts(cpu_count=64, cpu_affinity=64, cgroup_cpus=2.0, torch_threads=32, load_1m=1.0))
+    assert quota.status == "warn" and "may use 2 CPUs" in quota.evidence and "OMP_NUM_THREADS=2" in quota.fix
+    busy = check_threads(facts(cpu_count=2, cpu_affinity=2, torch_threads=2, load_1m=4.0))
+    assert busy.status == "warn" and "load average 4.0 on 2 CPUs" in busy.evidence and "OMP_NUM_THREADS=1" in busy.fix
+
+
+def test_the_cgroup_quota_and_the_thread_choice(tmp_path):
+    from torchkeel.env.cpus import cgroup_cpus, choose_threads, usable_cpus
+
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpus(tmp_path) == 1.5 and usable_cpus(affinity=16, quota=1.5) == 2
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpus(tmp_path) is None and usable_cpus(affinity=16, quota=None) == 16
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("400000")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000")
+    assert cgroup_cpus(v1) == 4.0
+    assert choose_threads(1, 8, {})[0] == 8
+    assert choose_threads(4, 8, {})[0] == 2 and "4 processes" in choose_threads(4, 8, {})[1]
+    assert choose_threads(16, 8, {})[0] == 1
+    assert choose_threads(1, 8, {"OMP_NUM_THREADS": "3"}) == (None, "OMP_NUM_THREADS=3 is set")

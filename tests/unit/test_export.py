@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 import torchkeel as tk
 from conftest import train_tiny
@@ -85,3 +86,80 @@ def test_torch_export_is_not_a_triton_format(run_dir, tmp_path):
 def test_a_bad_config_text_is_a_config_error():
     with pytest.raises(ConfigError, match="not a valid Triton ModelConfig"):
         parse_model_config('name: "x"\nmax_batch_size: "eight"\n')
+
+
+@pytest.fixture(scope="module")
+def stream_runs(tmp_path_factory):
+    """A Parquet run and a WebDataset run, trained with the streaming sources' defaults."""
+    import streamdata
+
+    out = tmp_path_factory.mktemp("stream-export")
+    runs = {}
+    for fmt, data in (("parquet", ["data.format=parquet", f"data.train={streamdata.write_parquet(out / 'pq')}",
+                                   "data.input=[id, f0, f1, f2, f3, f4, f5, f6, f7]", "data.target=label"]),
+                      ("webdataset", ["data.format=webdataset", f"data.train={streamdata.write_shards(out / 'wds')}",
+                                      "data.input=npy", "data.target=cls"])):
+        config = tk.load_config(None, [f"out_dir={out}", f"name={fmt}", "model.target=streamdata:make_model",
+                                       "data.num_workers=0", "train.max_epochs=1", *data])
+        tk.Trainer(config, progress=False).fit()
+        runs[fmt] = out / fmt
+    return runs
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "torch-export", "onnx"])
+@pytest.mark.parametrize("source", ["parquet", "webdataset"])
+def test_a_streaming_run_exports_from_its_own_data(stream_runs, tmp_path, source, fmt):
+    meta = export_run(stream_runs[source], fmt, tmp_path)
+    assert meta["parity"]["passed"] and meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 9]}]
+    assert meta["reference"]["num_samples"] == 480 and meta["reference"]["input"] == "input"
+
+
+@pytest.fixture(scope="module")
+def token_run(tmp_path_factory):
+    """The tokens example: a strict transformers-shaped model on padded dict batches."""
+    out = tmp_path_factory.mktemp("token-export")
+    config = tk.load_config(None, [f"out_dir={out}", "name=tokens", "model.target=tokens:TinyLM",
+                                   "data.target=tokens:make_data", "data.args={num_train: 256, num_val: 64}",
+                                   "data.collate=pad", "data.num_workers=0", "loss.count_key=labels",
+                                   "loss.shift_labels=true", "train.max_epochs=1", "train.batch_size=16"])
+    tk.Trainer(config, progress=False).fit()
+    return out / "tokens"
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "torch-export", "onnx"])
+def test_a_dict_batch_model_exports_with_named_inputs_and_dynamic_lengths(token_run, tmp_path, fmt):
+    meta = export_run(token_run, fmt, tmp_path)
+    ids, mask = meta["inputs"]
+    assert ids == {"name": "input_ids", "datatype": "INT64", "shape": [-1, -1], "dims": ["batch", "length"],
+                   "range": [0, 31]}  # the embedding's rows
+    assert mask == {"name": "attention_mask", "datatype": "INT64", "shape": [-1, -1], "dims": ["batch", "length"]}
+    assert meta["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, -1, 32]}]
+    lengths = {r["shapes"]["input_ids"][1] for r in meta["parity"]["results"] if "shapes" in r}
+    assert meta["parity"]["passed"] and len(lengths) == 2  # also checked at two other lengths
+    assert meta["reference"] is None  # no input of a fixed shape: drift is off
+    run = load_exported(fmt, tmp_path / meta["file"], ["input_ids", "attention_mask"], "logits")
+    feed = {"input_ids": np.ones((3, 11), dtype=np.int64), "attention_mask": np.ones((3, 11), dtype=np.int64)}
+    assert run(feed).shape == (3, 11, 32)
+
+
+class RecurrentLM(torch.nn.Module):
+    """A GRU over the tokens: torch.export fixes the sequence length it was traced with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.rnn, self.head = torch.nn.Embedding(32, 8), torch.nn.GRU(8, 8, batch_first=True), torch.nn.Linear(8, 32)
+
+    def forward(self, input_ids, attention_mask, labels=None):
+        logits = self.head(self.rnn(self.embed(input_ids) * attention_mask[..., None])[0])
+        loss = None if labels is None else torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def test_an_axis_the_model_fixes_fails_torch_export_by_name(tmp_path):
+    config = tk.load_config(None, [f"out_dir={tmp_path}", "name=gru", "model.target=test_export:RecurrentLM",
+                                   "data.target=tokens:make_data", "data.args={num_train: 64, num_val: 32}",
+                                   "data.collate=pad", "data.num_workers=0", "train.max_epochs=1", "train.batch_size=16"])
+    tk.Trainer(config, progress=False).fit()
+    with pytest.raises(ParityError, match=r"torch.export fixed axis 1 of input 'input_ids' to \d+.*--format onnx"):
+        export_run(tmp_path / "gru", "torch-export", tmp_path / "out")
+    assert export_run(tmp_path / "gru", "torchscript", tmp_path / "ts")["parity"]["passed"]

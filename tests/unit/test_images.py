@@ -90,10 +90,10 @@ def test_a_decompression_bomb_is_refused_from_its_header_before_decoding():
     bomb = io.BytesIO()
     Image.new("L", (12_000, 12_000)).save(bomb, "PNG")  # 144 Mpx, a few hundred kB
     assert len(bomb.getvalue()) < 1_000_000
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: the same on a busy machine
     with pytest.raises(ImageError, match="12000×12000 = 144,000,000 pixels, over the limit of 40,000,000"):
         decode(bomb.getvalue())
-    assert time.perf_counter() - start < 1.0  # nothing was decompressed (a full decode takes seconds)
+    assert time.process_time() - start < 0.5  # nothing was decompressed (a full decode takes seconds of CPU)
     with pytest.raises(ImageError, match="over the limit of 100"):
         decode(encode(image_pixels(0, 0, (11, 10))), max_pixels=100)
 

@@ -58,7 +58,7 @@ def train(objective, optimizer_name: str, micro: int, steps=3, num=60) -> dict[s
     params = list(model.parameters())
     optimizer = (torch.optim.SGD(params, lr=0.5) if optimizer_name == "sgd"
                  else torch.optim.AdamW(params, lr=0.01, weight_decay=0.01))
-    collate = PadCollate()
+    collate = PadCollate(lengths_key="lengths")
     for step in range(steps):
         samples = sequences(num, seed=step)  # 60 = 16 + 16 + 16 + 12: a short last micro-batch
         group = [collate(samples[i:i + micro]) for i in range(0, num, micro)]
@@ -88,8 +88,8 @@ def test_weighting_by_samples_instead_would_be_wrong():
 
 
 def test_a_missing_count_key_names_the_keys_there_are():
-    with pytest.raises(tk.DataError, match=r"count_key='num_tokens'.*tokens, lengths, attention_mask"):
-        Objective(step_fn=token_mean, count_key="num_tokens").weight(PadCollate()(sequences(2, 0)))
+    with pytest.raises(tk.DataError, match=r"count_key='num_tokens'.*tokens, attention_mask, lengths"):
+        Objective(step_fn=token_mean, count_key="num_tokens").weight(PadCollate(lengths_key="lengths")(sequences(2, 0)))
 
 
 class Sequences(torch.utils.data.Dataset):
@@ -110,8 +110,8 @@ def make_sequences():
 def test_the_trainer_with_a_step_function_dict_batches_and_pad_collate(tmp_path):
     config = tk.load_config(None, [
         f"out_dir={tmp_path}", "model.target=test_objective:TokenModel", "data.target=test_objective:make_sequences",
-        "data.collate=pad", "data.bucket_by=tokens", "data.num_workers=0", "loss.step_fn=test_objective:token_mean",
-        "loss.count_key=lengths",
+        "data.collate=pad", "data.lengths_key=lengths", "data.bucket_by=tokens", "data.num_workers=0",
+        "loss.step_fn=test_objective:token_mean", "loss.count_key=lengths",
         "train.batch_size=16", "train.accumulate=2", "train.max_epochs=2", "train.log_every=1",
     ])
     summary = tk.Trainer(config, progress=False).fit()
@@ -122,6 +122,41 @@ def test_the_trainer_with_a_step_function_dict_batches_and_pad_collate(tmp_path)
     assert all(r["tokens"] > 0 for r in train_rows)  # the step function's metric, logged
     val = [r for r in rows if r["kind"] == "val"][-1]
     assert val["val_tokens"] > 0 and val["val_loss"] == summary["val_loss"]
+
+
+def test_a_label_count_key_counts_the_labels_a_token_mean_divides_by():
+    batch = PadCollate()([{"input_ids": torch.arange(3), "labels": torch.tensor([5, -100, 7])},
+                          {"input_ids": torch.arange(5), "labels": torch.arange(5)}])
+    assert batch["labels"].tolist() == [[5, -100, 7, -100, -100], [0, 1, 2, 3, 4]]
+    assert Objective(nn.functional.cross_entropy, count_key="labels").weight(batch) == 7.0  # 2 + 5
+    assert Objective(nn.functional.cross_entropy, count_key="labels", shift_labels=True).weight(batch) == 5.0  # 1 + 4
+    assert Objective(nn.functional.cross_entropy, count_key="labels", ignore_index=7).weight(batch) == 9.0
+    assert Objective(nn.functional.cross_entropy, count_key="attention_mask").weight(batch) == 8.0  # summed
+
+
+class StrictLM(nn.Module):
+    """A transformers-shaped model with a strict signature: any key it does not name is an error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, attention_mask, labels=None):
+        logits = self.head(torch.tanh(self.embed(input_ids))) * attention_mask[..., None]
+        loss = None if labels is None else nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_dict_batch_is_model_of_the_batch_and_its_loss():
+    batch = PadCollate()([{"input_ids": torch.arange(3), "labels": torch.arange(3)},
+                          {"input_ids": torch.arange(5), "labels": torch.arange(5)}])
+    model = StrictLM()
+    out = Objective(nn.CrossEntropyLoss())(model, batch, torch.device("cpu"))
+    assert torch.equal(out.loss, model(**batch)["loss"]) and out.outputs.shape == (2, 5, VOCAB)
+    with pytest.raises(tk.DataError, match=r"without a loss; put the labels in the batch"):
+        Objective(nn.CrossEntropyLoss())(model, {k: batch[k] for k in ("input_ids", "attention_mask")},
+                                         torch.device("cpu"))
 
 
 def test_a_step_function_that_returns_something_else_is_named():

@@ -1,5 +1,5 @@
 """The epoch plan's invariant, for any units, grids and stopping points: every sample is read
-exactly once per epoch across ranks × workers, also when a run stops mid-epoch and continues
+exactly once per epoch across ranks × streams, also when a run stops mid-epoch and continues
 on another grid (several times)."""
 
 from __future__ import annotations
@@ -9,15 +9,16 @@ from hypothesis import strategies as st
 
 from torchkeel.data.order import Position, Unit, continue_position, merge_positions, plan_streams
 
-grids = st.tuples(st.integers(1, 4), st.integers(0, 4))  # (world_size, num_workers)
+grids = st.tuples(st.integers(1, 4), st.integers(1, 4))  # (world_size, streams per rank)
 
 
 def read(units, position, streams, taken_per_stream):
     """Each stream reads its first ``taken`` samples; returns them and the ranks' positions."""
     seen = []
-    per_rank = max(1, position.num_workers)
-    rank_positions = [Position(position.epoch, position.world_size, position.num_workers, list(position.base),
-                               list(position.consumed), list(position.next_stream)) for _ in range(position.world_size)]
+    per_rank = position.streams
+    rank_positions = [Position(position.epoch, position.world_size, position.streams, list(position.base),
+                               list(position.consumed), list(position.next_stream), list(position.stream_items))
+                      for _ in range(position.world_size)]
     for s, (stream, taken) in enumerate(zip(streams, taken_per_stream)):
         mine = rank_positions[s // per_rank]
         for work in stream:
@@ -37,10 +38,10 @@ def read(units, position, streams, taken_per_stream):
 def test_every_sample_once_per_epoch_across_segments_and_grids(sizes, seed, segments, epoch, shuffle):
     units = [Unit(f"u{i}", n) for i, n in enumerate(sizes)]
     saved, seen = None, []
-    for (world_size, num_workers), taken in segments:
-        position = continue_position(saved, epoch, len(units), world_size, num_workers)
+    for (world_size, streams_per_rank), taken in segments:
+        position = continue_position(saved, epoch, len(units), world_size, streams_per_rank)
         streams = plan_streams(units, seed, position, shuffle=shuffle)
-        assert len(streams) == world_size * max(1, num_workers)
+        assert len(streams) == world_size * streams_per_rank
         got, saved = read(units, position, streams, taken)
         seen += got
     position = continue_position(saved, epoch, len(units), 1, 1)  # the rest, on one stream

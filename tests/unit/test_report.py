@@ -95,3 +95,23 @@ def test_format_value_and_memory_range():
     assert format_value(15) == "15" and format_value([]) == "none"
     low, high = memory_ylim([0.4902, 0.4905, 0.4908])  # flat memory must look flat
     assert low == 0 and (0.4908 - 0.4902) / (high - low) < 0.01 and high >= 0.4908
+
+
+def test_incident_kinds_are_told_apart_and_bad_samples_do_not_clutter_every_chart(tiny_config, tmp_path):
+    import json
+
+    tk.Trainer(tiny_config("memory.every_steps=5"), progress=False).fit()
+    run = tmp_path / "runs" / "tiny"
+    rows = [{"kind": "bad_sample", "step": step, "message": f"skipped a bad sample: row {step}"} for step in range(1, 40)]
+    rows += [{"kind": "spike", "step": 4, "message": "loss spike"}, {"kind": "some_new_kind", "step": 6, "message": "?"}]
+    (run / "incidents.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "resume", "step": 3}) + "\n")
+    report = build_report(run, tmp_path / "report")
+    assert report.drawn["loss"] == ["bad_sample", "resume", "some_new_kind", "spike"]
+    assert report.drawn["memory"] == ["resume"] and report.drawn["lr"] == ["resume"]  # no bad samples there
+    assert report.drawn["grad_norm"] == ["resume", "spike"]
+    from torchkeel.report.build import colour
+
+    kinds = ["bad_sample", "spike", "resume", "some_new_kind", "nonfinite", "rollback", "input_bound", "leak"]
+    assert len({colour(k) for k in kinds}) == len(kinds)

@@ -80,3 +80,59 @@ def test_epoch_loader_rejects_empty_and_iterable_datasets():
         tk.EpochLoader(TensorDataset(torch.zeros(0)), 4)
     with pytest.raises(tk.DataError, match="must be map-style"):
         tk.EpochLoader(iter([1, 2]), 4)
+
+
+def unseeded_mlp():
+    """As people write factories: no seed of its own."""
+    return torch.nn.Sequential(torch.nn.Linear(9, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+class Augmenting(Dataset):
+    """Map-style samples augmented with torch's and numpy's global generators."""
+
+    def __init__(self, num: int) -> None:
+        g = torch.Generator().manual_seed(num)
+        self.x, self.y = torch.randn(num, 9, generator=g), torch.randint(0, 4, (num,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(9) + float(np.random.normal(scale=0.01)), self.y[i]
+
+
+def augmenting_data():
+    return Augmenting(320), Augmenting(64)
+
+
+@pytest.mark.parametrize("source", ["parquet", "map"])
+def test_the_first_run_on_a_machine_equals_every_rerun(tmp_path, monkeypatch, source):
+    """An unseeded factory, ``num_workers: auto`` and an empty cache: the first run times the
+    workers (the trial reads and augments batches), the rerun reads the choice from the cache,
+    a third loads with another worker count — every step's loss, bit for bit."""
+    import streamdata
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
+    if source == "parquet":
+        data = ["data.format=parquet", f"data.train={streamdata.write_parquet(tmp_path / 'data')}",
+                "data.input=[id, f0, f1, f2, f3, f4, f5, f6, f7]", "data.target=label"]
+    else:
+        data = ["data.target=test_reproducibility:augmenting_data"]
+
+    def run(name, *extra):
+        config = tk.load_config(None, [f"out_dir={tmp_path}", f"name={name}", "model.target=test_reproducibility:unseeded_mlp",
+                                       *data, "train.max_epochs=2", "train.batch_size=16", "train.log_every=1", *extra])
+        trainer = tk.Trainer(config, progress=False)
+        trainer.fit()
+        rows = tk.read_metrics(tmp_path / name / "metrics.jsonl")
+        return trainer, rows
+
+    first, first_rows = run("first")
+    second, second_rows = run("second")
+    third, third_rows = run("third", "data.num_workers=2" if first.data.tuning.num_workers != 2 else "data.num_workers=0")
+    trial, cached = ([r for r in rows if r["kind"] == "data_workers"][0] for rows in (first_rows, second_rows))
+    assert not trial["cached"] and cached["cached"]  # the first run timed the workers, the second did not
+    losses = [[r["loss"] for r in rows if r["kind"] == "train"] for rows in (first_rows, second_rows, third_rows)]
+    assert losses[0] == losses[1] == losses[2] and len(losses[0]) > 20
+    for trainer in (second, third):
+        assert all(torch.equal(a, b) for a, b in zip(first.model.state_dict().values(), trainer.model.state_dict().values()))

@@ -208,18 +208,18 @@ def test_requests_arriving_while_the_model_is_busy_form_the_next_batch_at_once()
 
 def test_fast_models_run_on_the_event_loop_and_slow_ones_on_the_model_thread():
     import threading
-    import time
 
     def check(delay_s):
         threads = []
+        now = [0.0]
 
-        def model(x):
+        def model(x):  # takes delay_s on the batcher's clock: a busy machine cannot stretch it
             threads.append(threading.get_ident())
-            time.sleep(delay_s)
+            now[0] += delay_s
             return x
 
         async def main():
-            batcher = DynamicBatcher(model, inline_max_ms=10)
+            batcher = DynamicBatcher(model, inline_max_ms=10, clock=lambda: now[0])
             await batcher.start()
             for _ in range(5):  # one at a time: each finds the model idle
                 await batcher.submit(np.ones((1, 1)))

@@ -123,3 +123,107 @@ def test_trainer_accumulation_matches_the_big_batch(tiny_config):
         weights.append(trainer.model.state_dict())
     for key in weights[0]:
         torch.testing.assert_close(weights[1][key], weights[0][key], rtol=0, atol=1e-6)
+
+
+def write_uneven_shards(root, sizes):
+    """WebDataset shards of the given sizes (the streamdata samples: column 0 the id)."""
+    import io
+    import tarfile
+
+    import numpy as np
+    import streamdata
+
+    x, y = streamdata.samples(sum(sizes))
+    root.mkdir(parents=True, exist_ok=True)
+    start = 0
+    for s, size in enumerate(sizes):
+        with tarfile.open(root / f"shard-{s}.tar", "w") as tar:
+            for i in range(start, start + size):
+                buffer = io.BytesIO()
+                np.save(buffer, x[i])
+                for name, data in ((f"{i:06d}.npy", buffer.getvalue()), (f"{i:06d}.cls", str(int(y[i])).encode())):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        start += size
+    return str(root / "shard-*.tar")
+
+
+@pytest.mark.parametrize("epochs", [2, 3])
+def test_every_epoch_of_a_stream_is_trained_to_its_end_and_the_schedule_ends_at_its_floor(tmp_path, monkeypatch, epochs):
+    """3 shards of 150/130/120 samples in 2 streams, 2 workers, batch 32: epoch 0's plan has 13
+    batches, epoch 1's 14; all of them are trained, and the last step runs at min_lr."""
+    import streamdata
+
+    log = tmp_path / "ids.log"
+    monkeypatch.setenv("STREAM_LOG", str(log))
+    config = tk.load_config(None, [
+        f"out_dir={tmp_path}", "model.target=streamdata:make_model", "data.format=webdataset",
+        f"data.train={write_uneven_shards(tmp_path / 'shards', [150, 130, 120])}", "data.input=npy", "data.target=cls",
+        "data.streams=2", "data.num_workers=2", "loss.step_fn=streamdata:logged_step", "train.batch_size=32",
+        f"train.max_epochs={epochs}",
+        "train.log_every=1", "schedule.min_lr=1e-4", "optim.lr=1e-2", "schedule.warmup_steps=2",
+    ])
+    trainer = tk.Trainer(config, progress=False)
+    summary = trainer.fit()
+    ids = [int(i) for i in log.read_text().split()]
+    assert summary["samples"] == len(ids) == 400 * epochs and summary["epochs"] == epochs
+    assert all(sorted(ids[e * 400:(e + 1) * 400]) == list(range(400)) for e in range(epochs))
+    per_epoch = [trainer.train_loader.num_batches(e) for e in range(epochs)]
+    assert per_epoch[:2] == [13, 14]  # an epoch-0 estimate would cut epoch 1 short
+    assert summary["steps"] == sum(per_epoch) == trainer.total_steps  # the plan counted every epoch exactly
+    train = rows(tmp_path / "run", "train")
+    assert train[-1]["step"] == summary["steps"] and train[-1]["lr"] == pytest.approx(1e-4, rel=1e-9)
+    assert all(r["lr"] > 1e-4 * (1 + 1e-9) for r in train[:-1])
+
+
+class LastBatchBad(torch.utils.data.Dataset):
+    """64 samples in file order (batches of 8): the whole last batch fails to load."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if i >= 56:
+            raise OSError(f"sample {i} is unreadable")
+        return torch.full((8,), i / 64.0), torch.tensor(i % 2)
+
+
+def test_a_run_shorter_than_planned_takes_its_last_step_at_the_floor(tmp_path):
+    """Bad samples removed a whole batch: 7 steps instead of the 8 planned. The loop reads one
+    group ahead, knows the 7th is the last, and runs it at min_lr."""
+    config = tk.load_config(None, [f"out_dir={tmp_path}", "data.num_workers=0", "data.shuffle=false",
+                                   "data.max_bad_fraction=0.2", "train.batch_size=8", "train.log_every=1",
+                                   "schedule.min_lr=1e-4", "optim.lr=1e-2"])
+    trainer = tk.Trainer(config, model=nn.Linear(8, 2), train_data=LastBatchBad(), progress=False)
+    summary = trainer.fit()
+    assert trainer.total_steps == 8 and summary["steps"] == 7 and summary["incidents"]["bad_sample"] == 8
+    train = rows(tmp_path / "run", "train")
+    assert train[-1]["lr"] == pytest.approx(1e-4, rel=1e-9) and train[-2]["lr"] > 2e-4
+
+
+def test_the_job_line_is_not_a_progress_line():
+    import io
+
+    from torchkeel.train.metrics import Progress
+
+    stream = io.StringIO()
+    progress = Progress(10, stream=stream)
+    progress.log({"kind": "dist", "step": 0, "world_size": 2, "strategy": "ddp"})
+    progress.log({"kind": "resume", "step": 3, "checkpoint": "x"})
+    assert stream.getvalue() == ""
+
+
+def test_a_resumed_bar_counts_from_the_resumed_step():
+    import io
+
+    from torchkeel.train.metrics import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    progress = Progress(7500, stream=Terminal(), initial=5969)
+    progress.advance(1531)
+    assert progress.bar.n == 7500 and progress.bar.total == 7500
+    progress.close()

@@ -124,3 +124,26 @@ def test_a_rank_outside_torchrun_is_a_config_error(tiny_config, monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(tk.ConfigError, match="WORLD_SIZE=2 is set but not MASTER_ADDR"):
         tk.Trainer(tiny_config("train.max_steps=3"), progress=False)
+
+
+def test_a_resume_says_how_its_config_differs_and_refuses_what_breaks_exactness(tiny_config, capsys):
+    import torchkeel as tk
+
+    tk.Trainer(tiny_config("train.max_epochs=1"), progress=False).fit()
+    capsys.readouterr()
+    with pytest.raises(tk.ConfigError, match=r"differs from checkpoint .* in what the run computes \(seed: 0 -> 3\).*"
+                                             r"--allow-config-change"):
+        tk.Trainer(tiny_config("train.max_epochs=2", "seed=3"), resume="auto", progress=False).fit()
+    with pytest.raises(tk.ConfigError, match=r"data.collate: \"default\" -> \"pad\"; train.batch_size: 16 -> 8"):
+        tk.Trainer(tiny_config("data.collate=pad", "train.batch_size=8"), resume="auto", progress=False).fit()
+    capsys.readouterr()
+    summary = tk.Trainer(tiny_config("train.max_epochs=2", "data.num_workers=0"), resume="auto", progress=False).fit()
+    err = capsys.readouterr().err
+    assert summary["status"] == "completed" and summary["epochs"] == 2
+    assert "keel: resumed: step 30 epoch 1 batch_in_epoch 0" in err  # said with progress off too
+    assert "config differs from the checkpoint's: train.max_epochs: 1 -> 2 (the learning-rate schedule is planned " \
+           "anew" in err
+    assert "data.num_workers" in err  # how data is loaded: printed, never refused
+    allowed = tk.Trainer(tiny_config("train.max_epochs=3", "seed=3"), resume="auto", allow_config_change=True,
+                         progress=False).fit()
+    assert allowed["epochs"] == 3 and "seed: 0 -> 3 (allowed by --allow-config-change" in capsys.readouterr().err

@@ -4,36 +4,13 @@ scaler, every RNG, and the caller's progress counters."""
 from __future__ import annotations
 
 import contextlib
-
-import random
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from torchkeel.errors import CheckpointError
-
-
-def capture_rng() -> dict[str, Any]:
-    """Python, numpy, torch CPU and every CUDA device's RNG state."""
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def restore_rng(state: Mapping[str, Any]) -> None:
-    """Inverse of ``capture_rng``. CUDA states are restored for as many devices as both sides have."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np.random.set_state(tuple(state["numpy"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        for device, rng in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(rng, device)
+from torchkeel.rng import capture_rng, restore_rng
 
 
 @contextlib.contextmanager

@@ -8,8 +8,15 @@ import signal
 import subprocess
 import sys
 
+import torch
+
 from torchkeel.checkpoint.faults import parse_fault_rules, parse_step_faults
+from torchkeel.config.imports import check_target, resolve_target
 from torchkeel.config.load import load_config
+from torchkeel.config.schema import KeelConfig
+from torchkeel.data.build import build_sources
+from torchkeel.distributed.rank import RankInfo
+from torchkeel.env.cpus import choose_threads, usable_cpus
 from torchkeel.errors import ConfigError
 from torchkeel.train.trainer import Trainer
 
@@ -23,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue from the newest valid checkpoint of the run (auto) or from PATH")
     parser.add_argument("--init-from", metavar="PATH",
                         help="start from these weights (checkpoint, .safetensors, .pt); sets model.init_from")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="with --resume: continue although the config differs from the checkpoint's in what "
+                             "the run computes (data, model, batch, seed...)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     parser.add_argument("--no-progress", action="store_true", help="print no progress lines")
     parser.add_argument("--nproc", type=int, metavar="N",
@@ -31,21 +41,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.nproc is not None and "LOCAL_RANK" not in os.environ:
-        return launch(args.nproc, args.argv)
     # Console scripts do not put the working directory on sys.path; `python -m` would.
     # Users' import paths (model.target: mymodels:Net) are relative to where they run keel.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     overrides = list(args.overrides) + ([f"model.init_from={args.init_from}"] if args.init_from else [])
-    config = load_config(args.config, overrides)
+    config = load_config(args.config, overrides)  # a usage error is said once, before any rank starts
+    if args.nproc is not None and "LOCAL_RANK" not in os.environ:
+        check_import_paths(config)
+        return launch(args.nproc, args.argv)
+    rank = RankInfo.from_env()
+    threads, reason = choose_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), usable_cpus(), os.environ)
+    if threads is not None:
+        torch.set_num_threads(threads)
     faults = os.environ.get("TORCHKEEL_TEST_FAULTS")  # test seams, see torchkeel.checkpoint.faults
     step_faults = os.environ.get("TORCHKEEL_TEST_STEP_FAULTS")
     trainer = Trainer(
-        config, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
+        config, resume=args.resume, allow_config_change=args.allow_config_change, overwrite=args.overwrite,
+        progress=not args.no_progress,
         checkpoint_hook=parse_fault_rules(faults) if faults else None,
         oom_hook=parse_step_faults(step_faults) if step_faults else None,
     )
+    if threads is not None and rank.is_main and not args.no_progress:
+        print(f"keel: torch threads: {threads} per process ({reason})", file=sys.stderr)
     summary = trainer.fit()
     if trainer.rank.is_main:
         print(format_summary(summary))
@@ -53,6 +71,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"keel: rank {trainer.rank.rank}: stopped by {summary['signal']} at step {summary['steps']} "
               f"(exit {exit_code(summary)})", file=sys.stderr)
     return exit_code(summary)
+
+
+def check_import_paths(config: KeelConfig) -> None:
+    """Every ``module:callable`` of the config resolves, checked once before the ranks start
+    (each rank would otherwise print the same error, and torchrun its traceback)."""
+    if config.model.target is not None:
+        check_target(config.model.target, config.model.args, "model")
+    if config.data.format == "map" and config.data.target is not None:
+        check_target(config.data.target, config.data.args, "data")
+    if config.loss.step_fn is None:
+        check_target(config.loss.target, config.loss.args, "loss")
+    paths = [("loss.step_fn", config.loss.step_fn),
+             ("data.collate", config.data.collate if ":" in config.data.collate else None),
+             ("data.transform", config.data.transform), ("data.batch_transform", config.data.batch_transform),
+             *((f"metrics[{i}].target", m.target) for i, m in enumerate(config.metrics))]
+    for key, target in paths:
+        if target is not None:
+            resolve_target(target, key)
+    if config.data.format != "map":
+        build_sources(config.data)  # files, columns and shards as each rank would read them
 
 
 def launch(nproc: int, argv: list[str]) -> int:

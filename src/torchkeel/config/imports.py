@@ -54,21 +54,30 @@ def build_target(
     The arguments are bound against the signature first, so a misspelt entry of ``<key>.args``
     is reported as a config error rather than a traceback from inside the call.
     """
+    fn = check_target(spec, args, key, call_args=call_args, call_kwargs=call_kwargs)
+    return fn(*call_args, **{**(call_kwargs or {}), **args})
+
+
+def check_target(
+    spec: str,
+    args: Mapping[str, Any],
+    key: str,
+    *,
+    call_args: tuple[Any, ...] = (),
+    call_kwargs: Mapping[str, Any] | None = None,
+) -> Callable[..., Any]:
+    """What ``build_target`` checks before the call: ``spec`` resolves, and ``args`` fit it."""
     fn = resolve_target(spec, f"{key}.target")
-    kwargs = {**(call_kwargs or {}), **args}
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
-        signature = None  # builtins without a signature: let the call report
-    if signature is not None:
-        _check_names(signature, args, spec, key)
-        try:
-            signature.bind(*call_args, **kwargs)
-        except TypeError as exc:
-            raise ConfigError(
-                f"{key}.args do not fit {spec}{signature}: {exc}; fix the keys under {key}.args"
-            ) from None
-    return fn(*call_args, **kwargs)
+        return fn  # builtins without a signature: let the call report
+    _check_names(signature, args, spec, key)
+    try:
+        signature.bind(*call_args, **{**(call_kwargs or {}), **args})
+    except TypeError as exc:
+        raise ConfigError(f"{key}.args do not fit {spec}{signature}: {exc}; fix the keys under {key}.args") from None
+    return fn
 
 
 def _check_names(signature: inspect.Signature, args: Mapping[str, Any], spec: str, key: str) -> None:

@@ -70,6 +70,10 @@ class DataConfig:
     input: Union[str, list[str], None] = None
     """Parquet: the feature columns (stacked into one vector) or one list-valued column.
     WebDataset: the sample key of the input (``npy``); ``null`` yields the decoded sample as a dict."""
+    columns: list[str] = field(default_factory=list)
+    """Parquet, instead of ``input``/``target``: samples are dicts of these columns, one tensor
+    each — a number, a vector, or a variable-length list (with ``collate: pad``) — for a model
+    called as ``model(**batch)`` (``[input_ids, labels]``)."""
     image: Optional[str] = None
     """WebDataset: decode images with this ``webdataset`` spec (``rgb8``, ``torchrgb``...; needs Pillow)."""
     transform: Optional[str] = None
@@ -77,10 +81,19 @@ class DataConfig:
     batch_transform: Optional[str] = None
     """Parquet: ``module:callable`` applied to each block of rows, already tensors (vectorized)."""
     collate: str = "default"
-    """``default`` (stack), ``pad`` (pad variable lengths; dict batches gain ``lengths`` and
-    ``attention_mask``) or ``module:callable`` taking the list of samples."""
-    pad_value: float = 0.0
-    """The value ``collate: pad`` fills with."""
+    """``default`` (stack), ``pad`` (pad variable lengths to the longest of the batch) or
+    ``module:callable`` taking the list of samples."""
+    pad_value: Union[float, dict[str, float]] = 0.0
+    """What ``collate: pad`` fills with: a number, or a number per key (``{input_ids: 0, labels:
+    -100}``; tuple samples: an index, ``input`` or ``target``). Integer ``labels`` (and the
+    integer target of an ``(input, target)`` pair) get -100 unless named."""
+    mask_key: Optional[str] = "attention_mask"
+    """``collate: pad``: dict samples without this key get it (1 on the real elements of the
+    first sequence key, ``input_ids`` if there is one); ``null``: no mask is added."""
+    lengths_key: Optional[str] = None
+    """``collate: pad``: dict samples get each one's sequence length under this key (e.g.
+    ``lengths``, for ``loss.count_key``); ``null`` (the default) adds none, so a strict
+    ``forward(input_ids, attention_mask, labels)`` takes the batch."""
     bucket_by: Optional[str] = None
     """Group samples of similar length: a list-valued column (Parquet), or a dict key / ``input``
     / ``target`` of the sample (map-style datasets; lengths are read once at the start)."""
@@ -91,10 +104,15 @@ class DataConfig:
     Parquet row groups are shuffled whole."""
     drop_last: bool = False
     """Drop the last short batch (of each worker's stream, for streaming formats)."""
+    streams: int = 8
+    """Streaming formats: the streams each rank reads in turn. The batches and their order depend
+    on the seed, the epoch, the number of ranks and this — not on ``num_workers`` — so a run is
+    the same with any number of workers; each stream keeps one unit open (a row group, a shard
+    and its shuffle buffer), and more workers than streams would have nothing to read."""
     num_workers: Union[int, Literal["auto"]] = "auto"
     """DataLoader worker processes (0 loads in the training process); ``auto`` times 0, 1, 2, …
     up to the usable CPUs on the real data at the start and keeps the fastest (cached per data
-    and machine)."""
+    and machine). It changes how fast batches come, never which batches or their order."""
     prefetch_factor: int = 2
     """Batches each worker prepares ahead."""
     max_bad_fraction: float = 0.001
@@ -117,10 +135,19 @@ class LossConfig:
     step_fn: Optional[str] = None
     """``module:callable`` ``(model, batch)`` returning ``loss``, ``(loss, {name: value})``,
     ``(loss_sum, count)`` or ``(loss_sum, count, {name: value})``; replaces ``loss(model(input),
-    target)`` in training and validation (dict batches, ``model(**batch).loss``, several inputs)."""
+    target)`` in training and validation (several inputs, a loss of your own). Without one, a
+    dict batch is ``model(**batch)`` and its ``loss`` (a transformers-style model)."""
     count_key: Optional[str] = None
-    """A batch key holding the number of elements the loss is a mean over (e.g. ``lengths``, or
-    non-padding tokens); accumulation weighs micro-batches by it instead of by samples."""
+    """A batch key that counts the elements the loss is a mean over; accumulation weighs
+    micro-batches by it instead of by samples. A key named ``labels`` (or ending in ``labels``)
+    counts its elements other than ``ignore_index`` — what a transformers model's token-mean loss
+    divides by; any other key is summed (``lengths``, a 0/1 ``attention_mask``, a count)."""
+    ignore_index: int = -100
+    """With a label ``count_key``: the label value that is not counted (cross-entropy's ``ignore_index``)."""
+    shift_labels: Optional[bool] = None
+    """With a label ``count_key``: the model predicts the next token, so each row's first label is
+    not counted. ``null``: true for a transformers model whose loss is its causal-LM loss
+    (``*ForCausalLM``, ``*LMHeadModel``), false otherwise."""
 
 
 @dataclass
@@ -372,6 +399,11 @@ class KeelConfig:
         _positive("data.prefetch_factor", d.prefetch_factor)
         _positive("data.bucket_window", d.bucket_window)
         _at_least("data.shuffle_buffer", d.shuffle_buffer, 0)
+        _positive("data.streams", d.streams)
+        if isinstance(d.pad_value, dict):
+            for key, value in d.pad_value.items():
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ConfigError(f"data.pad_value.{key} must be a number, got {value!r}")
         if d.preprocess.mode is not None:
             from torchkeel.data.images import ImagePreprocess  # torch and numpy: only when asked for
 
@@ -382,8 +414,12 @@ class KeelConfig:
             raise ConfigError(f"data.max_bad_fraction must be in [0, 1], got {d.max_bad_fraction}")
         if d.format == "map" and d.train is not None:
             raise ConfigError("data.train is for streaming formats; set data.format=parquet or webdataset")
-        if d.format == "parquet" and d.input is None and d.train is not None:
-            raise ConfigError("data.format=parquet needs data.input: the feature columns or one list-valued column")
+        if d.format == "parquet" and d.input is None and not d.columns and d.train is not None:
+            raise ConfigError("data.format=parquet needs data.input (the feature columns, or one list-valued column) "
+                              "or data.columns (the columns of dict samples)")
+        if d.columns and (d.format != "parquet" or d.input is not None or d.target is not None):
+            raise ConfigError("data.columns makes dict samples of Parquet columns: use it with data.format=parquet, "
+                              "without data.input and data.target (name the label column among data.columns)")
         if d.format == "webdataset" and d.bucket_by is not None:
             raise ConfigError("data.bucket_by works with parquet and map-style data; for webdataset, "
                               "write shards grouped by length or drop data.bucket_by")

@@ -20,6 +20,7 @@ from torchkeel.data.tune import TuneResult, tune_workers
 from torchkeel.distributed.agree import agree_min
 from torchkeel.distributed.rank import per_rank
 from torchkeel.errors import ConfigError
+from torchkeel.rng import preserved_rng
 
 Loader = EpochLoader | StreamLoader
 
@@ -71,8 +72,8 @@ def build_sources(cfg: DataConfig) -> tuple[Any, Any]:
         if cfg.format == "parquet":
             from torchkeel.data.sources.parquet import ParquetSource
 
-            return ParquetSource(paths, input=cfg.input, target=cfg.target, bucket_by=cfg.bucket_by,
-                                 bucket_window=cfg.bucket_window, key=key)
+            return ParquetSource(paths, input=cfg.input, target=cfg.target, columns=cfg.columns, bucket_by=cfg.bucket_by,
+                                 bucket_window=cfg.bucket_window, key=key, fixed_length=cfg.collate == "default")
         from torchkeel.data.sources.webdataset import WebDatasetSource
 
         return WebDatasetSource(paths, input=cfg.input if isinstance(cfg.input, str) or cfg.input is None
@@ -89,7 +90,8 @@ def loader_factory(
     cfg: DataConfig, *, batch_size: int, seed: int, device: torch.device, rank: int = 0, world_size: int = 1
 ) -> LoaderFactory:
     """``make(data, num_workers, train=True)``: a loader for a dataset or source with the config's settings."""
-    collate = build_collate(cfg.collate, cfg.pad_value) if cfg.collate != "default" else None
+    collate = build_collate(cfg.collate, cfg.pad_value, mask_key=cfg.mask_key,
+                            lengths_key=cfg.lengths_key) if cfg.collate != "default" else None
     transform = sample_transform(cfg)
     batch_transform = resolve_target(cfg.batch_transform, "data.batch_transform") if cfg.batch_transform else None
 
@@ -99,7 +101,7 @@ def loader_factory(
                       shuffle=cfg.shuffle and train, drop_last=cfg.drop_last and train)
         if is_source(data):  # each rank streams its own units: its share of the batch
             return StreamLoader(data, per_rank(batch_size, world_size), transform=transform, batch_transform=batch_transform,
-                                rank=rank, world_size=world_size, **common)
+                                rank=rank, world_size=world_size, streams=cfg.streams, **common)
         key = id(data)  # the caller keeps train and val data alive: ids stay theirs
         if transform is not None:
             data = _Transformed(data, transform)
@@ -139,7 +141,9 @@ def build_loaders(
     tuning = None
     num_workers = cfg.num_workers
     if num_workers == "auto":
-        tuning = tune_workers(lambda n: make(train_data, n), fingerprint=data_fingerprint(train_data, cfg, batch_size))
+        with preserved_rng():  # the trial runs or not (the cache): the run must not depend on it
+            tuning = tune_workers(lambda n: make(train_data, n), fingerprint=data_fingerprint(train_data, cfg, batch_size),
+                                  limit=cfg.streams if is_source(train_data) else None)
         num_workers = tuning.num_workers
         if world_size > 1:  # the ranks share the machine's CPUs; streams must match on every rank
             num_workers = agree_min(num_workers, device)
@@ -204,7 +208,7 @@ def data_fingerprint(data: Any, cfg: DataConfig, batch_size: int) -> str:
     what = data.fingerprint() if is_source(data) else [
         f"{type(data).__module__}.{type(data).__qualname__}", len(data), cfg.target, cfg.args]
     return json.dumps([what, batch_size, cfg.collate, cfg.transform, cfg.batch_transform, cfg.prefetch_factor,
-                       dataclasses.asdict(cfg.preprocess)],
+                       cfg.streams, dataclasses.asdict(cfg.preprocess)],
                       default=str, sort_keys=True)
 
 

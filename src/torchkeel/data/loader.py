@@ -3,15 +3,18 @@ start mid-epoch.
 
 Because the order of epoch ``e`` is a pure function of the seed and ``e``, a resumed run sees
 exactly the batches an uninterrupted run would, and the global RNG is never consumed by the
-loader, so a hand-written loop and the Trainer draw the same numbers. Worker processes persist
-across epochs: the sampler, in the main process, is told each epoch's order.
+loader, so a hand-written loop and the Trainer draw the same numbers. Each batch's
+``__getitem__`` calls draw from generators seeded by ``(seed, rank, epoch, first index)``
+(``torchkeel.rng.isolated_rng``), so random augmentations are the same with any number of
+workers and after a resume. Worker processes persist across epochs: the sampler, in the main
+process, is told each epoch's order.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +22,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from torchkeel.data.collate import DefaultCollate
+from torchkeel.data.collate import DefaultCollate, collate_or_split
 from torchkeel.distributed.parallel import empty_like_batch
 from torchkeel.distributed.rank import per_rank
 from torchkeel.data.order import bucket_order, epoch_seed
 from torchkeel.data.stream import worker_context
 from torchkeel.data.bad import BadSamples, remember
 from torchkeel.errors import DataError, first_line
+from torchkeel.rng import isolated_rng, preserved_rng
 
 @dataclass
 class _BadItem:
@@ -34,41 +38,73 @@ class _BadItem:
 
 
 class _Guarded(Dataset):
-    """The user's dataset, with an item that raises turned into a record of it (never a stand-in)."""
+    """The user's dataset, with an item that raises turned into a record of it (never a stand-in),
+    and each batch's sample draws made on generators seeded by ``(seed, rank, epoch, its first
+    index)`` — a batch's own key, whichever worker makes it. ``epoch`` is shared memory the
+    loader writes before each epoch (persistent workers read it)."""
 
-    def __init__(self, dataset: Dataset[Any]) -> None:
-        self.dataset = dataset
+    def __init__(self, dataset: Dataset[Any], seed: int, rank: int, epoch: torch.Tensor) -> None:
+        self.dataset, self.seed, self.rank, self._epoch = dataset, seed, rank, epoch
+        self.epoch = epoch.numpy()  # a view of the shared tensor: cheaper to read than the tensor
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "epoch": None}  # spawned workers get the shared tensor, and view it anew
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.epoch = self._epoch.numpy()
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> Any:
+        with isolated_rng(self.seed, self.rank, int(self.epoch[0]), index):
+            return self._item(index)
+
+    def _item(self, index: int) -> Any:
         try:
             return self.dataset[index]
         except Exception as exc:
             return _BadItem(index, f"{type(exc).__name__}: {first_line(exc)}")
 
-    def __getitems__(self, indices: list[int]) -> list[Any]:
+    def __getitems__(self, indices: list[int]) -> "_Fetched":
         """A batch's items in one call (the DataLoader's fetcher uses it); item by item only when
         one of them raises, so the others are kept."""
-        try:
-            return [self.dataset[i] for i in indices]
-        except Exception:
-            return [self[i] for i in indices]
+        with isolated_rng(self.seed, self.rank, int(self.epoch[0]), indices[0]):
+            try:
+                items = [self.dataset[i] for i in indices]
+            except Exception:
+                items = [self._item(i) for i in indices]
+        return _Fetched(items, indices)
+
+
+@dataclass
+class _Fetched:
+    items: list[Any]
+    indices: list[int]
 
 
 class _Collate:
-    """Collate the good samples; hand back the bad ones beside them."""
+    """Collate the good samples; hand back the bad ones (those that raised, and those whose
+    shape differs from the rest of the batch) beside them."""
 
     def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
         self.collate = collate
 
-    def __call__(self, items: list[Any]) -> tuple[Any, list[_BadItem]]:
+    def __call__(self, fetched: _Fetched) -> tuple[Any, list[_BadItem], list[int]]:
+        items, indices = fetched.items, fetched.indices
         bad = [item for item in items if type(item) is _BadItem]
-        if not bad:
-            return self.collate(items), bad
-        good = [item for item in items if type(item) is not _BadItem]
-        return (self.collate(good) if good else None), bad
+        if bad:
+            indices = [i for i, item in zip(indices, items) if type(item) is not _BadItem]
+            items = [item for item in items if type(item) is not _BadItem]
+            if not items:
+                return None, bad, []
+        batch, odd, keep = collate_or_split(self.collate, items, lambda k: f"dataset index {indices[k]}")
+        if odd:
+            kept = set(keep)
+            bad += [_BadItem(indices[k], error) for k, (_, error) in zip((k for k in range(len(indices)) if k not in kept), odd)]
+            indices = [indices[k] for k in keep]
+        return batch, bad, indices
 
 
 class _EpochSampler(Sampler[int]):
@@ -93,9 +129,10 @@ class EpochLoader:
     rank whose slice is empty gets an empty batch), so every rank yields the same number of
     batches and each sample is seen once per epoch by one rank.
 
-    A sample whose ``__getitem__`` raises is skipped and listed in ``new_bad`` (the Trainer
-    records it as an incident); past ``max_bad_fraction`` of the dataset in one epoch, a
-    ``DataError`` lists the first ten. ``bucket_by`` (a dict key or tuple index of the sample)
+    A sample whose ``__getitem__`` raises, or whose shape differs from the rest of its batch, is
+    skipped and listed in ``new_bad`` (the Trainer records it as an incident); past
+    ``max_bad_fraction`` of the dataset in one epoch, a ``DataError`` lists the first ten (with
+    several ranks the caller shares the counts and calls ``bad.check()``, see ``BadSamples``). ``bucket_by`` (a dict key or tuple index of the sample)
     sorts windows of ``bucket_window`` samples by that field's length: batches of similar
     lengths, in an order that is still a function of ``(seed, epoch)``.
 
@@ -147,16 +184,22 @@ class EpochLoader:
         self.num_samples = len(dataset)  # type: ignore[arg-type]
         if self.num_samples == 0:
             raise DataError(f"dataset {type(dataset).__name__} is empty")
-        self.bad = BadSamples(max_bad_fraction, self.num_samples)
+        self.bad = BadSamples(max_bad_fraction, self.num_samples, world_size)
         self._lengths: np.ndarray | None = None if lengths is None else np.asarray(lengths, dtype=np.int64)
         self._sampler = _EpochSampler()
+        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._loader: DataLoader | None = None
         self._origins: dict[int, list[int]] = {}
+        self._num_bad: dict[int, int] = {}
 
     def __len__(self) -> int:
         """Batches per epoch (the last one may be short, unless ``drop_last``)."""
         round_ = math.floor if self.drop_last else math.ceil
         return round_(self.num_samples / self.batch_size)
+
+    def num_batches(self, epoch: int) -> int:
+        """The batches every rank iterates in ``epoch`` (the same in every epoch)."""
+        return len(self)
 
     def indices(self, epoch: int) -> list[int]:
         """The sample order of ``epoch``."""
@@ -178,7 +221,8 @@ class EpochLoader:
             if given is not None and len(given) == self.num_samples:
                 self._lengths = np.asarray(given, dtype=np.int64)
             else:
-                self._lengths = np.array([_length(self.dataset[i], self.bucket_by) for i in range(self.num_samples)])
+                with preserved_rng():  # a __getitem__ that augments must not move the run's generators
+                    self._lengths = np.array([_length(self.dataset[i], self.bucket_by) for i in range(self.num_samples)])
         return self._lengths
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
@@ -189,8 +233,9 @@ class EpochLoader:
         order = self.indices(epoch)
         if self.drop_last:
             order = order[: len(self) * self.batch_size]
+        self._epoch[0] = epoch
         self._sampler.order = self.rank_share(order)[start_batch * self.rank_batch_size:]
-        return self._iterate(self._sampler.order, len(self) - start_batch)
+        return self._iterate(len(self) - start_batch)
 
     def rank_share(self, order: list[int]) -> list[int]:
         """This rank's slices of the global batches of ``order``, in order."""
@@ -203,17 +248,17 @@ class EpochLoader:
             mine.extend(order[low:low + n // world + (rank < n % world)])
         return mine
 
-    def _iterate(self, order: list[int], expected: int) -> Iterator[Any]:
-        size, template, count = self.rank_batch_size, None, 0
-        for number, (batch, bad) in enumerate(self._data_loader()):
+    def _iterate(self, expected: int) -> Iterator[Any]:
+        template, count = None, 0
+        for batch, bad, kept in self._data_loader():
             if bad:
                 self.bad.record([(f"dataset index {b.index}", b.error) for b in bad])
             if batch is None and self.world_size > 1 and template is not None:
                 batch = template  # all bad: the other ranks still step, so this one does too
             if batch is not None:
-                skipped = {b.index for b in bad}
-                chunk = order[number * size:(number + 1) * size]
-                remember(self._origins, batch, [i for i in chunk if i not in skipped])
+                if batch is not template:
+                    remember(self._origins, batch, kept)
+                    remember(self._num_bad, batch, len(bad))
                 template = template if template is not None else empty_like_batch(batch)
                 count += 1
                 yield batch
@@ -231,17 +276,16 @@ class EpochLoader:
         """Bad samples met since the caller last cleared this list, ``(where, error)``."""
         return self.bad.new
 
-    def state_dict(self) -> dict[str, Any]:
-        """The epoch's bad-sample count (the position itself is the caller's ``batch_in_epoch``)."""
-        return self.bad.state_dict()
+    def state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
+        """The epoch's bad-sample count (the position itself is the caller's ``batch_in_epoch``);
+        ``unconsumed``: batches handed out but not trained on, whose bad samples are not counted."""
+        state = self.bad.state_dict()
+        state["num_bad"] -= sum(self._num_bad.get(id(batch), 0) for batch in unconsumed)
+        return state
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
-        """Continue the bad-sample count: this rank's, or every rank's (a list) summed when the
-        number of ranks changed."""
-        states = [state] if isinstance(state, dict) else list(state)
-        if len(states) == self.world_size > 1:
-            states = [states[self.rank]]
-        self.bad.load_state_dict(states)
+        """Continue the bad-sample count from this rank's state, or every rank's (a list)."""
+        self.bad.load_state_dict([state] if isinstance(state, dict) else list(state), self.rank, self.world_size)
 
     def close(self) -> None:
         """Stop the worker processes (they are started again by the next ``epoch()``)."""
@@ -251,7 +295,7 @@ class EpochLoader:
         if self._loader is None:
             workers = self.num_workers
             self._loader = DataLoader(
-                _Guarded(self.dataset), batch_size=self.rank_batch_size, sampler=self._sampler,
+                _Guarded(self.dataset, self.seed, self.rank, self._epoch), batch_size=self.rank_batch_size, sampler=self._sampler,
                 num_workers=workers, pin_memory=self.pin_memory, collate_fn=_Collate(self.collate_fn),
                 worker_init_fn=seed_worker if workers else None, persistent_workers=workers > 0,
                 prefetch_factor=self.prefetch_factor if workers else None,

@@ -1,16 +1,26 @@
-"""Batches from a streaming source, read exactly once per epoch in a seeded, resumable order.
+"""Batches from a streaming source, read exactly once per epoch in a seeded, resumable order that
+does not depend on the number of worker processes.
 
-Worker processes persist across epochs. Each epoch, the main process writes the plan (which
-units each local stream reads, from which position) into a shared tensor; each worker reads
-its stream's units in order and cuts its own batches, tagged with the unit positions they
-reach. The DataLoader serves the workers in turn, and the loader records each position as the
-batch is handed out — so a checkpoint taken after a step holds exactly what was trained on,
-and a resume rotates the workers so that the stream whose batch came next still comes next.
+Each rank reads ``streams`` streams (``data.streams``); the plan (which units each stream reads,
+from which position) is a function of the seed and the epoch (``torchkeel.data.order``). Worker
+processes persist across epochs and share the streams out: worker ``w`` of ``W`` makes the
+batches of the streams ``s`` with ``s % W == w``. The loader serves the streams in turn — stream
+0's first batch, stream 1's, …, stream 0's second — whichever worker made them, keeping
+early arrivals aside; a worker that is ``window`` batches ahead on each of its streams sends a
+placeholder instead, so nothing piles up. The batches and their order are therefore the same
+with 0, 1 or 8 workers, and a resume continues with the very next batch on any of them.
+
+Each batch's sample transforms draw their random numbers from generators seeded by
+``(seed, epoch, stream, batch number)`` (``torchkeel.rng.isolated_rng``), so augmentations too
+are the same whoever makes the batch, and the training process's own generators never move.
+The loader records each position as the batch is handed out, so a checkpoint taken after a
+step holds exactly what was trained on.
 """
 
 from __future__ import annotations
 
-import math
+import copy
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,31 +29,48 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from torchkeel.data.batch import concat, map_tensors, take
-from torchkeel.data.collate import DefaultCollate
-from torchkeel.data.order import Position, Work, continue_position, merge_positions, plan_streams, unit_rng
+from torchkeel.data.collate import DefaultCollate, collate_or_split
+from torchkeel.data.order import (
+    Position, Work, continue_position, epoch_batches, epoch_seed, merge_positions, plan_streams, unit_rng,
+)
 from torchkeel.data.sources import Bad, Rows, Sample, Source
 from torchkeel.data.bad import BadSamples, remember
 from torchkeel.errors import DataError, first_line
+from torchkeel.rng import isolated_rng
+
+DEFAULT_STREAMS = 8
+
 
 @dataclass
 class BatchInfo:
-    """What comes with each batch from a worker: its stream, the unit positions it reaches, the
-    bad samples met since the previous batch, and where its samples came from."""
+    """What comes with each item from a worker: its local stream (-1: a placeholder), the unit
+    positions it reaches, the bad samples met since the stream's previous item, where its samples
+    came from, and whether it is the stream's last item of the epoch (then it holds no batch)."""
 
     stream: int
     positions: dict[int, int]
     bad: list[tuple[str, str]] = field(default_factory=list)
     origins: list[Any] = field(default_factory=list)
+    ended: bool = False
+
+
+_PLACEHOLDER = (None, BatchInfo(-1, {}))
 
 
 class _Streams(IterableDataset):
-    """The worker side: each worker reads the stream the shared plan gives it."""
+    """The worker side: each worker makes the batches of its share of the rank's streams.
 
-    def __init__(self, source: Source, plan: torch.Tensor, batch_size: int, *, seed: int,
-                 collate: Callable[[list[Any]], Any], transform: Callable[[Any], Any] | None,
-                 batch_transform: Callable[[Any], Any] | None, drop_last: bool, as_samples: bool,
-                 shuffle: bool) -> None:
-        self.source, self.plan, self.batch_size, self.seed = source, plan, batch_size, seed
+    ``plan`` (shared memory, written by the loader each epoch): ``[epoch, rows, batches given
+    so far by each of the streams…, (stream, unit, first) per row…]``. ``taken`` (shared): the
+    items of each stream the loader has served this epoch, which paces the workers.
+    """
+
+    def __init__(self, source: Source, plan: torch.Tensor, taken: torch.Tensor, batch_size: int, *, seed: int,
+                 rank: int, streams: int, window: int, collate: Callable[[list[Any]], Any],
+                 transform: Callable[[Any], Any] | None, batch_transform: Callable[[Any], Any] | None,
+                 drop_last: bool, as_samples: bool, shuffle: bool) -> None:
+        self.source, self.plan, self.taken, self.batch_size, self.seed = source, plan, taken, batch_size, seed
+        self.rank, self.streams, self.window = rank, streams, window
         self.collate, self.transform, self.batch_transform = collate, transform, batch_transform
         self.drop_last, self.as_samples, self.shuffle = drop_last, as_samples, shuffle
         self.sizes = [u.num_samples for u in source.units()]
@@ -51,13 +78,38 @@ class _Streams(IterableDataset):
     def __iter__(self) -> Iterator[tuple[Any, BatchInfo]]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        epoch, rotation, count = (int(x) for x in self.plan[:3])
-        rows = self.plan[3:3 + 3 * count].view(-1, 3).tolist()
-        stream = (worker + rotation) % num_workers
-        work = [Work(unit, first) for s, unit, first in rows if s == stream]
-        return self._batches(stream, epoch, work)
+        epoch, count = int(self.plan[0]), int(self.plan[1])
+        given = self.plan[2:2 + self.streams].tolist()
+        work: list[list[Work]] = [[] for _ in range(self.streams)]
+        for s, unit, first in self.plan[2 + self.streams:2 + self.streams + 3 * count].view(-1, 3).tolist():
+            work[s].append(Work(unit, first))
+        mine = [s for s in range(self.streams) if s % num_workers == worker]
+        return self._serve(epoch, {s: self._batches(s, epoch, work[s]) for s in mine}, given, paced=info is not None)
+
+    def _serve(self, epoch: int, streams: dict[int, Iterator[tuple[Any, BatchInfo]]], given: list[int],
+               paced: bool) -> Iterator[tuple[Any, BatchInfo]]:
+        """This worker's streams in turn, each item made on generators seeded by where it is."""
+        live, made, turn = list(streams), dict.fromkeys(streams, 0), 0
+        while live:
+            ready = [k for k in range(len(live)) if not paced
+                     or made[live[(turn + k) % len(live)]] < int(self.taken[live[(turn + k) % len(live)]]) + self.window]
+            if not ready:
+                yield _PLACEHOLDER  # every stream of this worker is far enough ahead: keep the loader's turn
+                continue
+            index = (turn + ready[0]) % len(live)
+            s = live[index]
+            with isolated_rng(self.seed, epoch, self.rank * self.streams + s, given[s] + made[s]):
+                item = next(streams[s])
+            made[s] += 1
+            if item[1].ended:
+                live.pop(index)
+                turn = index % len(live) if live else 0
+            else:
+                turn = (index + 1) % len(live)
+            yield item
 
     def _batches(self, stream: int, epoch: int, work: list[Work]) -> Iterator[tuple[Any, BatchInfo]]:
+        """One stream's batches, then its end marker (with the bad samples after its last batch)."""
         batch = _Pending(stream)
         for item in work:
             rng = unit_rng(self.seed, epoch, item.unit) if self.shuffle else None
@@ -75,7 +127,7 @@ class _Streams(IterableDataset):
                     batch.take_bad(item.unit, held, event.end)
                     batch.add_sample(item.unit, event)
                     if batch.num == self.batch_size:
-                        yield batch.emit(self.collate)
+                        yield batch.emit(self.collate, self.source.where)
                         batch = _Pending(stream)
                     continue
                 for piece in self._row_pieces(item.unit, event):
@@ -89,14 +141,14 @@ class _Streams(IterableDataset):
                         batch.add_rows(item.unit, piece, start, n)
                         start += n
                         if batch.num == self.batch_size:
-                            yield batch.emit(self.collate)
+                            yield batch.emit(self.collate, self.source.where)
                             batch = _Pending(stream)
             batch.take_bad(item.unit, held, self.sizes[item.unit])
             batch.positions[item.unit] = self.sizes[item.unit]
         if batch.num and (batch.num == self.batch_size or not self.drop_last):
-            yield batch.emit(self.collate)
-        elif batch.bad or batch.positions:
-            yield None, BatchInfo(stream, batch.positions, batch.bad)  # bad samples still get recorded
+            yield batch.emit(self.collate, self.source.where)
+            batch = _Pending(stream)
+        yield None, BatchInfo(stream, batch.positions, batch.bad, ended=True)
 
     def _transformed(self, sample: Sample) -> Sample | Bad:
         if self.transform is None:
@@ -159,15 +211,57 @@ class _Pending:
         self.num += count
         self.positions[unit] = int(rows.ends[start + count - 1])
 
-    def emit(self, collate: Callable[[list[Any]], Any]) -> tuple[Any, BatchInfo]:
+    def emit(self, collate: Callable[[list[Any]], Any], where: Callable[[int, int], str]) -> tuple[Any, BatchInfo]:
+        """The batch and its info; samples of another shape than the rest become bad samples."""
         if all(is_rows for is_rows, _, _ in self.parts):
-            data = concat([d for _, d, _ in self.parts])
-        else:  # single samples (a ragged unit beside a regular one too): one list, in order
-            samples: list[Any] = []
-            for is_rows, part, n in self.parts:
-                samples += _rows(part, n) if is_rows else [part]
-            data = collate(samples)
-        return data, BatchInfo(self.stream, self.positions, self.bad, self.origins)
+            try:
+                return concat([d for _, d, _ in self.parts]), BatchInfo(self.stream, self.positions, self.bad,
+                                                                        self.origins)
+            except RuntimeError:
+                pass  # blocks of two units that differ in shape: sample by sample, to name them
+        samples: list[Any] = []
+        origins: list[Any] = []  # per sample: its name, or (unit, row) to name it when needed
+        for (is_rows, part, n), origin in zip(self.parts, self.origins):
+            if is_rows:
+                samples += _rows(part, n)
+                origins += [(origin[0], int(row)) for row in origin[1]]
+            else:
+                samples.append(part)
+                origins.append(origin)
+
+        def name(i: int) -> str:
+            return origins[i] if isinstance(origins[i], str) else where(*origins[i])
+
+        data, bad, keep = collate_or_split(collate, samples, name)
+        kept_origins = self.origins if not bad else [name(i) for i in keep]
+        return data, BatchInfo(self.stream, self.positions, self.bad + bad, kept_origins)
+
+
+class _Undo:
+    """What handing out one batch changed in the position (and everything since the batch
+    before: stream ends), so that ``state_dict(unconsumed=...)`` can take it back."""
+
+    def __init__(self) -> None:
+        self.consumed: dict[int, int] = {}
+        self.items: dict[int, int] = {}
+        self.next_stream: int | None = None
+        self.bad = 0
+
+    def note(self, position: Position, turn: int, offset: int, units: dict[int, int]) -> None:
+        """Before an item of local stream ``turn`` changes ``position``: keep the old values."""
+        for unit in units:
+            self.consumed.setdefault(unit, position.consumed[unit])
+        self.items.setdefault(offset + turn, position.stream_items[offset + turn])
+        if self.next_stream is None:
+            self.next_stream = turn
+
+    def apply(self, position: Position, rank: int) -> None:
+        for unit, value in self.consumed.items():
+            position.consumed[unit] = value
+        for stream, value in self.items.items():
+            position.stream_items[stream] = value
+        if self.next_stream is not None:
+            position.next_stream[rank] = self.next_stream
 
 
 def _rows(block: Any, n: int) -> list[Any]:
@@ -182,9 +276,12 @@ def _identity(item: Any) -> Any:
 class StreamLoader:
     """Batches of a streaming ``Source`` for one epoch at a time, exactly once, resumable.
 
-    ``rank``/``world_size`` say which share this process reads; ``num_workers`` DataLoader
-    workers persist across epochs. ``state_dict()`` is the position (put it in the checkpoint);
-    after ``load_state_dict``, ``epoch(e, start_batch>0)`` continues with the very next samples.
+    ``rank``/``world_size`` say which share this process reads, in ``streams`` streams (the
+    batches and their order depend on the seed, the epoch, the world size and ``streams`` —
+    not on ``num_workers``); ``num_workers`` DataLoader workers (at most ``streams``: more
+    would have nothing to read) persist across epochs. ``state_dict()`` is the position (put
+    it in the checkpoint); after ``load_state_dict``, ``epoch(e, start_batch>0)`` continues
+    with the very next samples, with any number of workers.
 
     Example::
 
@@ -202,6 +299,7 @@ class StreamLoader:
         seed: int = 0,
         shuffle: bool = True,
         num_workers: int = 0,
+        streams: int = DEFAULT_STREAMS,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         transform: Callable[[Any], Any] | None = None,
         batch_transform: Callable[[Any], Any] | None = None,
@@ -214,8 +312,11 @@ class StreamLoader:
         max_bad_fraction: float = 0.001,
         as_samples: bool | None = None,
     ) -> None:
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, got {streams}")
         self.source, self.batch_size, self.seed, self.shuffle = source, batch_size, seed, shuffle
-        self.num_workers, self.rank, self.world_size = num_workers, rank, world_size
+        self.streams, self.num_workers = streams, min(num_workers, streams)
+        self.rank, self.world_size = rank, world_size
         self.drop_last, self.max_bad_fraction = drop_last, max_bad_fraction
         self.units = source.units()
         self.num_samples = sum(u.num_samples for u in self.units)
@@ -223,50 +324,84 @@ class StreamLoader:
             raise DataError(f"the data source has no samples ({len(self.units)} units); check data.train")
         if as_samples is None:
             as_samples = collate_fn is not None or transform is not None
-        self._plan = torch.zeros(3 + 3 * len(self.units), dtype=torch.int64).share_memory_()
-        self._dataset = _Streams(source, self._plan, batch_size, seed=seed,
-                                 collate=collate_fn or DefaultCollate(), transform=transform,
-                                 batch_transform=batch_transform, drop_last=drop_last, as_samples=as_samples,
-                                 shuffle=shuffle)
+        self._plan = torch.zeros(2 + streams + 3 * len(self.units), dtype=torch.int64).share_memory_()
+        self._taken = torch.zeros(streams, dtype=torch.int64).share_memory_()
+        self._dataset = _Streams(source, self._plan, self._taken, batch_size, seed=seed, rank=rank, streams=streams,
+                                 window=prefetch_factor + 1, collate=collate_fn or DefaultCollate(),
+                                 transform=transform, batch_transform=batch_transform, drop_last=drop_last,
+                                 as_samples=as_samples, shuffle=shuffle)
         self.pin_memory = pin_memory
         self._loader_args = dict(start_method=start_method, prefetch_factor=prefetch_factor)
         self._loader: DataLoader | None = None
         self.position: Position | None = None
-        self.bad = BadSamples(max_bad_fraction, self.num_samples / world_size)  # this rank's share
+        self.bad = BadSamples(max_bad_fraction, self.num_samples, world_size)
         self._origins: dict[int, list[Any]] = {}
+        self._undo: dict[int, _Undo] = {}
 
     def __len__(self) -> int:
-        """This rank's batches in a fresh epoch 0 (later epochs differ by a batch or so per worker)."""
-        fresh = continue_position(None, 0, len(self.units), self.world_size, self.num_workers)
-        streams = self._local(plan_streams(self.units, self.seed, fresh, shuffle=self.shuffle))
-        round_ = math.floor if self.drop_last else math.ceil
-        return sum(round_(sum(self.units[w.unit].num_samples - w.first for w in s) / self.batch_size) for s in streams)
+        """This rank's batches in a fresh epoch 0 (other epochs differ by a batch or so per stream)."""
+        return self.rank_batches(0)[self.rank]
+
+    def rank_batches(self, epoch: int) -> list[int]:
+        """Every rank's batches in a fresh ``epoch`` when no sample is bad (a function of the plan)."""
+        fresh = continue_position(None, epoch, len(self.units), self.world_size, self.streams)
+        return epoch_batches(self.units, self.seed, fresh, self.batch_size, shuffle=self.shuffle,
+                             drop_last=self.drop_last)
+
+    def num_batches(self, epoch: int) -> int:
+        """The batches every rank iterates in ``epoch``: the longest rank's, when no sample is bad."""
+        return max(self.rank_batches(epoch))
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
         """The batches of ``epoch``; with ``start_batch > 0``, from the loaded position onwards."""
         saved = self.position if start_batch > 0 else None
-        position = continue_position(saved, epoch, len(self.units), self.world_size, self.num_workers)
+        position = continue_position(saved, epoch, len(self.units), self.world_size, self.streams)
         if saved is None or saved.epoch != epoch:
             self.bad.start_epoch(epoch)
         self.bad.epoch = epoch
         self.position = position
         streams = self._local(plan_streams(self.units, self.seed, position, shuffle=self.shuffle))
         rows = [(s, w.unit, w.first) for s, stream in enumerate(streams) for w in stream]
-        self._plan[:3] = torch.tensor([epoch, position.next_stream[self.rank], len(rows)])
+        local = slice(self.rank * self.streams, (self.rank + 1) * self.streams)
+        self._plan[:2 + self.streams] = torch.tensor([epoch, len(rows), *position.stream_items[local]])
         if rows:
-            self._plan[3:3 + 3 * len(rows)] = torch.tensor(rows).flatten()
+            self._plan[2 + self.streams:2 + self.streams + 3 * len(rows)] = torch.tensor(rows).flatten()
+        self._taken.zero_()
         return self._iterate(position)
 
     def _iterate(self, position: Position) -> Iterator[Any]:
-        for batch, info in self._data_loader():
-            for unit, end in info.positions.items():
-                position.consumed[unit] = max(position.consumed[unit], end)
-            position.next_stream[self.rank] = (info.stream + 1) % max(1, self.num_workers)
-            if info.bad:
-                self.bad.record(info.bad)
-            if batch is not None:
-                remember(self._origins, batch, info.origins)
-                yield batch
+        """The streams' items in turn (stream 0, 1, …), whichever worker made them; those that
+        come early wait in ``pending``. Positions are recorded as a batch is handed out."""
+        streams, offset = self.streams, self.rank * self.streams
+        pending: list[deque[tuple[Any, BatchInfo]]] = [deque() for _ in range(streams)]
+        ended = [False] * streams
+        turn = position.next_stream[self.rank] % streams
+        undo = _Undo()
+        for item in self._data_loader():
+            if item[1].stream < 0:
+                continue  # a worker's placeholder: it was ahead on all its streams
+            pending[item[1].stream].append(item)
+            while not ended[turn] and pending[turn]:
+                batch, info = pending[turn].popleft()
+                undo.note(position, turn, offset, info.positions)
+                self._taken[turn] += 1
+                position.stream_items[offset + turn] += 1
+                for unit, end in info.positions.items():
+                    position.consumed[unit] = max(position.consumed[unit], end)
+                ended[turn] = info.ended
+                turn = next((s % streams for s in range(turn + 1, turn + streams + 1) if not ended[s % streams]), turn)
+                position.next_stream[self.rank] = turn
+                if info.bad:
+                    undo.bad += len(info.bad)
+                    self.bad.record(info.bad)
+                if batch is not None:
+                    remember(self._origins, batch, info.origins)
+                    remember(self._undo, batch, undo)
+                    undo = _Undo()
+                    yield batch
+        if not all(ended):
+            raise DataError(f"the data loader stopped before streams {[s for s in range(streams) if not ended[s]]} "
+                            "ended; a worker process died — see the messages above")
 
     @property
     def new_bad(self) -> list[tuple[str, str]]:
@@ -290,11 +425,21 @@ class StreamLoader:
             index -= len(rows)
         return None
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's position in the epoch (plain data), with the epoch's bad-sample count."""
+    def state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
+        """This rank's position in the epoch (plain data), with the epoch's bad-sample count.
+
+        ``unconsumed``: the latest batches handed out that were not trained on (read ahead);
+        the position is the one before them, so that a resume reads them again.
+        """
         if self.position is None:
             return {}
-        return {**self.position.state_dict(), **self.bad.state_dict()}
+        position, bad = copy.deepcopy(self.position), self.bad.state_dict()
+        for batch in reversed(list(unconsumed)):
+            undo = self._undo.get(id(batch))
+            if undo is not None:  # not one of this loader's (an empty stand-in of another rank's turn)
+                undo.apply(position, self.rank)
+                bad["num_bad"] -= undo.bad
+        return {**position.state_dict(), **bad}
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         """Continue from a saved position: one rank's, or every rank's (a list), merged."""
@@ -303,11 +448,10 @@ class StreamLoader:
         if not states:
             return
         self.position = merge_positions([Position.from_state(s) for s in states])
-        self.bad.load_state_dict(states)
+        self.bad.load_state_dict(states, self.rank, self.world_size)
 
     def _local(self, streams: list[list[Work]]) -> list[list[Work]]:
-        per_rank = max(1, self.num_workers)
-        return streams[self.rank * per_rank:(self.rank + 1) * per_rank]
+        return streams[self.rank * self.streams:(self.rank + 1) * self.streams]
 
     def close(self) -> None:
         """Stop the worker processes (they are started again by the next ``epoch()``)."""
@@ -322,6 +466,8 @@ class StreamLoader:
                 pin_memory=self.pin_memory, persistent_workers=workers > 0,
                 prefetch_factor=args["prefetch_factor"] if workers else None,
                 multiprocessing_context=worker_context(args["start_method"]) if workers else None,
+                # The workers' base seed comes from this generator, not from the global RNG.
+                generator=torch.Generator().manual_seed(epoch_seed(self.seed, 0) + 2),
             )
         return self._loader
 

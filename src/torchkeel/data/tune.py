@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from torchkeel.data.batch import num_samples
-from torchkeel.errors import DataError
 from torchkeel.io import write_json_atomic
 
 TOLERANCE = 0.95
@@ -92,16 +91,10 @@ def tune_workers(
         return TuneResult(int(hit["num_workers"]), f"cached trial: {hit['reason']}",
                           [Trial(**t) for t in hit.get("trials", [])], cached=True)
     trials = [_trial(make_loader, n, trial_s) for n in candidates(limit)]
-    best = max(trials, key=lambda t: t.samples_per_s)
-    if best.samples_per_s == 0:  # nothing loaded: training will report why; not cached
-        return TuneResult(0, "no batch loaded in the trial (the data fails to load); 0 workers", trials)
-    chosen = next(t for t in trials if t.samples_per_s >= TOLERANCE * best.samples_per_s)
-    reason = (f"{chosen.samples_per_s:.0f} samples/s with {chosen.num_workers} workers"
-              + (f", within {1 - TOLERANCE:.0%} of the best ({best.num_workers} workers, {best.samples_per_s:.0f}/s)"
-                 if chosen is not best else f", the fastest of {len(trials)} candidates")
-              + (f"; 0 workers: {trials[0].samples_per_s:.0f}/s" if chosen.num_workers else ""))
-    result = TuneResult(chosen.num_workers, reason, trials)
-    cache[key] = {"num_workers": result.num_workers, "reason": reason, "trials": [asdict(t) for t in trials],
+    result = choose(trials)
+    if max(t.samples_per_s for t in trials) == 0:
+        return result  # nothing loaded: training will report why; not cached
+    cache[key] = {"num_workers": result.num_workers, "reason": result.reason, "trials": [asdict(t) for t in trials],
                   "fingerprint": fingerprint[:500], "at": time.time()}
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -109,6 +102,20 @@ def tune_workers(
     except OSError:
         pass  # a read-only home: the trial simply runs again next time
     return result
+
+
+def choose(trials: list[Trial]) -> TuneResult:
+    """The fewest workers within ``TOLERANCE`` of the best throughput, and why (pure: the
+    figures decide, so that the rule is tested apart from any timing)."""
+    best = max(trials, key=lambda t: t.samples_per_s)
+    if best.samples_per_s == 0:
+        return TuneResult(0, "no batch loaded in the trial (the data fails to load); 0 workers", trials)
+    chosen = next(t for t in trials if t.samples_per_s >= TOLERANCE * best.samples_per_s)
+    reason = (f"{chosen.samples_per_s:.0f} samples/s with {chosen.num_workers} workers"
+              + (f", within {1 - TOLERANCE:.0%} of the best ({best.num_workers} workers, {best.samples_per_s:.0f}/s)"
+                 if chosen is not best else f", the fastest of {len(trials)} candidates")
+              + (f"; 0 workers: {trials[0].samples_per_s:.0f}/s" if chosen.num_workers else ""))
+    return TuneResult(chosen.num_workers, reason, trials)
 
 
 def _trial(make_loader: Callable[[int], Any], num_workers: int, trial_s: float) -> Trial:
@@ -129,8 +136,8 @@ def _trial(make_loader: Callable[[int], Any], num_workers: int, trial_s: float) 
                     break
             rss = _rss_with_workers()
         elapsed = max(time.perf_counter() - begin, 1e-9)
-    except DataError:
-        samples, elapsed, startup = 0, 1.0, time.perf_counter() - start  # training names the bad samples
+    except Exception:  # noqa: BLE001 - bad data: training reads it again and names what is wrong
+        samples, elapsed, startup = 0, 1.0, time.perf_counter() - start
     finally:
         close = getattr(batches, "close", None)
         if close is not None:

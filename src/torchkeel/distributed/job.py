@@ -82,6 +82,14 @@ class DataParallel:
         dist.gather_object(value, values, dst=0)
         return values
 
+    def all_gather_object(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (plain data), on every rank, in rank order."""
+        if not self.active:
+            return [value]
+        values: list[Any] = [None] * self.rank.world_size
+        dist.all_gather_object(values, value)
+        return values
+
     def watch(self, what: str, step: int) -> AbstractContextManager[None]:
         """A timeout inside the block becomes a ``CollectiveTimeout`` naming ``what``, the step and the rank."""
         return self.group.watch(what, step)

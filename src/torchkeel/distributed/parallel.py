@@ -152,22 +152,24 @@ def empty_like_batch(batch: Any) -> Any:
 
 def even_batches(batches: Iterator[Any], device: torch.device, enabled: bool) -> Iterator[Any]:
     """Yield until every rank ran out, a rank that ran out first yielding empty batches: ranks
-    whose streams hold different numbers of batches stay in step. One collective per batch."""
+    whose streams hold different numbers of batches stay in step. One collective per batch; a
+    rank that has no batch at all (fewer files than ranks) gets the batch's structure from one
+    that has, in one more collective, once."""
     if not enabled:
         yield from batches
         return
     template = None
     while True:
         batch = next(batches, None)
-        flags = torch.tensor([batch is not None], dtype=torch.int32, device=device)
+        flags = torch.tensor([batch is not None, batch is None and template is None], dtype=torch.int32, device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if not int(flags.item()):
+        has_batch, needs_template = (bool(v) for v in flags.tolist())  # host sync: the decision is the host's
+        if not has_batch:
             return
-        if batch is None:
-            if template is None:
-                raise RuntimeError("this rank has no batch at all this epoch while others do; "
-                                   "give the data at least one batch per rank")
-            batch = template
-        else:
+        if template is None and batch is not None:
             template = empty_like_batch(batch)
-        yield batch
+        if needs_template:  # every rank offers its empty batch; one that has none takes another's
+            offered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(offered, template)
+            template = template if template is not None else next(t for t in offered if t is not None)
+        yield batch if batch is not None else template

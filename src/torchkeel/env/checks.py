@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from torchkeel.env.cpus import usable_cpus
 from torchkeel.env.facts import Facts
 
 # Oldest driver each CUDA major version runs on (NVIDIA's compatibility table, Linux).
@@ -116,6 +117,24 @@ def check_cpus(f: Facts) -> Finding:
     return Finding("cpus", "ok", evidence)
 
 
+def check_threads(f: Facts) -> Finding:
+    """torch's intra-op threads against the CPUs this process may use and the machine's load."""
+    usable = usable_cpus(f.cpu_affinity, f.cgroup_cpus)
+    quota = f", cgroup quota {f.cgroup_cpus:g} CPUs" if f.cgroup_cpus is not None else ""
+    evidence = f"torch uses {f.torch_threads} threads; this process may use {usable} CPUs ({f.cpu_affinity} in its affinity mask{quota})"
+    if f.load_1m is not None:
+        evidence += f"; load average {f.load_1m:.1f} on {f.cpu_count} CPUs"
+    if f.torch_threads > usable:
+        return Finding("threads", "warn", evidence, f"set OMP_NUM_THREADS={usable} (keel train sets it itself when "
+                       "unset): more threads than CPUs wait for each other and can make a step many times slower")
+    if f.load_1m is not None and f.load_1m + f.torch_threads > f.cpu_count + 0.5:
+        free = max(1, min(usable, int(f.cpu_count - f.load_1m)))
+        return Finding("threads", "warn", evidence + ": other processes keep the CPUs busy",
+                       f"with this load {f.torch_threads} threads contend for the CPUs; set OMP_NUM_THREADS={free} "
+                       "or free the CPUs, and time a step to compare")
+    return Finding("threads", "ok", evidence)
+
+
 # What each commonly set variable does, shown beside its value.
 DIST_VARIABLES = {
     "NCCL_DEBUG": "NCCL logs its setup and errors (INFO, WARN)",
@@ -205,7 +224,7 @@ def check_run_dir(f: Facts) -> Finding:
 
 CHECKS: list[Callable[[Facts], Finding]] = [
     check_versions, check_cuda_driver, check_gpus, check_library_conflicts, check_shared_memory,
-    check_start_method, check_cpus, check_distributed_env, check_nproc, check_reproducibility, check_torch_load_safety,
+    check_start_method, check_cpus, check_threads, check_distributed_env, check_nproc, check_reproducibility, check_torch_load_safety,
     check_run_dir,
 ]
 

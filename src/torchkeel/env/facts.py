@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
+from torchkeel.env.cpus import affinity_cpus, cgroup_cpus, load_average
 from torchkeel.errors import first_line
 
 EXTRAS = {"demo": "sklearn", "data": "pyarrow", "report": "matplotlib", "export": "onnxruntime", "serve": "starlette"}
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
-                "CUBLAS_WORKSPACE_CONFIG", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS")
+                "CUBLAS_WORKSPACE_CONFIG", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _LIB = re.compile(r"lib(cudart|cudnn|nccl)\.so[.\d]*$")
 
 
@@ -51,6 +52,9 @@ class Facts:
     start_method: str = ""
     cpu_count: int = 1
     cpu_affinity: int = 1
+    cgroup_cpus: float | None = None  # the cgroup's CPU quota, in CPUs (None: no quota)
+    load_1m: float | None = None  # the machine's 1-minute load average
+    torch_threads: int = 1  # torch's intra-op threads in this process
     env: dict[str, str] = field(default_factory=dict)
     workers: int = 0  # DataLoader workers the run is configured with (or would be)
     batch_size: int = 32
@@ -85,7 +89,10 @@ def collect_facts(run_dir: str | Path | None = None, smoke_test: bool = True, np
         torch_from_pip=_torch_from_pip(),
         start_method=multiprocessing.get_start_method(allow_none=True) or _default_start_method(),
         cpu_count=os.cpu_count() or 1,
-        cpu_affinity=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+        cpu_affinity=affinity_cpus(),
+        cgroup_cpus=cgroup_cpus(),
+        load_1m=load_average(),
+        torch_threads=torch.get_num_threads(),
         env={k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},
     )
     facts.workers = min(8, max(0, facts.cpu_affinity - 1))

@@ -17,11 +17,12 @@ from torchkeel.checkpoint.store import is_checkpoint_dir
 from torchkeel.config.load import load_config
 from torchkeel.errors import CheckpointError, ConfigError, ParityError
 from torchkeel.export.formats import FILENAMES, export_model, load_exported
+from torchkeel.export.inputs import run_inputs
 from torchkeel.export.parity import check_parity, describe
-from torchkeel.export.stats import reference_stats, sample_inputs
+from torchkeel.export.signature import ExportModule
 from torchkeel.io import write_json_atomic
 from torchkeel.config.schema import DataConfig
-from torchkeel.data.build import transformed_datasets
+from torchkeel.data.build import build_datasets
 from torchkeel.data.images import ImagePreprocess
 from torchkeel.train.build import build_model
 
@@ -65,27 +66,37 @@ def export_run(
     which = "ema" if ema is not None else "model"
     load_model_weights(model, weights, strict=True, source=f"checkpoint '{checkpoint.path}' ({which} weights)")
     model = model.float().eval()
-    train_set, val_set = transformed_datasets(config.data)
-    samples = sample_inputs(val_set if val_set is not None else train_set, limit=max(max(batch_sizes), 8)).float()
+    inputs = run_inputs(config, model, limit=max(max(batch_sizes), 8))
+    module = ExportModule(model, inputs.signature)
+    first = inputs.feeds[0]
     out = Path(out_dir) if out_dir is not None else run_dir / f"export-{fmt}"
     out.mkdir(parents=True, exist_ok=True)
     artifact = out / FILENAMES[fmt]
-    export_model(model, samples[:2], fmt, artifact)
-    parity = check_parity(model, load_exported(fmt, artifact), samples, sorted(set(batch_sizes)))
+    names, output_name = inputs.signature.names, inputs.signature.output
+    example = tuple(t[: min(2, len(t))] for t in first.values())
+    export_model(module, example, fmt, artifact, names, inputs.axes, output_name)
+    parity = check_parity(module, load_exported(fmt, artifact, names, output_name), first, sorted(set(batch_sizes)),
+                          other_shapes=inputs.other_shapes(), output=output_name)
     with torch.inference_mode():
-        output = model(samples[:1])
-    spec = _preprocess(preprocess, config.data, list(samples.shape[1:]))
-    names = _labels(train_set, output) if labels is None else _given_labels(labels, output)
+        output = module(*(t[:1] for t in first.values()))
+    spec = _preprocess(preprocess, config.data, list(first[names[0]].shape[1:])) if len(names) == 1 else \
+        _no_preprocess(preprocess, config.data, names)
+    train_set = _dataset_with_classes(config.data)
+    names_of_labels = _labels(train_set, output) if labels is None else _given_labels(labels, output)
     meta = {
         "name": config.name,
         "format": fmt,
         "file": artifact.name,
-        "inputs": [{"name": "input", "datatype": DATATYPES[samples.dtype], "shape": [-1, *samples.shape[1:]]}],
-        "outputs": [{"name": "output", "datatype": DATATYPES[output.dtype], "shape": [-1, *output.shape[1:]]}],
-        "labels": names,
+        "inputs": [{"name": name, "datatype": DATATYPES[tensor.dtype], "shape": inputs.shape(name),
+                    **({"dims": inputs.dims(name)} if inputs.dims(name) else {}),
+                    **({"range": inputs.signature.ranges[name]} if name in inputs.signature.ranges else {})}
+                   for name, tensor in first.items()],
+        "outputs": [{"name": output_name, "datatype": DATATYPES[output.dtype],
+                     "shape": inputs.output_shape(module, output)}],
+        "labels": names_of_labels,
         **({"preprocess": spec} if spec is not None else {}),
         "max_batch_size": max(batch_sizes),
-        "reference": reference_stats(sample_inputs(train_set).float().numpy()),
+        "reference": inputs.reference(),
         "parity": parity,
         "checkpoint": str(checkpoint.path),
         "weights": which,
@@ -140,6 +151,18 @@ def _preprocess(given: Mapping[str, Any] | None, data: DataConfig, input_shape: 
         raise ConfigError(f"{where} makes images of shape {shape}, but the model takes {input_shape}; "
                           f"change mode, resize or crop")
     return preprocess.to_spec()
+
+
+def _no_preprocess(given: Mapping[str, Any] | None, data: DataConfig, names: list[str]) -> None:
+    """An image preprocess makes the one input of an image model; a model of several inputs has none."""
+    if given is not None or data.preprocess.mode is not None:
+        raise ConfigError(f"an image preprocess needs a model of one input; this one takes {names}")
+    return None
+
+
+def _dataset_with_classes(data: DataConfig) -> Any:
+    """The training dataset of a map-style run (its ``classes`` name the labels), else ``None``."""
+    return build_datasets(data)[0] if data.format == "map" else None
 
 
 def _given_labels(labels: Sequence[str], output: torch.Tensor) -> list[str]:

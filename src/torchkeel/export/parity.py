@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,27 +15,37 @@ TOLERANCE = 1e-5
 
 def check_parity(
     model: torch.nn.Module,
-    run_exported: Callable[[np.ndarray], np.ndarray],
-    samples: torch.Tensor,
+    run_exported: Callable[[Any], np.ndarray],
+    samples: torch.Tensor | Mapping[str, torch.Tensor],
     batch_sizes: Sequence[int],
     tolerance: float = TOLERANCE,
+    other_shapes: Sequence[Mapping[str, torch.Tensor]] = (),
+    output: str = "output",
 ) -> dict[str, Any]:
     """Compare eager and exported outputs on real samples at each batch size.
 
-    A batch size larger than the samples repeats them. An exported model that raises at some
-    batch size (a trace that hard-coded the batch) fails there. Returns the report that goes
-    into ``model.json``: per batch size the max abs error (or the error), the worst case, and
-    ``passed``.
+    ``samples`` is one input tensor, or the inputs by name (``model`` takes them positionally,
+    in that order). A batch size larger than the samples repeats them. ``other_shapes``: batches
+    whose dynamic axes (a padded sequence) have other sizes, checked as they are. An exported
+    model that raises at some batch size or shape (a trace that hard-coded it) fails there.
+    Returns the report that goes into ``model.json``: per check the max abs error (or the
+    error), the worst case, and ``passed``.
     """
     model = model.eval()
+    feeds = samples if isinstance(samples, Mapping) else {"input": samples}
+    count = len(next(iter(feeds.values())))
+    checks = [(size, {k: v[torch.arange(size) % count] for k, v in feeds.items()}) for size in batch_sizes]
+    checks += [(len(next(iter(feed.values()))), dict(feed)) for feed in other_shapes]
     results, worst = [], None
-    for size in batch_sizes:
-        batch = samples[torch.arange(size) % len(samples)]
+    for index, (size, feed) in enumerate(checks):
         with torch.inference_mode():
-            expected = model(batch).float().numpy()
+            expected = model(*feed.values()).float().numpy()
         entry: dict[str, Any] = {"batch_size": size}
+        if index >= len(batch_sizes):
+            entry["shapes"] = {name: list(t.shape) for name, t in feed.items()}
         try:
-            got = np.asarray(run_exported(batch.numpy()))
+            given = {name: t.numpy() for name, t in feed.items()}
+            got = np.asarray(run_exported(given if isinstance(samples, Mapping) else given["input"]))
             if got.shape != expected.shape:
                 raise ValueError(f"output shape {list(got.shape)}, eager {list(expected.shape)}")
             entry["max_abs_error"] = float(np.max(np.abs(got.astype(np.float64) - expected))) if got.size else 0.0
@@ -49,7 +59,7 @@ def check_parity(
     assert worst is not None, "batch_sizes must not be empty"
     return {
         "tolerance": tolerance,
-        "output": "output",
+        "output": output,
         "results": results,
         "worst": worst,
         "passed": all(entry["passed"] for entry in results),
@@ -60,7 +70,10 @@ def describe(report: dict[str, Any]) -> str:
     """One line: passed, or the worst batch size and error."""
     w = report["worst"]
     if report["passed"]:
+        sizes = [str(r["batch_size"]) for r in report["results"] if "shapes" not in r]
+        shapes = sum("shapes" in r for r in report["results"])
         return (f"parity passed: max abs error {w['max_abs_error']:.2e} <= {report['tolerance']:g} at batch sizes "
-                f"{', '.join(str(r['batch_size']) for r in report['results'])}")
+                f"{', '.join(sizes)}" + (f" and {shapes} other input shape{'s' * (shapes > 1)}" if shapes else ""))
     what = w.get("error") or f"max abs error {w['max_abs_error']:.3g} > {report['tolerance']:g}"
-    return f"parity FAILED on output '{report['output']}' at batch size {w['batch_size']}: {what}"
+    shapes = f" (input shapes {w['shapes']})" if "shapes" in w else ""
+    return f"parity FAILED on output '{report['output']}' at batch size {w['batch_size']}{shapes}: {what}"

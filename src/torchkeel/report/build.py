@@ -1,8 +1,11 @@
 """``build_report``: a run directory's metrics, incidents and summary as PNG charts and one HTML page.
 
 It reads whatever is there — a run still going, or killed mid-line — and says what is missing
-instead of failing. Charts share the step axis; incidents (non-finite steps, rollbacks, OOM
-splits, leaks, spikes), resumes and a preemption are marked on every timeline.
+instead of failing. Charts share the step axis. Resumes, rollbacks and a preemption are marked
+on every timeline; each other incident kind on the chart it explains (non-finite steps and
+spikes on the loss and gradient norm, waiting for data and OOM splits on the throughput, leaks
+on memory), in a colour of its own with its count in the legend. Bad samples and any kind that
+happened many times are ticks along the bottom of the chart, not lines across it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,15 @@ from torchkeel.train.metrics import read_metrics
 
 FIGSIZE, DPI = (8.0, 3.0), 100  # every chart is 800 × 300 pixels
 MARKERS = {"nonfinite": "tab:red", "rollback": "tab:purple", "oom_split": "tab:orange", "leak": "tab:brown",
-           "spike": "tab:pink", "memory": "tab:olive", "resume": "tab:green", "preempted": "black"}
+           "spike": "tab:pink", "memory": "tab:olive", "resume": "tab:green", "preempted": "black",
+           "bad_sample": "tab:gray", "input_bound": "tab:cyan", "graph_break": "tab:blue", "compile": "navy"}
+SPARE_COLOURS = ("gold", "teal", "maroon", "lime", "indigo", "coral")  # kinds this table does not know yet
+EVERY_CHART = ("resume", "rollback", "preempted")
+CHART_KINDS = {"loss": ("nonfinite", "spike", "bad_sample", "graph_break", "compile"), "val_metrics": (), "lr": (),
+               "grad_norm": ("nonfinite", "spike"), "throughput": ("input_bound", "oom_split", "compile"),
+               "memory": ("leak", "memory", "oom_split")}
+AS_TICKS = ("bad_sample",)  # per-sample events: ticks along the bottom
+MAX_LINES = 12  # a kind with more marks than this on a chart is drawn as ticks too
 CHARTS = [
     ("loss", "Loss", [("train", "loss", "train loss"), ("val", "val_loss", "validation loss")], False),
     ("val_metrics", "Validation metrics", [], False),  # every val_* metric the run logged but the loss
@@ -35,7 +46,8 @@ class Report:
     path: Path
     images: list[Path] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
-    marks: list[tuple[int, str]] = field(default_factory=list)  # (step, kind) drawn on every timeline
+    marks: list[tuple[int, str]] = field(default_factory=list)  # (step, kind) of every incident and event
+    drawn: dict[str, list[str]] = field(default_factory=dict)  # chart → the kinds marked on it
 
 
 def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Report:
@@ -78,11 +90,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
         scale = 2**30 if name == "memory" else 1
         for label, points in lines:
             ax.plot([p[0] for p in points], [p[1] / scale for p in points], label=label, marker="." if len(points) < 30 else None)
-        for kind in sorted({k for _, k in marks}):
-            steps = [s for s, k in marks if k == kind]
-            for i, step in enumerate(steps):
-                ax.axvline(step, color=MARKERS.get(kind, "gray"), linestyle="--", linewidth=1,
-                           label=f"{kind} ({len(steps)})" if i == 0 else None)
+        report.drawn[name] = chart_kinds(name, {k for _, k in marks})
+        draw_marks(ax, marks, report.drawn[name])
         values = [p[1] for _, points in lines for p in points]
         if log_scale or (min(values) > 0 and max(values) / min(values) > 1e3):
             ax.set_yscale("log")  # a diverging run spans many orders of magnitude
@@ -98,6 +107,34 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
         report.images.append(path)
     report.path.write_text(_html(run, summary, incidents, report), encoding="utf-8")
     return report
+
+
+def chart_kinds(chart: str, kinds: set[str]) -> list[str]:
+    """The incident kinds drawn on ``chart``: the run's events, its own kinds, and on the loss
+    chart any kind no chart claims."""
+    claimed = {k for chart_kinds in CHART_KINDS.values() for k in chart_kinds} | set(EVERY_CHART)
+    own = set(CHART_KINDS.get(chart, ())) | set(EVERY_CHART) | ({k for k in kinds if k not in claimed}
+                                                                 if chart == "loss" else set())
+    return sorted(kinds & own)
+
+
+def colour(kind: str) -> str:
+    """A colour per kind: the table's, else a spare one chosen by the kind's name."""
+    return MARKERS.get(kind) or SPARE_COLOURS[sum(map(ord, kind)) % len(SPARE_COLOURS)]
+
+
+def draw_marks(ax: Any, marks: list[tuple[int, str]], kinds: list[str]) -> None:
+    """Each kind in its colour, labelled with its count: a dashed line per step, or — for
+    per-sample kinds and kinds with many marks — short ticks along the bottom."""
+    for kind in kinds:
+        steps = [s for s, k in marks if k == kind]
+        label = f"{kind.replace('_', ' ')} ({len(steps)})"
+        if kind in AS_TICKS or len(steps) > MAX_LINES:
+            ax.plot(steps, [0.0] * len(steps), linestyle="none", marker="|", markersize=10, color=colour(kind),
+                    transform=ax.get_xaxis_transform(), label=label, clip_on=False)
+        else:
+            for i, step in enumerate(steps):
+                ax.axvline(step, color=colour(kind), linestyle="--", linewidth=1, label=label if i == 0 else None)
 
 
 def memory_ylim(values: list[float]) -> tuple[float, float]:

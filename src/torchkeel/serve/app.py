@@ -26,7 +26,7 @@ from torchkeel.serve.metrics import ServerMetrics
 from torchkeel.serve.model import ServedModel, ServeOptions
 from torchkeel.serve.protocol import (
     EXTENSIONS, HEADER_LENGTH, ProtocolError, encode_infer, label_scores, parse_infer, parse_v1_instances, top_k,
-    v1_has_images, v1_images, v1_tensor, v1_top_k,
+    v1_has_images, v1_images, v1_named_tensors, v1_tensor, v1_top_k,
 )
 from torchkeel.serve.repository import ModelRepository
 
@@ -165,9 +165,15 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
                     outputs = await model.predict(await model.images(blobs, wheres))
                     k = v1_top_k(parameters, opts.top_k or min(IMAGE_TOP_K, num_classes), num_classes)
                     return JSONResponse({"predictions": label_scores(outputs, model.labels, k)})
-                batch = v1_tensor(instances, model.tensor, opts.allow_nonfinite)
+                if model.has_named_inputs or isinstance(instances[0], dict):  # {input name: values} each
+                    batch = model.feed(v1_named_tensors(instances, model.tensors, opts.allow_nonfinite))
+                else:
+                    batch = v1_tensor(instances, model.tensor, opts.allow_nonfinite)
                 outputs = await model.predict(batch)
-                k = v1_top_k(parameters, opts.top_k, num_classes)
+                k = v1_top_k(parameters, opts.top_k if outputs.ndim == 2 else None, num_classes)
+                if k is not None and outputs.ndim != 2:
+                    raise ProtocolError(400, f"parameters.top_k needs one score per class; the model answers "
+                                             f"{list(outputs.shape[1:])} per instance")
                 if k is not None:
                     return JSONResponse({"predictions": top_k(outputs, model.labels, k)})
                 return JSONResponse({"predictions": outputs.tolist()})

@@ -10,6 +10,10 @@ Where the model runs: while the fastest of the last 16 forwards took less than
 ``inline_max_ms``, forwards run on the event loop itself, as an unbatched endpoint would: the
 hand-off to a thread and back costs more than a small forward. Slower models run on one worker
 thread, so that the event loop keeps reading and parsing requests during the forward.
+
+A request is one array, or arrays by input name (a model of several inputs). Requests are
+joined only with those of the same shapes past the batch axis: padded sequences of another
+length wait for the next batch, in their turn.
 """
 
 from __future__ import annotations
@@ -22,11 +26,33 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, Union
 
 import numpy as np
 
 
 PROBE_EVERY = 16
+
+Batch = Union[np.ndarray, dict[str, np.ndarray]]
+
+
+def batch_size(batch: Batch) -> int:
+    """Samples in a request or batch."""
+    return len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch)
+
+
+def shapes(batch: Batch) -> tuple[Any, ...]:
+    """What must agree for requests to join one batch: the shapes past the batch axis."""
+    if isinstance(batch, dict):
+        return tuple((name, a.shape[1:]) for name, a in batch.items())
+    return batch.shape[1:]
+
+
+def join(batches: list[Batch]) -> Batch:
+    """One batch of several requests' rows, in order."""
+    if isinstance(batches[0], dict):
+        return {name: np.concatenate([b[name] for b in batches]) for name in batches[0]}
+    return np.concatenate(batches)
 
 
 class QueueFull(Exception):
@@ -49,9 +75,14 @@ class BatchStats:
 
 @dataclass
 class _Item:
-    inputs: np.ndarray
+    inputs: Batch
     future: asyncio.Future | concurrent.futures.Future  # the same done/set_result/set_exception
     enqueued: float
+    size: int = 0
+    shapes: Any = None
+
+    def __post_init__(self) -> None:
+        self.size, self.shapes = batch_size(self.inputs), shapes(self.inputs)
 
 
 class DynamicBatcher:
@@ -59,15 +90,17 @@ class DynamicBatcher:
 
     def __init__(
         self,
-        run_batch: Callable[[np.ndarray], np.ndarray],
+        run_batch: Callable[[Batch], np.ndarray],
         *,
         max_batch_size: int = 64,
         max_queue_delay_ms: float = 0.0,
         max_queue: int = 1024,
         queue_timeout_ms: float = 10_000.0,
         inline_max_ms: float = 10.0,
-        on_batch: Callable[[BatchStats, np.ndarray], None] | None = None,
+        on_batch: Callable[[BatchStats, Batch], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        self.clock = clock
         self.run_batch = run_batch
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_ms / 1000
@@ -109,7 +142,7 @@ class DynamicBatcher:
                 pass
         self.executor.shutdown(wait=True)
 
-    async def submit(self, inputs: np.ndarray) -> np.ndarray:
+    async def submit(self, inputs: Batch) -> np.ndarray:
         """The model's output rows for ``inputs`` (a batch of one or more samples)."""
         if self._task is None:
             raise RuntimeError("start() the batcher first")
@@ -123,7 +156,7 @@ class DynamicBatcher:
             self._arrivals += 1
             if self._company > 0.1 or self._arrivals % PROBE_EVERY == 0:
                 future = asyncio.get_running_loop().create_future()
-                item = _Item(inputs, future, time.perf_counter())
+                item = _Item(inputs, future, self.clock())
                 self._items.append(item)
                 try:
                     await asyncio.sleep(0)
@@ -140,11 +173,11 @@ class DynamicBatcher:
                 self._items.popleft()
             return self._run_now(inputs)
         future = asyncio.get_running_loop().create_future()
-        self._items.append(_Item(inputs, future, time.perf_counter()))
+        self._items.append(_Item(inputs, future, self.clock()))
         self._ready.set()
         return await future
 
-    def submit_threadsafe(self, inputs: np.ndarray) -> concurrent.futures.Future:
+    def submit_threadsafe(self, inputs: Batch) -> concurrent.futures.Future:
         """From another thread (gRPC's): queue ``inputs`` and return a future of their output rows.
 
         Requests from threads join the same queue and batches as the event loop's; a burst of
@@ -155,7 +188,7 @@ class DynamicBatcher:
         if len(self._items) + len(self._inbox) >= self.max_queue:
             raise QueueFull(f"the queue holds {self.max_queue} requests")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.append(_Item(inputs, future, time.perf_counter()))
+        self._inbox.append(_Item(inputs, future, self.clock()))
         if self._inbox_scheduled.acquire(blocking=False):
             self._loop.call_soon_threadsafe(self._take_inbox)
         return future
@@ -171,20 +204,20 @@ class DynamicBatcher:
         # worker thread that were stretched by the event loop sharing their core.
         return bool(self._recent_s) and min(self._recent_s) < self.inline_max_s
 
-    def _run_now(self, inputs: np.ndarray) -> np.ndarray:
+    def _run_now(self, inputs: Batch) -> np.ndarray:
         outputs, compute_s = self._timed(inputs)
-        self._measured(BatchStats(len(inputs), 1, compute_s, [0.0]), inputs)
+        self._measured(BatchStats(batch_size(inputs), 1, compute_s, [0.0]), inputs)
         return outputs
 
-    def _timed(self, batch: np.ndarray) -> tuple[np.ndarray, float]:
+    def _timed(self, batch: Batch) -> tuple[np.ndarray, float]:
         """The forward and its own duration (on the worker thread: without the hand-off back)."""
-        start = time.perf_counter()
+        start = self.clock()
         outputs = self.run_batch(batch)
-        return outputs, time.perf_counter() - start
+        return outputs, self.clock() - start
 
-    def _measured(self, stats: BatchStats, batch: np.ndarray) -> None:
+    def _measured(self, stats: BatchStats, batch: Batch) -> None:
         """Record a forward: the model's idle mark, its duration, ``on_batch``."""
-        self._idle_since = time.perf_counter()
+        self._idle_since = self.clock()
         self._recent_s.append(stats.compute_s)
         if self.on_batch is not None:
             self.on_batch(stats, batch)
@@ -197,7 +230,7 @@ class DynamicBatcher:
             burst_at_idle = len(items) > 1 and items[0].enqueued >= self._idle_since
             if burst_at_idle and size < self.max_batch_size and self.max_queue_delay_s > 0:
                 deadline = items[0].enqueued + self.max_queue_delay_s
-                while size < self.max_batch_size and (left := deadline - time.perf_counter()) > 0:
+                while size < self.max_batch_size and (left := deadline - self.clock()) > 0:
                     if not await self._wait_for_items(left):
                         break
                     taken = self._take(items, size)
@@ -216,15 +249,34 @@ class DynamicBatcher:
         return True
 
     def _take(self, items: list[_Item], size: int) -> int:
-        """Move queued requests into the batch while they fit; return the batch's samples."""
-        while self._items and (not items or size + len(self._items[0].inputs) <= self.max_batch_size):
+        """Move queued requests into the batch while they fit (and have its shapes); return the batch's samples."""
+        while self._items and (not items or (size + self._items[0].size <= self.max_batch_size
+                                             and self._items[0].shapes == items[0].shapes)):
             item = self._items.popleft()
             items.append(item)
-            size += len(item.inputs)
+            size += item.size
         return size
 
+    async def _alone(self, items: list[_Item], error: Exception) -> None:
+        """A batch failed: each request runs alone, so that one client's bad values fail its
+        own request only, not those it was batched with."""
+        if len(items) == 1:
+            if not items[0].future.done():
+                items[0].future.set_exception(error)
+            return
+        loop = asyncio.get_running_loop()
+        for item in items:
+            try:
+                outputs, _ = await loop.run_in_executor(self.executor, self._timed, item.inputs)
+            except Exception as exc:  # noqa: BLE001 - this request's own failure
+                if not item.future.done():
+                    item.future.set_exception(exc)
+                continue
+            if not item.future.done():
+                item.future.set_result(outputs)
+
     async def _run(self, items: list[_Item]) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         live = []
         for item in items:
             if item.future.done():  # the client went away
@@ -237,22 +289,21 @@ class DynamicBatcher:
             return
         self.in_flight += len(live)
         try:
-            batch = live[0].inputs if len(live) == 1 else np.concatenate([i.inputs for i in live])
-            start = time.perf_counter()
+            batch = live[0].inputs if len(live) == 1 else join([i.inputs for i in live])
+            start = self.clock()
             try:
                 if self._is_inline():
                     outputs, compute_s = self._timed(batch)  # blocks the loop for less than inline_max_ms
                 else:
                     outputs, compute_s = await asyncio.get_running_loop().run_in_executor(self.executor, self._timed, batch)
-            except Exception as exc:  # noqa: BLE001 - the model's failure goes to each waiting request
-                for item in live:
-                    if not item.future.done():
-                        item.future.set_exception(exc)
+            except Exception as exc:  # noqa: BLE001 - the model's failure goes to the requests that cause it
+                await self._alone(live, exc)
                 return
-            self._measured(BatchStats(len(batch), len(live), compute_s, [start - i.enqueued for i in live]), batch)
+            self._measured(BatchStats(sum(i.size for i in live), len(live), compute_s,
+                                      [start - i.enqueued for i in live]), batch)
             row = 0
             for item in live:
-                n = len(item.inputs)
+                n = item.size
                 if not item.future.done():
                     item.future.set_result(outputs[row: row + n])
                 row += n

@@ -26,7 +26,7 @@ from torchkeel.data.images import MAX_PIXELS, ImageError, ImagePreprocess
 from torchkeel.errors import ConfigError
 from torchkeel.export.export import read_model_json
 from torchkeel.export.formats import load_exported
-from torchkeel.serve.batcher import BatchStats, DynamicBatcher, QueueFull, QueueTimeout
+from torchkeel.serve.batcher import Batch, BatchStats, DynamicBatcher, QueueFull, QueueTimeout
 from torchkeel.serve.drift import DriftMonitor
 from torchkeel.serve.metrics import ServerMetrics
 from torchkeel.serve.protocol import InferRequest, ProtocolError, TensorSpec, classification
@@ -62,14 +62,19 @@ class ServedModel:
             raise ConfigError(f"the export in '{export_dir}' failed its parity check; it is not served")
         self.path, self.options, self._images = Path(export_dir), options, images
         self.name, self.version = self.meta["name"], VERSION
-        self.tensor = TensorSpec(**{k: self.meta["inputs"][0][k] for k in ("name", "datatype", "shape")})
+        self.tensors = [TensorSpec(t["name"], t["datatype"], t["shape"], t.get("dims"), t.get("range"))
+                        for t in self.meta["inputs"]]
+        self.tensor = self.tensors[0]
         self.outputs = [TensorSpec(t["name"], t["datatype"], t["shape"]) for t in self.meta["outputs"]]
         self.labels: list[str] | None = self.meta.get("labels")
         spec = self.meta.get("preprocess")
         self.preprocess = ImagePreprocess.from_spec(spec, f"'{self.path / 'model.json'}' preprocess") if spec else None
-        self.inputs = [TensorSpec(IMAGE_INPUT, "BYTES", [-1]), self.tensor] if self.preprocess else [self.tensor]
-        self.run = load_exported(self.meta["format"], self.path / self.meta["file"])
-        self.drift = DriftMonitor(self.meta["reference"]) if self.meta.get("reference") else None
+        self.inputs = [TensorSpec(IMAGE_INPUT, "BYTES", [-1]), self.tensor] if self.preprocess else list(self.tensors)
+        self.run = load_exported(self.meta["format"], self.path / self.meta["file"], [t.name for t in self.tensors],
+                                 self.outputs[0].name)
+        reference = self.meta.get("reference")
+        self.drift = DriftMonitor(reference) if reference else None
+        self._drift_input = (reference or {}).get("input", self.tensor.name)
         self.batcher = DynamicBatcher(
             self.run, max_batch_size=options.max_batch_size, max_queue_delay_ms=options.max_queue_delay_ms,
             max_queue=options.max_queue, queue_timeout_ms=options.queue_timeout_ms,
@@ -82,15 +87,21 @@ class ServedModel:
     def is_image_model(self) -> bool:
         return self.preprocess is not None
 
+    @property
+    def has_named_inputs(self) -> bool:
+        """Several inputs (a dict batch's keys): v1 instances are objects of them."""
+        return len(self.tensors) > 1
+
     def metadata(self) -> dict[str, Any]:
         """v2 model metadata: an image model advertises its ``image`` input (it also takes the tensor)."""
+        shown = self.inputs[:1] if self.preprocess else self.inputs
         return {"name": self.name, "versions": [self.version], "platform": PLATFORMS[self.meta["format"]],
-                "inputs": [spec_dict(self.inputs[0])], "outputs": [spec_dict(t) for t in self.outputs]}
+                "inputs": [spec_dict(t) for t in shown], "outputs": [spec_dict(t) for t in self.outputs]}
 
-    def _on_batch(self, stats: BatchStats, inputs: np.ndarray) -> None:
+    def _on_batch(self, stats: BatchStats, inputs: Batch) -> None:
         self.metrics.batch_done(stats.batch_size, stats.num_requests, stats.compute_s, sum(stats.queue_s))
         if self.drift is not None:  # once per batch, not per request; on the preprocessed tensors
-            self.drift.observe(inputs)
+            self.drift.observe(inputs[self._drift_input] if isinstance(inputs, dict) else inputs)
 
     async def counted(self, protocol: str, work: Callable[[], Awaitable[T]]) -> T:
         """Run one request's ``work``, counted in the metrics; every failure leaves as a ProtocolError."""
@@ -118,8 +129,9 @@ class ServedModel:
         finally:
             self.metrics.request_done(protocol, time.perf_counter() - start, failure)
 
-    async def predict(self, batch: np.ndarray) -> np.ndarray:
-        """The model's output rows for a batch of (preprocessed) inputs."""
+    async def predict(self, batch: Batch) -> np.ndarray:
+        """The model's output rows for a batch of (preprocessed) inputs: one array, or the
+        arrays by input name for a model of several inputs."""
         if not self.ready:
             raise QueueFull("the model is not ready")
         return await self.batcher.submit(batch)
@@ -156,20 +168,18 @@ class ServedModel:
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
         """A parsed v2 request (REST) → its outputs by name, classifications applied."""
         images = self._images_of(request)
-        if images is not None:
-            batch = await self.images(*images)
-        else:
-            batch = request.inputs[self.tensor.name]
+        batch = await self.images(*images) if images is not None else self.feed(request.inputs)
         return self._results(request, await self.predict(batch))
+
+    def feed(self, arrays: dict[str, np.ndarray]) -> Batch:
+        """What the batcher takes: the one input's array, or every input's by name."""
+        return {t.name: arrays[t.name] for t in self.tensors} if self.has_named_inputs else arrays[self.tensor.name]
 
     def infer_in_thread(self, request: InferRequest, timeout_s: float) -> dict[str, np.ndarray]:
         """``infer`` from a handler thread (gRPC's): images are preprocessed right here, off the
         event loop already, and the batch joins the same queue as REST's."""
         images = self._images_of(request)
-        if images is not None:
-            batch = self._preprocessed(*images)
-        else:
-            batch = request.inputs[self.tensor.name]
+        batch = self._preprocessed(*images) if images is not None else self.feed(request.inputs)
         if not self.ready:
             raise QueueFull("the model is not ready")
         try:

@@ -48,7 +48,12 @@ class ProtocolError(Exception):
 class TensorSpec:
     name: str
     datatype: str
-    shape: list[int]  # -1 for the batch dimension
+    shape: list[int]  # -1 for the batch dimension and other dynamic ones
+    dims: list[str] | None = None
+    """A name per axis; a dynamic axis shares its name with the axes of other inputs that must
+    have the same size (``batch``, ``length``). ``None``: only the batch is shared."""
+    range: list[int] | None = None
+    """``[low, high]``: the values an integer input may hold (token ids of the model's embedding)."""
 
 
 @dataclass
@@ -134,6 +139,7 @@ class InputSet:
         if not self.allow_nonfinite and not all_finite(array):
             bad = int((~np.isfinite(array)).sum())
             raise ProtocolError(400, f"{where} '{spec.name}' holds {bad} NaN/Inf values; send finite numbers")
+        check_range(array, spec, f"{where} '{spec.name}'")
         self.arrays[spec.name] = array
 
     def finish(self) -> dict[str, np.ndarray]:
@@ -148,7 +154,34 @@ class InputSet:
         sizes = {len(a) for a in self.arrays.values()}
         if len(sizes) > 1:
             raise ProtocolError(400, f"inputs disagree on the batch size: {sorted(sizes)}")
+        check_shared_dims({n: a for n, a in self.arrays.items()}, self.specs)
         return self.arrays
+
+
+def check_range(array: np.ndarray, spec: TensorSpec, where: str) -> None:
+    """An integer input outside its ``range`` (a token id past the model's vocabulary) is a 400."""
+    if spec.range is None or array.size == 0 or array.dtype.kind not in "iu":
+        return
+    low, high = int(array.min()), int(array.max())
+    if low < spec.range[0] or high > spec.range[1]:
+        value = low if low < spec.range[0] else high
+        raise ProtocolError(400, f"{where} holds {value}, outside [{spec.range[0]}, {spec.range[1]}] (the ids the "
+                                 f"model's embedding has rows for); send ids of the model's vocabulary")
+
+
+def check_shared_dims(arrays: dict[str, np.ndarray], specs: dict[str, TensorSpec], where: str = "inputs") -> None:
+    """Axes that share a name across inputs (a padded sequence's ``length``) must have one size."""
+    seen: dict[str, tuple[str, int]] = {}
+    for name, array in arrays.items():
+        dims = specs[name].dims if name in specs else None
+        for axis, dim in enumerate(dims or []):
+            if dim == "batch" or axis >= array.ndim:
+                continue
+            if dim in seen and seen[dim][1] != array.shape[axis]:
+                other, size = seen[dim]
+                raise ProtocolError(400, f"{where} disagree on '{dim}': '{other}' has {size}, '{name}' has "
+                                         f"{array.shape[axis]} (axis {axis}); send them of one length")
+            seen.setdefault(dim, (name, array.shape[axis]))
 
 
 def _input_array(raw: dict[str, Any], where: str, spec: TensorSpec, shape: list[int], binary: memoryview,
@@ -338,16 +371,57 @@ def v1_tensor(instances: list[Any], spec: TensorSpec, allow_nonfinite: bool = Fa
     """v1 instances of numbers → the batch, checked against the model's input ``spec``."""
     array = _numbers(instances, DTYPES[spec.datatype],
                      f"'instances' must be numbers of shape {spec.shape[1:]} each (ragged or non-numeric)")
-    if list(array.shape[1:]) != spec.shape[1:]:
+    wanted = spec.shape[1:]
+    if array.ndim != len(spec.shape) or any(d >= 0 and d != s for d, s in zip(wanted, array.shape[1:])):
         raise ProtocolError(400, f"each instance has shape {list(array.shape[1:])}; the model takes {spec.shape[1:]}")
     if not allow_nonfinite and not all_finite(array):
         raise ProtocolError(400, "'instances' hold NaN/Inf values; send finite numbers")
+    check_range(array, spec, "'instances'")
     return array
 
 
 def v1_has_images(instances: list[Any]) -> bool:
-    """Whether v1 instances are encoded images (objects), not tensors (numbers)."""
-    return isinstance(instances[0], dict)
+    """Whether v1 instances are encoded images (``{"image_bytes": {"b64": ...}}`` or ``{"b64": ...}``)."""
+    return isinstance(instances[0], dict) and ("image_bytes" in instances[0] or "b64" in instances[0])
+
+
+def v1_named_tensors(instances: list[Any], specs: list[TensorSpec], allow_nonfinite: bool = False) -> dict[str, np.ndarray]:
+    """v1 instances of a model of named inputs, ``[{name: values, ...}, ...]`` → the batch by name.
+
+    Every instance gives every input; the values of one input must have one shape across the
+    request (sequences of one length: pad them), which the model's spec accepts.
+    """
+    names = [spec.name for spec in specs]
+    for i, instance in enumerate(instances):
+        if not isinstance(instance, dict):
+            raise ProtocolError(400, f"instances[{i}] must be an object of the model's inputs {names}, "
+                                     f"got {type(instance).__name__}")
+        missing, unknown = sorted(set(names) - set(instance)), sorted(set(instance) - set(names))
+        if missing or unknown:
+            what = "; ".join(part for part in (f"lacks {missing}" if missing else "",
+                                               f"has no such inputs {unknown}" if unknown else "") if part)
+            raise ProtocolError(400, f"instances[{i}] {what}; the model takes {names}")
+    arrays = {}
+    for spec in specs:
+        first = np.shape(instances[0][spec.name])
+        for i, instance in enumerate(instances[1:], start=1):
+            if np.shape(instance[spec.name]) != first:
+                raise ProtocolError(400, f"instances[{i}].{spec.name} has shape {list(np.shape(instance[spec.name]))}, "
+                                         f"instances[0].{spec.name} {list(first)}; send values of one shape in a "
+                                         "request (pad sequences to one length)")
+        array = _numbers([instance[spec.name] for instance in instances], DTYPES[spec.datatype],
+                         f"instances[*].{spec.name} must be numbers of type {spec.datatype}")
+        wanted = spec.shape[1:]
+        if array.ndim != len(spec.shape) or any(d >= 0 and d != s for d, s in zip(wanted, array.shape[1:])):
+            shown = ["N" if d < 0 else d for d in wanted]
+            raise ProtocolError(400, f"instances[*].{spec.name} has shape {list(array.shape[1:])} each; the model "
+                                     f"takes {shown}")
+        if not allow_nonfinite and not all_finite(array):
+            raise ProtocolError(400, f"instances[*].{spec.name} hold NaN/Inf values; send finite numbers")
+        check_range(array, spec, f"instances[*].{spec.name}")
+        arrays[spec.name] = array
+    check_shared_dims(arrays, {spec.name: spec for spec in specs}, "instances")
+    return arrays
 
 
 def v1_images(instances: list[Any]) -> tuple[list[bytes], list[str]]:

@@ -9,8 +9,9 @@ batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
 
 def iter_groups(batches: Iterable[Any], accumulate: int) -> Iterator[list[Any]]:
     """Yield lists of up to ``accumulate`` consecutive batches; the last list may be shorter."""
@@ -24,6 +25,30 @@ def iter_groups(batches: Iterable[Any], accumulate: int) -> Iterator[list[Any]]:
         yield group
 
 
+class Lookahead:
+    """Iterates ``groups`` one ahead, so that each comes with whether it is the last.
+
+    While the caller works on a group, ``held`` is the next one, already read from the loader
+    but not trained on (a checkpoint must not count it as consumed).
+
+    Example::
+
+        ahead = Lookahead(iter_groups(loader.epoch(epoch), accumulate))
+        for group, is_last in ahead:
+            ...
+    """
+
+    def __init__(self, groups: Iterable[list[Any]]) -> None:
+        self._groups = iter(groups)
+        self.held: list[Any] | None = None
+
+    def __iter__(self) -> Iterator[tuple[list[Any], bool]]:
+        current = next(self._groups, None)
+        while current is not None:
+            self.held = next(self._groups, None)
+            yield current, self.held is None
+            current, self.held = self.held, None
+
 
 def steps_per_epoch(num_batches: int, accumulate: int) -> int:
     """Optimizer steps in an epoch of ``num_batches`` micro-batches (a short last group counts)."""
@@ -31,12 +56,17 @@ def steps_per_epoch(num_batches: int, accumulate: int) -> int:
 
 
 def total_steps(
-    num_batches: int, accumulate: int, max_epochs: int | None, max_steps: int | None
+    num_batches: int | Callable[[int], int], accumulate: int, max_epochs: int | None, max_steps: int | None
 ) -> int:
-    """Optimizer steps of the whole run: the first limit reached of ``max_epochs`` and ``max_steps``."""
+    """Optimizer steps of the whole run: the first limit reached of ``max_epochs`` and ``max_steps``.
+
+    ``num_batches`` is the batches of every epoch, or a function of the epoch (a streaming
+    epoch's plan gives it a batch or so more or fewer than another's).
+    """
+    per_epoch = num_batches if callable(num_batches) else (lambda epoch: num_batches)
     limits = []
     if max_epochs is not None:
-        limits.append(max_epochs * steps_per_epoch(num_batches, accumulate))
+        limits.append(sum(steps_per_epoch(per_epoch(e), accumulate) for e in range(max_epochs)))
     if max_steps is not None:
         limits.append(max_steps)
     if not limits:

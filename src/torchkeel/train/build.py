@@ -55,11 +55,15 @@ def build_model(cfg: ModelConfig) -> torch.nn.Module:
     return model
 
 
-def build_objective(cfg: LossConfig, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Objective:
-    """The ``Objective``: ``loss.step_fn`` if set, else ``loss_fn`` (or ``loss.target``), with ``loss.count_key``."""
+def build_objective(cfg: LossConfig, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                    model: torch.nn.Module | None = None) -> Objective:
+    """The ``Objective``: ``loss.step_fn`` if set, else ``loss_fn`` (or ``loss.target``), with
+    ``loss.count_key``; ``model`` decides ``loss.shift_labels: null``."""
+    shift = cfg.shift_labels if cfg.shift_labels is not None else model is not None and predicts_next_token(model)
+    counting = dict(count_key=cfg.count_key, ignore_index=cfg.ignore_index, shift_labels=shift)
     if cfg.step_fn is not None:
-        return Objective(step_fn=resolve_target(cfg.step_fn, "loss.step_fn"), count_key=cfg.count_key)
-    return Objective(loss_fn if loss_fn is not None else build_loss(cfg), count_key=cfg.count_key)
+        return Objective(step_fn=resolve_target(cfg.step_fn, "loss.step_fn"), **counting)
+    return Objective(loss_fn if loss_fn is not None else build_loss(cfg), **counting)
 
 
 def build_loss(cfg: LossConfig) -> Callable[[Any, Any], torch.Tensor]:
@@ -71,3 +75,15 @@ def build_loss(cfg: LossConfig) -> Callable[[Any, Any], torch.Tensor]:
             "it must return a callable loss(output, target) (e.g. torch.nn:CrossEntropyLoss)"
         )
     return loss_fn
+
+
+def predicts_next_token(model: torch.nn.Module) -> bool:
+    """A transformers model whose loss shifts the labels by one (its causal-LM loss)."""
+    try:
+        loss = getattr(model, "loss_function", None)
+    except Exception:  # noqa: BLE001 - a property of someone else's class: no answer is "no"
+        return False
+    if getattr(loss, "__name__", "") == "ForCausalLMLoss":
+        return True
+    kind = type(model)
+    return kind.__module__.startswith("transformers.") and kind.__name__.endswith(("ForCausalLM", "LMHeadModel"))

@@ -42,13 +42,18 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 class Progress:
-    """Shows training progress: a tqdm bar when ``stream`` is a TTY, one line per logged step otherwise."""
+    """Shows training progress: a tqdm bar when ``stream`` is a TTY, one line per logged step otherwise.
 
-    def __init__(self, total_steps: int, *, enabled: bool = True, stream: TextIO | None = None) -> None:
+    ``initial``: the step a resumed run starts at (the bar counts from there).
+    """
+
+    def __init__(self, total_steps: int, *, enabled: bool = True, stream: TextIO | None = None,
+                 initial: int = 0) -> None:
         self.stream = stream or sys.stderr
         self.enabled = enabled
         self.is_tty = enabled and self.stream.isatty()
-        self.bar = tqdm(total=total_steps, file=self.stream, unit="step", dynamic_ncols=True) if self.is_tty else None
+        self.bar = tqdm(total=total_steps, initial=initial, file=self.stream, unit="step",
+                        dynamic_ncols=True) if self.is_tty else None
         self.total_steps = total_steps
 
     def advance(self, steps: int) -> None:
@@ -78,6 +83,13 @@ class Progress:
         else:
             print(f"keel: {message}", file=self.stream, flush=True)
 
+    def say(self, message: str) -> None:
+        """A line a person must see (a resume, what it changed): shown even when progress output is off."""
+        if self.bar is not None:
+            self.bar.write(f"keel: {message}", file=self.stream)
+        else:
+            print(f"keel: {message}", file=self.stream, flush=True)
+
     def warn(self, message: str) -> None:
         """A warning for a person; shown even when progress output is off."""
         if self.bar is not None:
@@ -90,10 +102,10 @@ class Progress:
             self.bar.close()
 
 
-# Rows for the file and the report only (the worker trial has a line of its own).
-_FILE_ONLY = ("memory", "data_workers")
+# Rows for the file and the report only (the worker trial, the job and a resume have lines of their own).
+_FILE_ONLY = ("memory", "data_workers", "dist", "resume")
 # Rows other than training steps get a line of their own, with a prefix.
-_PREFIXES = {"val": "validation: ", "resume": "resumed: "}
+_PREFIXES = {"val": "validation: "}
 
 
 def _fmt(value: Any) -> str:

@@ -1,15 +1,17 @@
 """How a batch becomes a loss, and what it weighs in accumulation.
 
-The default is ``loss_fn(model(input), target)``, a mean over the batch's samples. A step
-function ``(model, batch) -> ...`` covers the rest (``model(**batch).loss``, several inputs,
-contrastive losses) and may return:
+The default is ``loss_fn(model(input), target)``, a mean over the batch's samples; a dict batch
+(what a tokenized transformers dataset gives) is ``model(**batch)`` and the ``loss`` it returns.
+A step function ``(model, batch) -> ...`` covers the rest (several inputs, contrastive losses)
+and may return:
 
 - ``loss`` — a mean; ``loss, {name: value}`` — with metrics to log;
 - ``loss_sum, count`` (or ``loss_sum, count, {name: value}``) — a sum over ``count`` elements.
 
-Accumulation weighs each micro-batch by its count — samples, the batch's ``count_key`` (e.g.
-non-padding tokens), or the count the step function returned — so ``batch 16 × accumulate 4``
-equals ``batch 64 × 1`` even when the loss is a mean over a number of tokens that varies.
+Accumulation weighs each micro-batch by its count — samples, the batch's ``count_key`` (its
+labels other than ``ignore_index``, or a count to sum), or the count the step function returned
+— so ``batch 16 × accumulate 4`` equals ``batch 64 × 1`` even when the loss is a mean over a
+number of tokens that varies.
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ class Objective:
     Args:
         loss_fn: ``loss(output, target)``, a mean over samples.
         step_fn: ``(model, batch) -> loss | (loss, metrics) | (loss_sum, count[, metrics])``.
-        count_key: a batch key holding the number of elements the loss is a mean over (an int
-            or a tensor, summed); weights micro-batches by it instead of by samples.
+        count_key: a batch key that counts the elements the loss is a mean over; weights
+            micro-batches by it instead of by samples. A label key (``labels``, ``*labels``)
+            counts its elements other than ``ignore_index`` (after dropping each row's first
+            label with ``shift_labels``, as a next-token loss does); any other key is summed.
     """
 
     def __init__(
@@ -66,10 +70,13 @@ class Objective:
         *,
         step_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
         count_key: str | None = None,
+        ignore_index: int = -100,
+        shift_labels: bool = False,
     ) -> None:
         if (loss_fn is None) == (step_fn is None):
             raise ValueError("Objective needs exactly one of loss_fn and step_fn")
         self.loss_fn, self.step_fn, self.count_key = loss_fn, step_fn, count_key
+        self.ignore_index, self.shift_labels = ignore_index, shift_labels
 
     @classmethod
     def of(cls, loss: "Objective | Callable[[Any, Any], torch.Tensor]") -> "Objective":
@@ -84,12 +91,19 @@ class Objective:
             raise DataError(f"loss.count_key={self.count_key!r} is not a key of the batch ({keys}); "
                             "name the batch key that counts the loss's elements")
         count = batch[self.count_key]
-        return float(count.sum()) if isinstance(count, torch.Tensor) else float(count)  # CPU: no device sync
+        if not isinstance(count, torch.Tensor):
+            return float(count)
+        if is_label_key(self.count_key):
+            labels = count[..., 1:] if self.shift_labels and count.dim() > 1 else count
+            return float((labels != self.ignore_index).sum())  # CPU: no device sync
+        return float(count.sum())
 
     def __call__(self, model: torch.nn.Module, batch: Any, device: torch.device, non_blocking: bool = False) -> LossOutput:
         """Forward one micro-batch (still on the CPU as the loader gave it) and compute its loss."""
         if self.step_fn is not None:
             return _step_output(self.step_fn(model, to_device(batch, device, non_blocking)))
+        if isinstance(batch, Mapping):
+            return _model_loss(model, to_device(batch, device, non_blocking))
         inputs, targets = batch
         outputs = model(to_device(inputs, device, non_blocking))
         targets_on_device = to_device(targets, device, non_blocking)
@@ -103,6 +117,27 @@ class Objective:
             check_labels(outputs, targets, self.loss_fn)
             loss = self.loss_fn(outputs, targets_on_device)
         return LossOutput(loss, outputs=outputs, targets=targets_on_device)
+
+
+def is_label_key(key: str) -> bool:
+    """Whether a batch key holds labels (counted, not summed, as ``loss.count_key``)."""
+    return key.endswith("labels")
+
+
+def _model_loss(model: torch.nn.Module, batch: Mapping[str, Any]) -> LossOutput:
+    """``model(**batch)`` and the ``loss`` it returns (an attribute or a key, as transformers' outputs)."""
+    out = model(**batch)
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if not isinstance(loss, torch.Tensor):
+        raise DataError(f"a dict batch ({', '.join(map(str, batch))}) runs as model(**batch), and the model returned "
+                        f"{type(out).__name__} without a loss; put the labels in the batch (labels=...), or set "
+                        "loss.step_fn to compute the loss yourself")
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, Mapping):
+        logits = out.get("logits")
+    return LossOutput(loss, outputs=logits, targets=batch.get("labels"))
 
 
 def check_labels(outputs: Any, targets: Any, loss_fn: Any) -> None:

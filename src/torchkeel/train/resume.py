@@ -1,13 +1,25 @@
-"""Choosing the checkpoint to resume from, and trimming run files back to it."""
+"""Choosing the checkpoint to resume from, checking the config against the checkpoint's, and
+trimming run files back to it."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from torchkeel.checkpoint import Checkpoint, CheckpointStore, read_checkpoint
+from torchkeel.errors import ConfigError
 from torchkeel.io import write_text_atomic
+
+# What a run computes: a change here means the resumed run is no longer the uninterrupted one.
+EXACT = ("seed", "deterministic", "precision", "model", "data", "loss", "optim", "schedule", "train.batch_size",
+         "train.accumulate", "train.clip_grad_norm")
+# ... except how data is loaded, not which: these never change the batches.
+NOT_EXACT = ("data.num_workers", "data.prefetch_factor", "data.max_bad_fraction", "data.val", "model.init_from",
+             "model.init_strict")
+# The schedule is planned over the run's length: a change re-plans the learning rate from here.
+REPLANS = ("train.max_epochs", "train.max_steps")
 
 
 def find_checkpoint(store: CheckpointStore, resume: str | Path, warn: Callable[[str], None]) -> Checkpoint | None:
@@ -43,3 +55,59 @@ def truncate_metrics(path: Path, step: int) -> None:
         if row.get("step", 0) <= step:
             kept.append(line + "\n")
     write_text_atomic(path, "".join(kept))
+
+
+def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """``(dotted key, saved value, current value)`` for every key that differs, deepest keys first named."""
+    changes = []
+    for key in sorted(set(saved) | set(current)):
+        name = f"{prefix}{key}"
+        old, new = saved.get(key), current.get(key)
+        if isinstance(old, Mapping) and isinstance(new, Mapping):
+            changes += config_changes(old, new, f"{name}.")
+        elif old != new:
+            changes.append((name, old, new))
+    return changes
+
+
+def breaks_exactness(key: str) -> bool:
+    """Whether a change of ``key`` changes what the resumed run computes (data, model, batch, seed…)."""
+    def within(prefixes: tuple[str, ...]) -> bool:
+        return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+    return within(EXACT) and not within(NOT_EXACT)
+
+
+def check_resume_config(saved: Mapping[str, Any] | None, current: Mapping[str, Any], *, allow: bool,
+                        checkpoint: str | Path) -> list[str]:
+    """Compare the config of a resume with the one its checkpoint was saved with.
+
+    Returns the lines to print: every differing key, old → new. A change that breaks
+    exactness (``breaks_exactness``) is refused unless ``allow``.
+
+    Raises:
+        ConfigError: naming the keys, and ``--allow-config-change``.
+    """
+    if saved is None:  # a checkpoint from before configs were kept in the manifest
+        return []
+    changes = config_changes(saved, current)
+    breaking = [key for key, _, _ in changes if breaks_exactness(key)]
+    if breaking and not allow:
+        shown = "; ".join(f"{k}: {_short(o)} -> {_short(n)}" for k, o, n in changes if k in breaking)
+        raise ConfigError(f"--resume: the config differs from checkpoint '{checkpoint}' in what the run computes "
+                          f"({shown}); resume with the checkpoint's config, start a new run (another name), "
+                          "or pass --allow-config-change to continue anyway (no longer the uninterrupted run)")
+    lines = []
+    for key, old, new in changes:
+        note = ""
+        if key in REPLANS:
+            note = " (the learning-rate schedule is planned anew over the new length, from this step on)"
+        elif key in breaking:
+            note = " (allowed by --allow-config-change: the run is no longer the uninterrupted one)"
+        lines.append(f"config differs from the checkpoint's: {key}: {_short(old)} -> {_short(new)}{note}")
+    return lines
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

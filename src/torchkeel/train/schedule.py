@@ -64,3 +64,10 @@ def _factor(step: int, *, warmup_steps: int, total_steps: int, decay: str, min_r
     return lr_at(
         step, lr=1.0, warmup_steps=warmup_steps, total_steps=total_steps, decay=decay, min_lr=min_ratio
     )
+
+
+def end_at_floor(scheduler: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer) -> None:
+    """Set every group's learning rate to where its schedule ends (``min_lr``, or ``lr`` for a
+    constant schedule), for a run whose last step comes before the planned one."""
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(2**62)

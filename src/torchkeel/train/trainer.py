@@ -30,7 +30,7 @@ from torchkeel.distributed.checkpoint import load_sharded, save_sharded
 from torchkeel.distributed.job import DataParallel
 from torchkeel.io import write_json_atomic, write_text_atomic
 from torchkeel.provenance import provenance
-from torchkeel.train.accumulate import iter_groups, total_steps
+from torchkeel.train.accumulate import Lookahead, iter_groups, total_steps
 from torchkeel.train.cadence import SaveCadence
 from torchkeel.train.build import build_model, build_objective, resolve_device
 from torchkeel.errors import CheckpointError, TrainingDiverged
@@ -49,12 +49,14 @@ from torchkeel.train.metricset import MetricSet
 from torchkeel.train.optim import build_optimizer
 from torchkeel.train.precision import make_precision
 from torchkeel.train.preempt import StopSignals
-from torchkeel.train.resume import find_checkpoint, truncate_metrics
+from torchkeel.train.resume import check_resume_config, find_checkpoint, truncate_metrics
 from torchkeel.train.rundir import PreviousRun, prepare_run_dir
-from torchkeel.train.schedule import build_scheduler
+from torchkeel.train.schedule import build_scheduler, end_at_floor
 from torchkeel.train.seed import seed_everything
 from torchkeel.train.step import train_step
 from torchkeel.train.validate import evaluate
+
+MAX_SHOWN_BAD = 10_000  # bad samples a checkpoint remembers as printed (beyond: printed again after a resume)
 
 # The counters a checkpoint carries, so a resumed run continues with the very next batch.
 PROGRESS = ("step", "epoch", "batch_in_epoch", "samples", "val_metrics", "validated_at", "saved_at",
@@ -67,7 +69,9 @@ class Trainer:
     Objects passed in (``model``, ``train_data``/``val_data`` — map-style datasets or streaming
     sources —, ``loss_fn``) take the place of the config's import paths. Build order — seed, data, model, loss, optimizer — is fixed, so a
     hand-written loop that follows it draws the same random numbers. ``resume`` is ``"auto"``
-    (the newest valid checkpoint of the run, or a fresh start) or a checkpoint directory.
+    (the newest valid checkpoint of the run, or a fresh start) or a checkpoint directory; a
+    config that differs from the checkpoint's in what the run computes (data, model, batch,
+    seed…) is refused unless ``allow_config_change`` (see ``check_resume_config``).
 
     Example::
 
@@ -84,6 +88,7 @@ class Trainer:
         val_data: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         resume: str | Path | None = None,
+        allow_config_change: bool = False,
         overwrite: bool = False,
         progress: bool = True,
         checkpoint_hook: PointHook | None = None,
@@ -125,6 +130,7 @@ class Trainer:
                                      es.min_delta) if es.patience else None
         self.oom_hook = oom_hook
         self.resume, self.overwrite, self.show_progress = resume, overwrite, progress
+        self.allow_config_change = allow_config_change
         # Progress counters: all a resumed run needs to continue with the very next batch.
         self.step = self.epoch = self.batch_in_epoch = self.samples = 0
         self.val_metrics: dict[str, float] = {}
@@ -137,6 +143,8 @@ class Trainer:
         self.incidents = IncidentLog(None)
         self._loggers = RunLoggers([])
         self._previous: PreviousRun | None = None  # the run --overwrite set aside, until this one is safe
+        self._ahead: Lookahead | None = None  # the epoch's groups, one read ahead
+        self._shown_bad: set[str] = set()  # bad samples already printed: once per run, every one in incidents
 
     def _build(self, cfg: KeelConfig, model: torch.nn.Module | None, train_data: Any, val_data: Any,
                loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> None:
@@ -156,15 +164,17 @@ class Trainer:
         c = cfg.compile
         self.forward_model = CompiledOrEager(wrapped, c.backend, mode=c.mode, fullgraph=c.fullgraph, dynamic=c.dynamic,
                                              report=self._compile_event) if c.enabled else wrapped
-        self.objective = build_objective(cfg.loss, loss_fn)
+        self.objective = build_objective(cfg.loss, loss_fn, self.model)
         self.val_scores = MetricSet.from_config(cfg.metrics, self.device)
         self.train_scores = MetricSet.from_config(cfg.metrics, self.device, on="train")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         ema = cfg.train.ema
         self.ema = WeightAverage(self.model, ema.decay, ema.start_step) if ema.decay else None
         self.optimizer = build_optimizer(cfg.optim, self.params)
+        # The schedule's length: exact when no sample is bad (every epoch's plan is known); the
+        # loop itself ends with the data, and the last step's learning rate is the floor.
         self.total_steps = total_steps(
-            len(self.train_loader), cfg.train.accumulate, cfg.train.max_epochs, cfg.train.max_steps
+            self.train_loader.num_batches, cfg.train.accumulate, cfg.train.max_epochs, cfg.train.max_steps
         )
         self.scheduler = build_scheduler(
             self.optimizer, warmup_steps=cfg.schedule.warmup_steps, total_steps=self.total_steps,
@@ -185,10 +195,13 @@ class Trainer:
 
     def _fit(self) -> dict[str, Any]:
         cfg, is_main = self.config, self.rank.is_main
-        self._progress = Progress(self.total_steps, enabled=self.show_progress and is_main)
         # Every rank verifies the same checkpoint; rank 0 reports what it skipped.
-        warn = self._progress.warn if is_main else (lambda message: None)
+        warn = Progress(self.total_steps, enabled=False).warn if is_main else (lambda message: None)
         found = find_checkpoint(self.store, self.resume, warn) if self.resume else None
+        changes = check_resume_config(found.manifest.get("config"), to_dict(cfg), allow=self.allow_config_change,
+                                      checkpoint=found.path) if found is not None else []
+        self._progress = Progress(self.total_steps, enabled=self.show_progress and is_main,
+                                  initial=found.step if found is not None else 0)
         if is_main:
             _, self._previous = prepare_run_dir(cfg.out_dir, cfg.name, overwrite=self.overwrite,
                                                 resume=self.resume is not None)
@@ -200,7 +213,7 @@ class Trainer:
             cfg.logging, self.run_dir, to_dict(cfg), yaml.safe_dump(to_dict(cfg), sort_keys=False),
             found.step if found else None) if is_main else RunLoggers([])
         self.incidents = IncidentLog(self.run_dir / "incidents.jsonl" if is_main else None)
-        self._provenance = provenance(config_hash(cfg))
+        self._provenance = {**provenance(config_hash(cfg)), "config": to_dict(cfg)}
         self._start = time.perf_counter()
         if self.job.active:
             self._log({"kind": "dist", "step": 0, "world_size": self.rank.world_size, "strategy": self.job.strategy,
@@ -214,8 +227,13 @@ class Trainer:
         if found is not None:
             with self.job.watch("loading the checkpoint", found.step):
                 self._restore(found)
-            self._log({"kind": "resume", "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                       "samples": self.samples, "checkpoint": str(found.path)})
+            row = {"kind": "resume", "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                   "samples": self.samples, "checkpoint": str(found.path)}
+            if is_main:  # always said, progress output or not
+                self._progress.say("resumed: " + " ".join(f"{k} {v}" for k, v in row.items() if k != "kind"))
+                for line in changes:
+                    self._progress.say(line)
+            self._log(row)
         summary: dict[str, Any] = {"status": "failed"}
         error: BaseException | None = None
         try:
@@ -269,22 +287,28 @@ class Trainer:
         return True
 
     def _train(self) -> None:
-        train, num_batches = self.config.train, len(self.train_loader)
+        train = self.config.train
         window_samples, window_start = 0, time.perf_counter()
         self._take_snapshot()
         if self.stopper is not None and self.stopper.stop_reason:
             return  # resumed from the checkpoint where it stopped early: nothing left to do
-        while self.step < self.total_steps and (train.max_epochs is None or self.epoch < train.max_epochs):
+        # An epoch ends when its data does (on every rank together); only max_steps stops mid-epoch.
+        while not self._is_at_max_steps() and (train.max_epochs is None or self.epoch < train.max_epochs):
             batches = TimedBatches(self.train_loader.epoch(self.epoch, start_batch=self.batch_in_epoch))
             self.input_bound.start()
-            for group in iter_groups(self.job.batches(batches, self._streaming), train.accumulate):
-                if self.step >= self.total_steps:
-                    break
-                is_log = (self.step + 1) % train.log_every == 0 or self.step + 1 == self.total_steps
+            # One group is read ahead, so that the epoch's last step is known when it is taken.
+            self._ahead = Lookahead(iter_groups(self.job.batches(batches, self._streaming), train.accumulate))
+            for group, at_epoch_end in self._ahead:
+                is_last = (at_epoch_end and self.epoch + 1 == train.max_epochs) or (
+                    train.max_steps is not None and self.step + 1 == train.max_steps)
+                if is_last and self.step + 1 < self.total_steps:
+                    end_at_floor(self.scheduler, self.optimizer)  # fewer steps than planned (bad samples)
+                is_log = (self.step + 1) % train.log_every == 0 or is_last
                 lr = self.optimizer.param_groups[0]["lr"] if is_log else 0.0
                 sync = self.job.sync
-                if sync is not None:  # agreed in the step's own all-gather: no collective of their own
-                    sync.flags = [self._signals.requested is not None, self._is_save_due(False)]
+                if sync is not None:  # agreed in the step's all-gather: no collective of their own
+                    sync.flags = [self._signals.requested is not None, self._is_save_due(False),
+                                  bool(self.train_loader.new_bad)]
                 with self.job.watch("the training step (forward, backward, gradient sync)", self.step + 1):
                     result = self._step(group)
                 self.job.first_step_done()
@@ -295,7 +319,13 @@ class Trainer:
                 if self.ema is not None and result.status == "ok":  # a skipped step is not averaged in
                     self.ema.update(self.step)
                 self._progress.advance(1)
-                self._protect(result, group, batches.take())
+                if sync is not None:
+                    stop, due, any_bad = sync.agreed
+                else:
+                    stop, due = any_rank_flags([self._signals.requested is not None, self._is_save_due(False)],
+                                               self.device)
+                    any_bad = bool(self.train_loader.new_bad)
+                self._protect(result, group, batches.take(), any_bad)
                 if is_log:
                     loss, grad_norm = result.loss_value, result.grad_norm_value
                     if loss is None:  # the guard is off: read them now (host sync, log steps only)
@@ -312,18 +342,16 @@ class Trainer:
                     window_samples, window_start = 0, time.perf_counter()
                 if train.val_every and self.step % train.val_every == 0:
                     self._validate()
-                    if self._is_stopping_early(at_epoch_end=self.batch_in_epoch >= num_batches):
+                    if self._is_stopping_early(at_epoch_end=at_epoch_end):
                         return
-                if sync is not None:
-                    stop, due = sync.agreed
-                else:
-                    stop, due = any_rank_flags([self._signals.requested is not None, self._is_save_due(False)],
-                                               self.device)
-                if stop or ((due or self._is_every_steps()) and self.batch_in_epoch < num_batches):
+                if stop or ((due or self._is_every_steps()) and not at_epoch_end):
                     self._save()  # at an epoch's last batch the epoch-end save decides instead
                 if stop:
                     return
+                if self._is_at_max_steps() and not at_epoch_end:
+                    break  # mid-epoch: the group read ahead is not trained on, nor counted as read
             else:
+                self._ahead = None
                 if not train.val_every:
                     self._validate()
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
@@ -333,11 +361,15 @@ class Trainer:
                     due = any_rank(self._is_save_due(True), self.device)
                 if due or self._is_every_steps() or self._best_unsaved:
                     self._save()
+            self._ahead = None
         if self.validated_at != self.step:
             self._validate()
         if self.config.guard.enabled and not all(bool(torch.isfinite(_local(p)).all()) for p in self.params):
             raise TrainingDiverged("the weights are non-finite at the end of training; see incidents.jsonl")
         self._save()
+
+    def _is_at_max_steps(self) -> bool:
+        return self.config.train.max_steps is not None and self.step >= self.config.train.max_steps
 
     def _step(self, group: list[Any]) -> Any:
         """``train_step`` with the run's settings; a label out of range is named with its sample."""
@@ -356,13 +388,12 @@ class Trainer:
             exc.add_note(f"step {self.step + 1}, micro-batch {exc.micro_batch}: {origin or 'origin unknown'}")
             raise
 
-    def _protect(self, result: Any, group: list[Any], wait_s: float) -> None:
+    def _protect(self, result: Any, group: list[Any], wait_s: float, any_bad: bool) -> None:
         """Act on what the step and the data reported: bad samples, OOM splits, non-finite steps,
-        spikes, memory, leaks, waiting for input."""
+        spikes, memory, leaks, waiting for input. ``any_bad``: some rank met bad samples (agreed)."""
         loader = self.train_loader
-        for where, error in loader.new_bad:
-            self._incident("bad_sample", f"skipped a bad sample: {where}: {error}", where=where, error=error)
-        loader.new_bad.clear()
+        if any_bad:
+            self._bad_samples(loader)
         waiting = self.input_bound.observe(wait_s)
         if waiting is not None:
             self._incident("input_bound", f"input-bound: {waiting['wait_fraction']:.0%} of the time went to waiting "
@@ -401,6 +432,23 @@ class Trainer:
                            f"{finding['graph_nodes_per_step']:.1f} graph nodes and {finding['tensors_per_step']:.2f} "
                            f"tensors per step{what} — a tensor kept across steps (total_loss += loss?)", **finding)
 
+    def _bad_samples(self, loader: Any) -> None:
+        """Every rank's new bad samples become incidents (on rank 0's file); each is printed once
+        per run. With several ranks the counts are shared first, so that every rank decides the
+        same on ``data.max_bad_fraction`` (one gather, only at steps where some rank met one)."""
+        mine = list(loader.new_bad)
+        loader.new_bad.clear()
+        everyone = self.job.all_gather_object(mine) if self.job.active else [mine]
+        for rank, bad in enumerate(everyone):
+            if rank != self.rank.rank:
+                loader.bad.add_others(bad)
+            for where, error in bad:
+                shown = where in self._shown_bad
+                self._shown_bad.add(where)
+                self._incident("bad_sample", f"skipped a bad sample: {where}: {error}", quiet=shown, where=where,
+                               error=error, rank=rank)
+        loader.bad.check()
+
     def _on_nonfinite(self, group: list[Any]) -> None:
         diagnosis = None
         if self.config.guard.diagnose and self.diagnosis is None:  # the first non-finite step only
@@ -431,10 +479,12 @@ class Trainer:
                                   scheduler=self.scheduler, scaler=self.precision.scaler)
             self.snapshots = [*self.snapshots, taken][-2:]
 
-    def _incident(self, kind: str, message: str, **details: Any) -> None:
+    def _incident(self, kind: str, message: str, quiet: bool = False, **details: Any) -> None:
+        """Record an incident (rank 0 writes it); ``quiet``: in the files, not printed again."""
         row = self.incidents.record(kind, self.step, message, **details)
         if self.rank.is_main:
-            self._progress.warn(f"step {row['step']}: {message}")
+            if not quiet:
+                self._progress.warn(f"step {row['step']}: {message}")
             self._loggers.log_incident(row)
 
     def _validate(self) -> None:
@@ -447,6 +497,7 @@ class Trainer:
                 self.objective, device=self.device, precision=self.precision, across_ranks=True,
                 metrics=self.val_scores,
             )
+            self._bad_samples(self.val_loader)
         self._log({"kind": "val", "step": self.step, "epoch": self.epoch, **self.val_metrics})
 
     def _compile_event(self, kind: str, message: str, details: dict[str, Any]) -> None:
@@ -489,14 +540,16 @@ class Trainer:
         self.saved_at = self.step
         with self.job.watch("saving a checkpoint", self.step):
             # Under torchrun every rank's RNG and data position; in one process capture_training_state's suffice.
+            held = (self._ahead.held or []) if self._ahead is not None else []  # read ahead, not trained on
             ranks = self.job.gather({"rng": capture_rng() if self.job.active else None,
-                                     "data": self.train_loader.state_dict()})
+                                     "data": self.train_loader.state_dict(unconsumed=held)})
             if self.rank.is_main:
                 assert ranks is not None
                 progress = {name: getattr(self, name) for name in PROGRESS}
                 progress["data"] = ranks[0]["data"] if len(ranks) == 1 else [r["data"] for r in ranks]
                 protections = {"guard": self.guard.state_dict(), "incidents": dict(self.incidents.counts),
-                               "spikes": self.spikes.state_dict() if self.spikes else None}
+                               "spikes": self.spikes.state_dict() if self.spikes else None,
+                               "shown_bad": sorted(self._shown_bad)[:MAX_SHOWN_BAD]}
                 state = capture_training_state(self.model, self.optimizer, self.scheduler, self.precision.scaler,
                                                progress, protections, weights=not self.job.sharded)
                 if len(ranks) > 1:
@@ -549,10 +602,9 @@ class Trainer:
         protections = found.state.get("protections") or {}
         self.guard.load_state_dict(protections.get("guard", {}))
         self.incidents.counts.update(protections.get("incidents", {}))
+        self._shown_bad.update(protections.get("shown_bad", []))
         if self.spikes is not None and protections.get("spikes"):
             self.spikes.load_state_dict(protections["spikes"])
-        if found.manifest.get("config_hash") != self._provenance["config_hash"]:
-            self._progress.warn(f"the config differs from the one checkpoint '{found.path}' was saved with")
 
     @property
     def _streaming(self) -> bool:

@@ -30,7 +30,7 @@ class WebDatasetSource:
     Args:
         paths: shard files or patterns.
         input: the sample's key (extension) that is the input, e.g. ``npy``; ``None`` yields the
-            decoded sample as a dict.
+            decoded sample as a dict (``input_ids.npy`` under the key ``input_ids``).
         target: the key of the label, e.g. ``cls``.
         shuffle_buffer: samples held by the shuffle buffer within a shard (0: shard order).
         image: a ``webdataset`` image spec (``rgb8``, ``torchrgb``, ...) to decode images (needs Pillow).
@@ -98,13 +98,21 @@ class WebDatasetSource:
 
     def _convert(self, sample: dict[str, Any], where: str) -> Any:
         if self.input is None:
-            return {k: _tensor(v) for k, v in sample.items() if k not in META_KEYS}
+            return {_key_name(k, sample): _tensor(v) for k, v in sample.items() if k not in META_KEYS}
         for name in (self.input, self.target):
             if name is not None and name not in sample:
                 present = ", ".join(k for k in sample if k not in META_KEYS)
                 raise KeyError(f"no '{name}' in the sample (it has: {present})")
         x = _tensor(sample[self.input])
         return x if self.target is None else (x, _tensor(sample[self.target]))
+
+
+def _key_name(key: str, sample: dict[str, Any]) -> str:
+    """A member's key without its decoder extension (``input_ids.npy`` → ``input_ids``, the name
+    ``model(**batch)`` wants), unless another member has that name too."""
+    name = key.rsplit(".", 1)[0]
+    clash = name != key and sum(1 for k in sample if k.rsplit(".", 1)[0] == name) > 1
+    return key if clash or name == key else name
 
 
 def _raw_samples(path: str) -> Iterator[dict[str, Any]]:
