@@ -45,13 +45,16 @@ def write_parquet(root: Path, num: int = 480, files: int = 3, row_group: int = 4
     return str(root / "*.parquet")
 
 
-def write_shards(root: Path, num: int = 480, shards: int = 6, corrupt: tuple[int, ...] = ()) -> str:
+def write_shards(root: Path, num: int = 480, shards: int = 6, corrupt: tuple[int, ...] = (),
+                 sizes: tuple[int, ...] | None = None) -> str:
+    """``shards`` shards of ``num`` samples in all (or shards of the given ``sizes``); returns their pattern."""
     root.mkdir(parents=True, exist_ok=True)
-    x, y = samples(num)
-    per_shard = num // shards
-    for s in range(shards):
+    sizes = sizes or (num // shards,) * shards
+    x, y = samples(sum(sizes))
+    start = 0
+    for s, size in enumerate(sizes):
         with tarfile.open(root / f"train-{s:06d}.tar", "w") as tar:
-            for i in range(s * per_shard, (s + 1) * per_shard):
+            for i in range(start, start + size):
                 buffer = io.BytesIO()
                 np.save(buffer, x[i])
                 payload = b"not an npy file" if i in corrupt else buffer.getvalue()
@@ -59,7 +62,8 @@ def write_shards(root: Path, num: int = 480, shards: int = 6, corrupt: tuple[int
                     info = tarfile.TarInfo(name)
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
-    return str(root / ("train-{000000..%06d}.tar" % (shards - 1)))
+        start += size
+    return str(root / ("train-{000000..%06d}.tar" % (len(sizes) - 1)))
 
 
 class Model(nn.Module):

@@ -160,7 +160,11 @@ def test_kill_during_a_checkpoint_write(tmp_path, reference, point, newest_valid
     assert_same_as_reference(run, reference)
 
 
-@pytest.mark.parametrize(("signum", "exit_code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize(("signum", "exit_code"), [
+    (signal.SIGTERM, 143),
+    # SIGINT takes the same path: in process in test_trainer_checkpoints, its exit code in test_cli
+    pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow),
+])
 def test_preemption_saves_and_exits_with_128_plus_signal(tmp_path, reference, signum, exit_code):
     run = Run(tmp_path, delay=0.002, every=100)
     proc = run.start(resume=False)

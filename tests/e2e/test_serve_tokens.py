@@ -15,24 +15,19 @@ import tritonclient.grpc as tritongrpc
 import tritonclient.http as tritonhttp
 from tritonclient.utils import InferenceServerException
 
-import torchkeel as tk
 from serveproc import Server
 from torchkeel.checkpoint import CheckpointStore
 from torchkeel.checkpoint.foreign import checkpoint_weights
 from torchkeel.data import PadCollate
 from torchkeel.export import export_run
+from tokenrun import train_tokens
 from tokens import TinyLM, sequences
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     out = tmp_path_factory.mktemp("tokens-serve")
-    config = tk.load_config(None, [f"out_dir={out}", "name=tokens", "model.target=tokens:TinyLM",
-                                   "data.target=tokens:make_data", "data.args={num_train: 256, num_val: 64}",
-                                   "data.collate=pad", "data.num_workers=0", "loss.count_key=labels",
-                                   "loss.shift_labels=true", "train.max_epochs=1", "train.batch_size=16"])
-    tk.Trainer(config, progress=False).fit()
-    export_run(out / "tokens", "onnx", out / "export")
+    export_run(train_tokens(out), "onnx", out / "export")
     eager = TinyLM().eval()
     eager.load_state_dict(checkpoint_weights(CheckpointStore(out / "tokens" / "checkpoints").latest_valid()[0]))
     server = Server(out / "export", grpc=True)

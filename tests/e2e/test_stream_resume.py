@@ -65,10 +65,8 @@ def newest_step(run: StreamRun) -> int:
     return max((step for step, _ in run.store.steps()), default=0)
 
 
-@pytest.mark.parametrize("fmt", [
-    "parquet",
-    pytest.param("webdataset", marks=pytest.mark.slow),  # the journeys kill a WebDataset run in the default suite
-])
+@pytest.mark.slow  # the journeys and the worker-count test below kill streaming runs in the default suite
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_sigkill_mid_epoch_and_resume_auto(tmp_path, stream_references, fmt):
     reference = stream_references(fmt)
     run = StreamRun(tmp_path, fmt)

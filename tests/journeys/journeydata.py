@@ -170,37 +170,37 @@ def _npy(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def _shard_pairs(root: Path) -> tuple[dict[str, Any], list[str]]:
-    """Members ``.npy`` and ``.cls``: sample 5's npy is garbage, sample 9 has no ``.cls``."""
-    for split, num, seed, shards in (("train", NUM_TRAIN, 1, 8), ("val", NUM_VAL, 2, 1)):
-        x, y = pairs(num, seed)
+def _shards(root: Path, members: Any, keys: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """8 training shards and 1 validation shard; ``members(split, i)`` gives sample ``i``'s members."""
+    for split, num, shards in (("train", NUM_TRAIN, 8), ("val", NUM_VAL, 1)):
         per_shard = num // shards
         for s in range(shards):
-            members = []
-            for i in range(s * per_shard, (s + 1) * per_shard):
-                bad = split == "train" and i in BAD
-                members.append((f"{i:06d}.npy", b"not an npy file" if bad and i == 5 else _npy(x[i])))
-                if not (bad and i == 9):
-                    members.append((f"{i:06d}.cls", str(int(y[i])).encode()))
-            _tar(root / f"{split}-{s:06d}.tar", members)
+            _tar(root / f"{split}-{s:06d}.tar", [m for i in range(s * per_shard, (s + 1) * per_shard)
+                                                 for m in members(split, i)])
     data = {"format": "webdataset", "train": str(root / "train-{000000..000007}.tar"),
-            "val": str(root / "val-000000.tar"), "input": "npy", "target": "cls"}
+            "val": str(root / "val-000000.tar"), **keys}
     return data, [f"{root / 'train-000000.tar'} key {i:06d}" for i in BAD]
+
+
+def _shard_pairs(root: Path) -> tuple[dict[str, Any], list[str]]:
+    """Members ``.npy`` and ``.cls``: sample 5's npy is garbage, sample 9 has no ``.cls``."""
+    data = {"train": pairs(NUM_TRAIN, 1), "val": pairs(NUM_VAL, 2)}
+
+    def members(split: str, i: int) -> list[tuple[str, bytes]]:
+        (x, y), bad = data[split], split == "train" and i in BAD
+        out = [(f"{i:06d}.npy", b"not an npy file" if bad and i == 5 else _npy(x[i]))]
+        return out if bad and i == 9 else out + [(f"{i:06d}.cls", str(int(y[i])).encode())]
+
+    return _shards(root, members, {"input": "npy", "target": "cls"})
 
 
 def _shard_tokens(root: Path) -> tuple[dict[str, Any], list[str]]:
     """Members ``input_ids.npy`` and ``labels.npy``: sample 5's input_ids is garbage, sample 9 has no labels."""
-    for split, num, seed, shards in (("train", NUM_TRAIN, 1, 8), ("val", NUM_VAL, 2, 1)):
-        seqs = tokens(num, seed)
-        per_shard = num // shards
-        for s in range(shards):
-            members = []
-            for i in range(s * per_shard, (s + 1) * per_shard):
-                bad = split == "train" and i in BAD
-                members.append((f"{i:06d}.input_ids.npy", b"garbage" if bad and i == 5 else _npy(seqs[i])))
-                if not (bad and i == 9):
-                    members.append((f"{i:06d}.labels.npy", _npy(seqs[i])))
-            _tar(root / f"{split}-{s:06d}.tar", members)
-    data = {"format": "webdataset", "train": str(root / "train-{000000..000007}.tar"),
-            "val": str(root / "val-000000.tar"), "input": None, "target": None}
-    return data, [f"{root / 'train-000000.tar'} key {i:06d}" for i in BAD]
+    data = {"train": tokens(NUM_TRAIN, 1), "val": tokens(NUM_VAL, 2)}
+
+    def members(split: str, i: int) -> list[tuple[str, bytes]]:
+        seq, bad = data[split][i], split == "train" and i in BAD
+        out = [(f"{i:06d}.input_ids.npy", b"garbage" if bad and i == 5 else _npy(seq))]
+        return out if bad and i == 9 else out + [(f"{i:06d}.labels.npy", _npy(seq))]
+
+    return _shards(root, members, {"input": None, "target": None})

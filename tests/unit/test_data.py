@@ -514,3 +514,28 @@ def test_pin_memory_only_with_cuda(tmp_path):
         make = loader_factory(DataConfig(), batch_size=4, seed=0, device=device)
         assert make(data, 0).pin_memory is pinned
         assert make(source, 0).pin_memory is pinned
+
+
+def test_a_null_label_and_a_row_of_the_wrong_length_are_bad_samples_named_by_file_and_row(tmp_path, capsys):
+    """As under ``num_workers: auto`` (the worker trial reads them too): no crash, no float labels,
+    no padding of the short row — both skipped and named in every epoch, printed once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    x, y = streamdata.samples(640)
+    rows = [x[i].tolist()[: 8 if i == 33 else None] for i in range(640)]
+    labels = [None if i == 17 else int(y[i]) for i in range(640)]
+    pq.write_table(pa.table({"x": pa.array(rows, type=pa.list_(pa.float32())), "label": pa.array(labels, type=pa.int64())}),
+                   tmp_path / "data.parquet", row_group_size=128)
+    config = tk.load_config(None, [f"out_dir={tmp_path}", "data.format=parquet", f"data.train={tmp_path}/data.parquet",
+                                   "data.input=x", "data.target=label", "data.max_bad_fraction=0.01", "train.max_epochs=2",
+                                   "train.batch_size=32"])
+    summary = tk.Trainer(config, model=streamdata.make_model(), progress=False).fit()
+    assert summary["status"] == "completed" and summary["samples"] == 2 * 638
+    met = [r for r in tk.read_metrics(tmp_path / "run" / "incidents.jsonl") if r["kind"] == "bad_sample"]
+    assert sorted((r["where"], r["error"]) for r in met) == sorted([
+        (f"{tmp_path}/data.parquet row 17", "a null value in column 'label'"),
+        (f"{tmp_path}/data.parquet row 33", "column 'x' holds 8 values in this row, 9 in the others of its row group"),
+    ] * 2)
+    err = capsys.readouterr().err
+    assert err.count("skipped a bad sample") == 2 and "4 bad_sample (2 distinct, each printed once)" in err

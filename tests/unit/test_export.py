@@ -117,13 +117,9 @@ def test_a_streaming_run_exports_from_its_own_data(stream_runs, tmp_path, source
 @pytest.fixture(scope="module")
 def token_run(tmp_path_factory):
     """The tokens example: a strict transformers-shaped model on padded dict batches."""
-    out = tmp_path_factory.mktemp("token-export")
-    config = tk.load_config(None, [f"out_dir={out}", "name=tokens", "model.target=tokens:TinyLM",
-                                   "data.target=tokens:make_data", "data.args={num_train: 256, num_val: 64}",
-                                   "data.collate=pad", "data.num_workers=0", "loss.count_key=labels",
-                                   "loss.shift_labels=true", "train.max_epochs=1", "train.batch_size=16"])
-    tk.Trainer(config, progress=False).fit()
-    return out / "tokens"
+    from tokenrun import train_tokens
+
+    return train_tokens(tmp_path_factory.mktemp("token-export"))
 
 
 @pytest.mark.parametrize("fmt", ["torchscript", "torch-export", "onnx"])
@@ -156,10 +152,9 @@ class RecurrentLM(torch.nn.Module):
 
 
 def test_an_axis_the_model_fixes_fails_torch_export_by_name(tmp_path):
-    config = tk.load_config(None, [f"out_dir={tmp_path}", "name=gru", "model.target=test_export:RecurrentLM",
-                                   "data.target=tokens:make_data", "data.args={num_train: 64, num_val: 32}",
-                                   "data.collate=pad", "data.num_workers=0", "train.max_epochs=1", "train.batch_size=16"])
-    tk.Trainer(config, progress=False).fit()
+    from tokenrun import train_tokens
+
+    train_tokens(tmp_path, "gru", "model.target=test_export:RecurrentLM", "loss.count_key=null")
     with pytest.raises(ParityError, match=r"torch.export fixed axis 1 of input 'input_ids' to \d+.*--format onnx"):
         export_run(tmp_path / "gru", "torch-export", tmp_path / "out")
     assert export_run(tmp_path / "gru", "torchscript", tmp_path / "ts")["parity"]["passed"]

@@ -3,11 +3,11 @@ training, a clean loop is never reported.
 
 The detector's clock here is this process's CPU time, not the wall clock: it spaces its
 censuses by the time training takes, so on a machine that other work keeps busy the wall clock
-would stretch and the verdict would depend on that load. In the default suite the clock runs
-ten times as fast as that CPU time — the detector's fixed windows (2 s of signal, a first
-census after 20 s) then come after a tenth of the work, and everything else scales with it;
-``slow`` runs the same tests on the CPU clock itself. (How soon it reports on an idle machine's
-wall clock is ``bench/leaks.py``'s to measure.)"""
+would stretch and the verdict would depend on that load. The clean loop runs in the default
+suite on a clock ten times as fast as that CPU time (the detector's 2-s windows of its cheap
+signal then pass ten times as often, which makes a false alarm likelier, not less), and under
+``slow`` on the CPU clock itself. (How soon it reports on an idle machine's wall clock is
+``bench/leaks.py``'s to measure.)"""
 
 from __future__ import annotations
 
@@ -68,20 +68,15 @@ def train_for(seconds: float, keep: bool, speed: float,
     return None, clock() - start, step
 
 
-SPEEDS = [10.0, pytest.param(1.0, marks=pytest.mark.slow)]
-
-
-@pytest.mark.parametrize("speed", SPEEDS)
-def test_a_kept_step_output_is_reported_within_30_s_on_the_cpu_clock(speed):
-    finding, elapsed, step = train_for(60.0, keep=True, speed=speed)
+def test_a_kept_step_output_is_reported_within_30_s_on_the_cpu_clock():
+    finding, elapsed, step = train_for(60.0, keep=True, speed=1.0)
     assert finding is not None, f"no leak found in {elapsed:.0f} s ({step} steps)"
-    if speed == 1.0:  # the fast clock reaches the detector's census rules with less training behind it
-        assert elapsed <= 30.0, f"found after {elapsed:.1f} s"
+    assert elapsed <= 30.0, f"found after {elapsed:.1f} s"
     assert finding["signal"] in ("graph_nodes", "num_tensors") and finding["suspected_at_step"] is not None
     assert finding["top_groups"][0]["holds_graph"] and finding["top_groups"][0]["shape"] == [16, 4]
 
 
-@pytest.mark.parametrize("speed", SPEEDS)
+@pytest.mark.parametrize("speed", [10.0, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_a_clean_loop_is_not_reported(speed):
     # Past the detector's warm-up and several of its windows; several minutes under `slow`.
     finding, elapsed, _ = train_for(12.0, keep=False, speed=speed)

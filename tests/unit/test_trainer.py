@@ -125,30 +125,6 @@ def test_trainer_accumulation_matches_the_big_batch(tiny_config):
         torch.testing.assert_close(weights[1][key], weights[0][key], rtol=0, atol=1e-6)
 
 
-def write_uneven_shards(root, sizes):
-    """WebDataset shards of the given sizes (the streamdata samples: column 0 the id)."""
-    import io
-    import tarfile
-
-    import numpy as np
-    import streamdata
-
-    x, y = streamdata.samples(sum(sizes))
-    root.mkdir(parents=True, exist_ok=True)
-    start = 0
-    for s, size in enumerate(sizes):
-        with tarfile.open(root / f"shard-{s}.tar", "w") as tar:
-            for i in range(start, start + size):
-                buffer = io.BytesIO()
-                np.save(buffer, x[i])
-                for name, data in ((f"{i:06d}.npy", buffer.getvalue()), (f"{i:06d}.cls", str(int(y[i])).encode())):
-                    info = tarfile.TarInfo(name)
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-        start += size
-    return str(root / "shard-*.tar")
-
-
 @pytest.mark.parametrize("epochs", [2, 3])
 def test_every_epoch_of_a_stream_is_trained_to_its_end_and_the_schedule_ends_at_its_floor(tmp_path, monkeypatch, epochs):
     """3 shards of 150/130/120 samples in 2 streams, 2 workers, batch 32: epoch 0's plan has 13
@@ -159,7 +135,8 @@ def test_every_epoch_of_a_stream_is_trained_to_its_end_and_the_schedule_ends_at_
     monkeypatch.setenv("STREAM_LOG", str(log))
     config = tk.load_config(None, [
         f"out_dir={tmp_path}", "model.target=streamdata:make_model", "data.format=webdataset",
-        f"data.train={write_uneven_shards(tmp_path / 'shards', [150, 130, 120])}", "data.input=npy", "data.target=cls",
+        f"data.train={streamdata.write_shards(tmp_path / 'shards', sizes=(150, 130, 120))}", "data.input=npy",
+        "data.target=cls",
         "data.streams=2", "data.num_workers=2", "loss.step_fn=streamdata:logged_step", "train.batch_size=32",
         f"train.max_epochs={epochs}",
         "train.log_every=1", "schedule.min_lr=1e-4", "optim.lr=1e-2", "schedule.warmup_steps=2",

@@ -91,8 +91,9 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 
 def config_hash(config: Any) -> str:
-    """sha256 of the config's canonical JSON: equal configs, equal hashes."""
-    text = json.dumps(to_dict(config), sort_keys=True, separators=(",", ":"), default=str)
+    """sha256 of the config's canonical JSON (a ``KeelConfig``, or one as plain data): equal configs, equal hashes."""
+    text = json.dumps(config if isinstance(config, Mapping) else to_dict(config), sort_keys=True,
+                      separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 

@@ -22,7 +22,6 @@ from torchkeel.export.parity import check_parity, describe
 from torchkeel.export.signature import ExportModule
 from torchkeel.io import write_json_atomic
 from torchkeel.config.schema import DataConfig
-from torchkeel.data.build import build_datasets
 from torchkeel.data.images import ImagePreprocess
 from torchkeel.train.build import build_model
 
@@ -81,8 +80,7 @@ def export_run(
         output = module(*(t[:1] for t in first.values()))
     spec = _preprocess(preprocess, config.data, list(first[names[0]].shape[1:])) if len(names) == 1 else \
         _no_preprocess(preprocess, config.data, names)
-    train_set = _dataset_with_classes(config.data)
-    names_of_labels = _labels(train_set, output) if labels is None else _given_labels(labels, output)
+    names_of_labels = _labels(inputs.train_data, output) if labels is None else _given_labels(labels, output)
     meta = {
         "name": config.name,
         "format": fmt,
@@ -158,11 +156,6 @@ def _no_preprocess(given: Mapping[str, Any] | None, data: DataConfig, names: lis
     if given is not None or data.preprocess.mode is not None:
         raise ConfigError(f"an image preprocess needs a model of one input; this one takes {names}")
     return None
-
-
-def _dataset_with_classes(data: DataConfig) -> Any:
-    """The training dataset of a map-style run (its ``classes`` name the labels), else ``None``."""
-    return build_datasets(data)[0] if data.format == "map" else None
 
 
 def _given_labels(labels: Sequence[str], output: torch.Tensor) -> list[str]:

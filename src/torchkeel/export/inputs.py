@@ -34,6 +34,8 @@ class RunInputs:
     feeds: list[dict[str, torch.Tensor]]
     reference_feeds: list[dict[str, torch.Tensor]]
     axes: dict[str, list[int]]
+    train_data: Any = None
+    """The run's training dataset or source (a dataset's ``classes`` name the output labels)."""
 
     def dims(self, name: str) -> list[str] | None:
         """A name per axis when the input has a dynamic axis besides the batch (``None`` otherwise):
@@ -105,7 +107,7 @@ def run_inputs(config: KeelConfig, model: torch.nn.Module, limit: int) -> RunInp
     feeds = [_floats(signature.feed(call)) for call in calls]
     reference_feeds = [_floats(signature.feed(call)) for call in reference_calls]
     axes = dynamic_axes(signature, calls + reference_calls)
-    return RunInputs(signature, feeds, reference_feeds, axes)
+    return RunInputs(signature, feeds, reference_feeds, axes, train_data)
 
 
 def _calls(model: torch.nn.Module, objective: Any, loader: Any, limit: int, min_batches: int) -> list[Call]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 
 def feature_matrix(inputs: np.ndarray) -> np.ndarray:
@@ -40,10 +39,3 @@ def reference_stats(inputs: np.ndarray, num_bins: int = 10) -> dict[str, Any]:
         "num_samples": int(np.asarray(inputs).shape[0]),
         "features": per_feature,
     }
-
-
-def sample_inputs(dataset: Any, limit: int = 2048, seed: int = 0) -> torch.Tensor:
-    """Up to ``limit`` inputs of a map-style dataset of ``(input, target)``, stacked."""
-    n = len(dataset)
-    indices = range(n) if n <= limit else torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:limit].tolist()
-    return torch.stack([torch.as_tensor(dataset[i][0]) for i in indices])

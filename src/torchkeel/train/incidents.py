@@ -26,8 +26,16 @@ class IncidentLog:
                 f.write(json.dumps(row, default=str) + "\n")
         return row
 
-    def summary_line(self) -> str | None:
-        """``incidents: 3 nonfinite, 1 rollback`` or ``None`` when nothing happened."""
+    def summary_line(self, distinct: dict[str, int] | None = None) -> str | None:
+        """``incidents: 3 nonfinite, 1 rollback`` or ``None`` when nothing happened; ``distinct``
+        adds, for a kind met again and again (a bad sample in every epoch), how many different
+        ones there were: ``6 bad_sample (3 distinct, each printed once)``."""
         if not self.counts:
             return None
-        return "incidents: " + ", ".join(f"{n} {kind}" for kind, n in sorted(self.counts.items()))
+        distinct = distinct or {}
+
+        def part(kind: str, n: int) -> str:
+            d = distinct.get(kind)
+            return f"{n} {kind}" + (f" ({d} distinct, each printed once)" if d is not None and d < n else "")
+
+        return "incidents: " + ", ".join(part(kind, n) for kind, n in sorted(self.counts.items()))

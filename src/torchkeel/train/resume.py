@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from torchkeel.checkpoint import Checkpoint, CheckpointStore, read_checkpoint
+from torchkeel.config.load import config_hash
 from torchkeel.errors import ConfigError
 from torchkeel.io import write_text_atomic
+
 
 # What a run computes: a change here means the resumed run is no longer the uninterrupted one.
 EXACT = ("seed", "deterministic", "precision", "model", "data", "loss", "optim", "schedule", "train.batch_size",
@@ -78,9 +80,9 @@ def breaks_exactness(key: str) -> bool:
     return within(EXACT) and not within(NOT_EXACT)
 
 
-def check_resume_config(saved: Mapping[str, Any] | None, current: Mapping[str, Any], *, allow: bool,
+def check_resume_config(manifest: Mapping[str, Any], current: Mapping[str, Any], *, allow: bool,
                         checkpoint: str | Path) -> list[str]:
-    """Compare the config of a resume with the one its checkpoint was saved with.
+    """Compare the config of a resume with the one in its checkpoint's manifest.
 
     Returns the lines to print: every differing key, old → new. A change that breaks
     exactness (``breaks_exactness``) is refused unless ``allow``.
@@ -88,7 +90,11 @@ def check_resume_config(saved: Mapping[str, Any] | None, current: Mapping[str, A
     Raises:
         ConfigError: naming the keys, and ``--allow-config-change``.
     """
-    if saved is None:  # a checkpoint from before configs were kept in the manifest
+    saved = manifest.get("config")
+    if saved is None:  # a checkpoint from before configs were kept in the manifest: only its hash
+        if manifest.get("config_hash") not in (None, config_hash(current)):
+            return [f"the config differs from the one checkpoint '{checkpoint}' was saved with (which keys, a "
+                    "checkpoint this old does not say)"]
         return []
     changes = config_changes(saved, current)
     breaking = [key for key, _, _ in changes if breaks_exactness(key)]

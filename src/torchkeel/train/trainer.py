@@ -198,7 +198,7 @@ class Trainer:
         # Every rank verifies the same checkpoint; rank 0 reports what it skipped.
         warn = Progress(self.total_steps, enabled=False).warn if is_main else (lambda message: None)
         found = find_checkpoint(self.store, self.resume, warn) if self.resume else None
-        changes = check_resume_config(found.manifest.get("config"), to_dict(cfg), allow=self.allow_config_change,
+        changes = check_resume_config(found.manifest, to_dict(cfg), allow=self.allow_config_change,
                                       checkpoint=found.path) if found is not None else []
         self._progress = Progress(self.total_steps, enabled=self.show_progress and is_main,
                                   initial=found.step if found is not None else 0)
@@ -627,7 +627,7 @@ class Trainer:
         if self.saver is not None:
             self.saver.join()  # a save in flight is a complete state: let it land
         self._progress.close()
-        line = self.incidents.summary_line()
+        line = self.incidents.summary_line({"bad_sample": len(self._shown_bad)})
         if line and self.rank.is_main:
             print(f"keel: {line} (details: {self.run_dir / 'incidents.jsonl'})", file=sys.stderr)
         summary = {
