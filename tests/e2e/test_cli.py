@@ -155,6 +155,19 @@ def test_init_from_a_malicious_pickle_is_refused(cfg, tmp_path):
     assert not marker.exists()
 
 
+def test_overrides_after_flags_are_parsed_as_overrides(capsys):
+    from torchkeel.cli.main import parse_args
+
+    args = parse_args(["train", "cfg.yaml", "--overwrite", "train.max_epochs=null", "--no-progress", "train.max_steps=4"])
+    assert args.overrides == ["train.max_epochs=null", "train.max_steps=4"] and args.overwrite and args.no_progress
+    for argv, message in ((["train", "cfg.yaml", "--overwrite", "--bogus"], "unrecognized arguments: --bogus"),
+                          (["doctor", "train.max_steps=4"], "unrecognized arguments: train.max_steps=4")):
+        with pytest.raises(SystemExit) as exited:
+            parse_args(argv)
+        assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow  # the same as subprocesses; the parsing is tested in process above
 def test_overrides_after_flags(cfg, tmp_path):
     first = keel("train", str(cfg), "--no-progress", "train.max_epochs=null", "train.max_steps=3", cwd=tmp_path)
     assert first.returncode == 0, first.stderr

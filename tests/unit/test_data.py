@@ -539,3 +539,24 @@ def test_a_null_label_and_a_row_of_the_wrong_length_are_bad_samples_named_by_fil
     ] * 2)
     err = capsys.readouterr().err
     assert err.count("skipped a bad sample") == 2 and "4 bad_sample (2 distinct, each printed once)" in err
+
+
+def test_a_sample_unlike_the_rest_of_its_batch_is_named_not_padded():
+    from torchkeel.data.collate import DefaultCollate, collate_or_split
+
+    def name(i):
+        return f"sample {i}"
+
+    tokens = [{"input_ids": torch.arange(n), "labels": torch.arange(n)} for n in (3, 5, 2, 4)]
+    for where in (0, 2):  # the first sample lacking labels must not make the batch lose them
+        samples = tokens[:where] + [{"input_ids": torch.arange(4)}] + tokens[where:]
+        batch, bad, keep = collate_or_split(PadCollate(), samples, name)
+        assert set(batch) == {"input_ids", "labels", "attention_mask"} and batch["labels"].shape[0] == 4
+        assert bad == [(f"sample {where}", "its keys ['input_ids'] differ from the other samples' "
+                                           "['input_ids', 'labels'] in its batch; fix or remove it")]
+    vectors = [torch.ones(8)] * 5 + [torch.ones(7)]
+    batch, bad, keep = collate_or_split(DefaultCollate(), vectors, name)
+    assert batch.shape == (5, 8) and list(keep) == [0, 1, 2, 3, 4]
+    assert bad == [("sample 5", "its shape [7] differs from the other samples' [8] in its batch; fix or remove it")]
+    with pytest.raises(DataError, match="set data.collate=pad"):  # lengths that vary everywhere: no majority
+        collate_or_split(DefaultCollate(), [torch.ones(n) for n in (2, 3, 4, 5)], name)

@@ -50,6 +50,7 @@ class PadCollate:
     def __call__(self, samples: Sequence[Any]) -> Any:
         first = samples[0]
         if isinstance(first, dict):
+            _same_keys(samples)
             batch = {key: self._field([s[key] for s in samples], key) for key in first}
             keys = sorted(first, key=lambda key: key != "input_ids")  # the tokens, when there are
             sequence = next((key for key in keys if _is_sequence([s[key] for s in samples])), None)
@@ -98,6 +99,8 @@ class DefaultCollate:
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         first = samples[0]
+        if isinstance(first, Mapping):
+            _same_keys(samples)
         try:
             if dataclasses.is_dataclass(first) and not isinstance(first, type):
                 return dataclasses.replace(first, **{f.name: default_collate([getattr(s, f.name) for s in samples])
@@ -110,36 +113,65 @@ class DefaultCollate:
             raise
 
 
+def _same_keys(samples: Sequence[Mapping[Any, Any]]) -> None:
+    """Dict samples of one batch have one set of keys (else a batch would take the first's)."""
+    keys = samples[0].keys()
+    if any(sample.keys() != keys for sample in samples):
+        raise DataError(f"the samples of a batch have different keys (the first: {sorted(map(str, keys))})")
+
+
 def collate_or_split(
     collate: Callable[[list[Any]], Any], samples: list[Any], name: Callable[[int], str]
 ) -> tuple[Any, list[tuple[str, str]], list[int]]:
     """Collate ``samples``; returns the batch, the bad samples ``(name, error)`` and the indices kept.
 
-    When collating fails and the samples do not all have the same shapes, the shapes most of
-    them share are the batch's: the others are bad samples, named by ``name(i)``, and the rest
-    is collated. Without such a majority (lengths that vary everywhere) the error stands: that
-    data needs ``collate: pad``.
+    When collating fails, the samples are compared: first their structure (keys, kinds of
+    values, tensor ranks and dtypes), then — when that agrees — their shapes. Where most of them
+    share one, the others are bad samples, named by ``name(i)``, and the rest is collated.
+    Without such a majority (lengths that vary everywhere) the error stands: that data needs
+    ``collate: pad``.
     """
     try:
         return collate(samples), [], range(len(samples))
-    except Exception as exc:  # noqa: BLE001 - re-raised below unless it is a shape mismatch
+    except Exception as exc:  # noqa: BLE001 - re-raised below unless a few samples are unlike the rest
         error = exc
-    signatures = [shapes(s) for s in samples]
-    counts = Counter(signatures).most_common()
-    if len(counts) < 2 or counts[0][1] * 2 <= len(samples):
-        raise error
-    common = counts[0][0]
-    keep = [i for i, sig in enumerate(signatures) if sig == common]
-    model = samples[keep[0]]
-    bad = [(name(i), _difference(samples[i], model, signatures[i], common))
-           for i, sig in enumerate(signatures) if sig != common]
-    return collate([samples[i] for i in keep]), bad, keep
+    for describe in (structure, shapes):
+        signatures = [describe(s) for s in samples]
+        counts = Counter(signatures).most_common()
+        if len(counts) < 2:
+            continue  # they agree on this: look closer
+        if counts[0][1] * 2 <= len(samples):
+            break  # no majority to keep
+        common = counts[0][0]
+        keep = [i for i, sig in enumerate(signatures) if sig == common]
+        model = samples[keep[0]]
+        bad = [(name(i), _difference(samples[i], model, signatures[i], common))
+               for i, sig in enumerate(signatures) if sig != common]
+        return collate([samples[i] for i in keep]), bad, keep
+    raise error
+
+
+def structure(sample: Any) -> tuple[Any, ...]:
+    """A sample's keys and kinds of values, with each tensor's rank and dtype (not its sizes)."""
+    if isinstance(sample, (torch.Tensor, np.ndarray)):
+        return (f"{sample.dtype}[{sample.ndim}]",)
+    if isinstance(sample, Mapping):
+        return tuple((key, *structure(value)) for key, value in sample.items())
+    if isinstance(sample, (tuple, list)):
+        return tuple(part for value in sample for part in structure(value))
+    if dataclasses.is_dataclass(sample) and not isinstance(sample, type):
+        return tuple(part for f in dataclasses.fields(sample) for part in structure(getattr(sample, f.name)))
+    return (type(sample).__name__,)
 
 
 def _difference(sample: Any, model: Any, signature: tuple[Any, ...], common: tuple[Any, ...]) -> str:
+    """Why ``sample`` is unlike ``model``, a sample of the batch's majority."""
     if isinstance(sample, Mapping) and isinstance(model, Mapping) and set(sample) != set(model):
         return (f"its keys {sorted(map(str, sample))} differ from the other samples' {sorted(map(str, model))} "
                 "in its batch; fix or remove it")
+    if structure(sample) != structure(model):
+        return (f"it holds {describe_shapes(structure(sample))} where the other samples of its batch hold "
+                f"{describe_shapes(structure(model))}; fix or remove it")
     return (f"its shape {describe_shapes(signature)} differs from the other samples' {describe_shapes(common)} "
             "in its batch; fix or remove it")
 
