@@ -136,3 +136,19 @@ def test_the_first_run_on_a_machine_equals_every_rerun(tmp_path, monkeypatch, so
     assert losses[0] == losses[1] == losses[2] and len(losses[0]) > 20
     for trainer in (second, third):
         assert all(torch.equal(a, b) for a, b in zip(first.model.state_dict().values(), trainer.model.state_dict().values()))
+
+
+def test_batch_seeds_seed_what_the_data_code_draws_from_and_put_the_callers_back():
+    from torchkeel.rng import BatchSeeds, isolated_rng
+
+    seeds = BatchSeeds()
+    for batch in range(BatchSeeds.PROBE_BATCHES + 4):  # past the probes: numpy alone is still fenced off
+        np.random.seed(3)
+        torch.manual_seed(3)
+        with seeds(1, batch):
+            drawn = np.random.rand(2)
+        with isolated_rng(1, batch):
+            expected = np.random.rand(2)  # what a worker draws for this batch
+        assert np.array_equal(drawn, expected)
+        assert np.random.rand() == np.random.RandomState(3).rand()  # the caller's stream, untouched
+        assert torch.equal(torch.rand(1), torch.rand(1, generator=torch.Generator().manual_seed(3)))

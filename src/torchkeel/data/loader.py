@@ -5,7 +5,7 @@ Because the order of epoch ``e`` is a pure function of the seed and ``e``, a res
 exactly the batches an uninterrupted run would, and the global RNG is never consumed by the
 loader, so a hand-written loop and the Trainer draw the same numbers. Each batch's
 ``__getitem__`` calls draw from generators seeded by ``(seed, rank, epoch, first index)``
-(``torchkeel.rng.isolated_rng``), so random augmentations are the same with any number of
+(``torchkeel.rng.BatchSeeds``), so random augmentations are the same with any number of
 workers and after a resume. Worker processes persist across epochs: the sampler, in the main
 process, is told each epoch's order.
 """
@@ -29,7 +29,7 @@ from torchkeel.data.order import bucket_order, epoch_seed
 from torchkeel.data.stream import worker_context
 from torchkeel.data.bad import BadSamples, remember
 from torchkeel.errors import DataError, first_line
-from torchkeel.rng import isolated_rng, preserved_rng
+from torchkeel.rng import BatchSeeds, preserved_rng
 
 @dataclass
 class _BadItem:
@@ -46,6 +46,7 @@ class _Guarded(Dataset):
     def __init__(self, dataset: Dataset[Any], seed: int, rank: int, epoch: torch.Tensor) -> None:
         self.dataset, self.seed, self.rank, self._epoch = dataset, seed, rank, epoch
         self.epoch = epoch.numpy()  # a view of the shared tensor: cheaper to read than the tensor
+        self.seeds = BatchSeeds()
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "epoch": None}  # spawned workers get the shared tensor, and view it anew
@@ -58,7 +59,7 @@ class _Guarded(Dataset):
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> Any:
-        with isolated_rng(self.seed, self.rank, int(self.epoch[0]), index):
+        with self.seeds(self.seed, self.rank, int(self.epoch[0]), index):
             return self._item(index)
 
     def _item(self, index: int) -> Any:
@@ -70,7 +71,7 @@ class _Guarded(Dataset):
     def __getitems__(self, indices: list[int]) -> "_Fetched":
         """A batch's items in one call (the DataLoader's fetcher uses it); item by item only when
         one of them raises, so the others are kept."""
-        with isolated_rng(self.seed, self.rank, int(self.epoch[0]), indices[0]):
+        with self.seeds(self.seed, self.rank, int(self.epoch[0]), indices[0]):
             try:
                 items = [self.dataset[i] for i in indices]
             except Exception:

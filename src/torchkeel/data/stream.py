@@ -11,7 +11,7 @@ placeholder instead, so nothing piles up. The batches and their order are theref
 with 0, 1 or 8 workers, and a resume continues with the very next batch on any of them.
 
 Each batch's sample transforms draw their random numbers from generators seeded by
-``(seed, epoch, stream, batch number)`` (``torchkeel.rng.isolated_rng``), so augmentations too
+``(seed, epoch, stream, batch number)`` (``torchkeel.rng.BatchSeeds``), so augmentations too
 are the same whoever makes the batch, and the training process's own generators never move.
 The loader records each position as the batch is handed out, so a checkpoint taken after a
 step holds exactly what was trained on.
@@ -36,7 +36,7 @@ from torchkeel.data.order import (
 from torchkeel.data.sources import Bad, Rows, Sample, Source
 from torchkeel.data.bad import BadSamples, remember
 from torchkeel.errors import DataError, first_line
-from torchkeel.rng import isolated_rng
+from torchkeel.rng import BatchSeeds
 
 DEFAULT_STREAMS = 8
 
@@ -74,6 +74,7 @@ class _Streams(IterableDataset):
         self.collate, self.transform, self.batch_transform = collate, transform, batch_transform
         self.drop_last, self.as_samples, self.shuffle = drop_last, as_samples, shuffle
         self.sizes = [u.num_samples for u in source.units()]
+        self.seeds = BatchSeeds()
 
     def __iter__(self) -> Iterator[tuple[Any, BatchInfo]]:
         info = get_worker_info()
@@ -98,7 +99,7 @@ class _Streams(IterableDataset):
                 continue
             index = (turn + ready[0]) % len(live)
             s = live[index]
-            with isolated_rng(self.seed, epoch, self.rank * self.streams + s, given[s] + made[s]):
+            with self.seeds(self.seed, epoch, self.rank * self.streams + s, given[s] + made[s]):
                 item = next(streams[s])
             made[s] += 1
             if item[1].ended:
