@@ -189,3 +189,23 @@ def test_consequences_are_dropped_and_a_bare_error_is_reported():
     assert [f.id for f in judge(facts, outcome)] == ["grad-exploding"]
     outcome.error = {"type": "ValueError", "message": "bad", "file": "s.py", "line": 3, "traceback": ""}
     assert [f.id for f in judge(Facts(), outcome)] == ["script-error"]
+
+
+def test_uninitialized_memory_is_no_ops_doing():
+    """``torch.empty`` returns what the memory held — NaN from a freed tensor, often — and
+    ``nn.Linear`` then initializes it: no non-finite op to report (it once hid the data's NaN)."""
+    import torch
+
+    from torchkeel.diagnose.tracing import FirstNonfiniteOp, allocates_uninitialized
+
+    assert allocates_uninitialized(torch.empty) and allocates_uninitialized(torch.empty_like)
+    assert not allocates_uninitialized(torch.full) and not allocates_uninitialized(torch.log)
+    poisoned = torch.full((4096,), float("nan"))
+    del poisoned
+    with FirstNonfiniteOp() as tracer:
+        reused = torch.empty(4096)
+        reused.zero_()
+    assert tracer.found is None
+    with FirstNonfiniteOp() as tracer:
+        torch.log(torch.zeros(3) - 1)
+    assert tracer.found is not None and tracer.found["op"] == "torch.log"

@@ -50,7 +50,9 @@ from torchkeel.diagnose.sites import (
     user_site,
     variable_name,
 )
-from torchkeel.diagnose.tracing import FirstNonfiniteOp, GradTracer, forward_site, graph_nodes, nonfinite_scalar, op_name
+from torchkeel.diagnose.tracing import (
+    FirstNonfiniteOp, GradTracer, allocates_uninitialized, forward_site, graph_nodes, nonfinite_scalar, op_name,
+)
 
 _BN = torch.nn.modules.batchnorm._BatchNorm
 _DROPOUT = torch.nn.modules.dropout._DropoutNd
@@ -408,7 +410,7 @@ class Probe:
 
     # ---------------------------------------------------------------- ops outside modules
     def check_op(self, func: Callable, args: Any, kwargs: dict, out: Any) -> None:
-        if self.step_nonfinite_op is not None:
+        if self.step_nonfinite_op is not None or allocates_uninitialized(func):
             return
         outs = [t for t in tensors_in(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if not outs or not any(is_nonfinite(t) for t in outs):

@@ -18,6 +18,12 @@ def nonfinite_scalar(value: Any) -> bool:
     return isinstance(value, float) and not np.isfinite(value)
 
 
+def allocates_uninitialized(func: Any) -> bool:
+    """``torch.empty`` and its kin return whatever the memory held — a NaN there is no op's doing
+    (the values are written before they are read: ``nn.Linear`` initializes what ``empty`` gave)."""
+    return "empty" in getattr(func, "__name__", "")
+
+
 def op_name(func: Any) -> str:
     name = getattr(func, "__name__", str(func))
     owner = getattr(func, "__module__", None) or ""
@@ -38,7 +44,7 @@ class FirstNonfiniteOp(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.found is None:
+        if self.found is None and not allocates_uninitialized(func):
             outs = [t for t in tensors_in(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
             values = list(args) + list(kwargs.values())
             if outs and any(is_nonfinite(t) for t in outs) and not any(nonfinite_scalar(a) for a in values) \
