@@ -11,7 +11,7 @@ class Spectra(Dataset):
 
     def __getitem__(self, i):
         values = []
-        for k in range(600):
+        for k in range(2400):
             values.append(sum(math.sin(i * k * j * 1e-3) for j in range(8)))
         x = torch.tensor(values[:64], dtype=torch.float32)
         return x, torch.tensor(float(i % 2))

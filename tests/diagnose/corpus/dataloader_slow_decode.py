@@ -24,7 +24,7 @@ def main():
     model = nn.Sequential(nn.Linear(30, 16), nn.ReLU(), nn.Linear(16, 3))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loader = DataLoader(Records(), batch_size=16, shuffle=True)
-    for epoch in range(2):
+    for epoch in range(5):
         for x, y in loader:
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
