@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from torchkeel.checkpoint import AsyncSaver, CheckpointStore, capture_training_state, read_checkpoint, snapshot
-from torchkeel.train.memory import peak_rss_during
+from torchkeel.testing import peak_rss_during
 
 
 def make_state() -> tuple[nn.Module, torch.optim.Optimizer]:

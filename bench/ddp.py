@@ -38,9 +38,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import torchkeel as tk
-from torchkeel.checkpoint import CheckpointStore, capture_training_state
+from torchkeel.checkpoint import CheckpointStore
+from torchkeel.checkpoint.sharded import save_sharded
 from torchkeel.data.loader import EpochLoader
-from torchkeel.distributed.checkpoint import save_sharded
 
 BATCH = 64
 FIRST = 10

@@ -4,9 +4,8 @@ over real tokens and returned with their count, so accumulation weighs by tokens
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from make_data import NUM_CLASSES
+from torch import nn
 
 
 class TokenClassifier(nn.Module):

@@ -1,115 +1,128 @@
-"""torchkeel: PyTorch training and serving that stay steady. The public API."""
+"""torchkeel: PyTorch training and serving that stay steady. The public API.
 
-from importlib.metadata import PackageNotFoundError, version
+Names are imported on first use (PEP 562): ``import torchkeel`` loads nothing but this table, so
+``import torchkeel.serve.grpc`` pays for serving alone, and ``keel lint`` never loads torch.
+"""
 
-from torchkeel.checkpoint import (
-    AsyncSaver,
-    CheckpointStore,
-    capture_training_state,
-    load_weights,
-    read_checkpoint,
-    restore_training_state,
-)
-from torchkeel.config import KeelConfig, load_config
-from torchkeel.data import (
-    EpochLoader,
-    PadCollate,
-    ParquetSource,
-    StreamLoader,
-    WebDatasetSource,
-    tune_workers,
-)
-from torchkeel.diagnose import Diagnosis, diagnose_script
-from torchkeel.errors import (
-    CheckpointError,
-    ConfigError,
-    DataError,
-    KeelError,
-    RunDirError,
-    SampleTooLarge,
-    TrainingDiverged,
-)
-from torchkeel.lint import lint_paths
-from torchkeel.train.accumulate import iter_groups, steps_per_epoch, total_steps
-from torchkeel.train.clipping import clip_grad_norm
-from torchkeel.train.compile import CompiledOrEager
-from torchkeel.train.diagnose import diagnose_nonfinite
-from torchkeel.train.early_stop import EarlyStopping
-from torchkeel.train.ema import WeightAverage
-from torchkeel.train.guards import Action, NonFiniteGuard, SpikeDetector
-from torchkeel.train.incidents import IncidentLog
-from torchkeel.train.inputbound import InputBoundDetector, TimedBatches
-from torchkeel.train.memory import LeakDetector, MemoryMonitor
-from torchkeel.train.metrics import MetricsWriter, read_metrics
-from torchkeel.train.metricset import MetricSet
-from torchkeel.train.objective import Objective
-from torchkeel.train.oom import OomInjector
-from torchkeel.train.precision import Precision, make_precision
-from torchkeel.train.schedule import build_scheduler, lr_at
-from torchkeel.train.seed import seed_everything
-from torchkeel.train.step import StepResult, train_step
-from torchkeel.train.trainer import Trainer
-from torchkeel.train.validate import evaluate
+from __future__ import annotations
 
-try:
-    __version__ = version("torchkeel")
-except PackageNotFoundError:  # running from a source tree that was not installed
-    __version__ = "0+unknown"
+from torchkeel._lazy import lazy_exports
+from torchkeel._version import __version__
+
+# Public name → the module that defines it.
+_EXPORTS = {
+    "AsyncSaver": "torchkeel.checkpoint",
+    "CheckpointStore": "torchkeel.checkpoint",
+    "capture_training_state": "torchkeel.checkpoint",
+    "load_weights": "torchkeel.checkpoint",
+    "read_checkpoint": "torchkeel.checkpoint",
+    "restore_training_state": "torchkeel.checkpoint",
+    "KeelConfig": "torchkeel.config",
+    "load_config": "torchkeel.config",
+    "EpochLoader": "torchkeel.data",
+    "PadCollate": "torchkeel.data",
+    "ParquetSource": "torchkeel.data",
+    "StreamLoader": "torchkeel.data",
+    "WebDatasetSource": "torchkeel.data",
+    "tune_workers": "torchkeel.data",
+    "Diagnosis": "torchkeel.diagnose",
+    "diagnose_script": "torchkeel.diagnose",
+    "CheckpointError": "torchkeel.errors",
+    "ConfigError": "torchkeel.errors",
+    "DataError": "torchkeel.errors",
+    "KeelError": "torchkeel.errors",
+    "RunDirError": "torchkeel.errors",
+    "SampleTooLarge": "torchkeel.errors",
+    "TrainingDiverged": "torchkeel.errors",
+    "lint_paths": "torchkeel.lint",
+    "iter_groups": "torchkeel.train.accumulate",
+    "steps_per_epoch": "torchkeel.train.accumulate",
+    "total_steps": "torchkeel.train.accumulate",
+    "clip_grad_norm": "torchkeel.train.clipping",
+    "CompiledOrEager": "torchkeel.train.compile",
+    "diagnose_nonfinite": "torchkeel.train.diagnose",
+    "EarlyStopping": "torchkeel.train.early_stop",
+    "WeightAverage": "torchkeel.train.ema",
+    "Action": "torchkeel.train.guards",
+    "NonFiniteGuard": "torchkeel.train.guards",
+    "SpikeDetector": "torchkeel.train.guards",
+    "IncidentLog": "torchkeel.train.incidents",
+    "InputBoundDetector": "torchkeel.train.inputbound",
+    "TimedBatches": "torchkeel.train.inputbound",
+    "LeakDetector": "torchkeel.train.memory",
+    "MemoryMonitor": "torchkeel.train.memory",
+    "MetricsWriter": "torchkeel.train.metrics",
+    "read_metrics": "torchkeel.train.metrics",
+    "MetricSet": "torchkeel.train.metricset",
+    "Objective": "torchkeel.train.objective",
+    "OomInjector": "torchkeel.testing",
+    "Precision": "torchkeel.train.precision",
+    "make_precision": "torchkeel.train.precision",
+    "build_scheduler": "torchkeel.train.schedule",
+    "lr_at": "torchkeel.train.schedule",
+    "seed_everything": "torchkeel.train.seed",
+    "StepResult": "torchkeel.train.step",
+    "train_step": "torchkeel.train.step",
+    "Trainer": "torchkeel.train.trainer",
+    "evaluate": "torchkeel.train.validate",
+}
 
 __all__ = [
-    "Diagnosis",
-    "EarlyStopping",
-    "MetricSet",
-    "WeightAverage",
-    "diagnose_script",
-    "lint_paths",
     "Action",
-    "IncidentLog",
-    "LeakDetector",
-    "MemoryMonitor",
-    "NonFiniteGuard",
-    "OomInjector",
-    "SampleTooLarge",
-    "SpikeDetector",
-    "TrainingDiverged",
-    "diagnose_nonfinite",
     "AsyncSaver",
     "CheckpointError",
     "CheckpointStore",
-    "capture_training_state",
-    "load_weights",
-    "read_checkpoint",
-    "restore_training_state",
     "CompiledOrEager",
     "ConfigError",
     "DataError",
+    "Diagnosis",
+    "EarlyStopping",
     "EpochLoader",
+    "IncidentLog",
     "InputBoundDetector",
+    "KeelConfig",
+    "KeelError",
+    "LeakDetector",
+    "MemoryMonitor",
+    "MetricSet",
+    "MetricsWriter",
+    "NonFiniteGuard",
     "Objective",
     "PadCollate",
     "ParquetSource",
-    "StreamLoader",
-    "TimedBatches",
-    "WebDatasetSource",
-    "tune_workers",
-    "KeelConfig",
-    "KeelError",
-    "MetricsWriter",
     "Precision",
     "RunDirError",
+    "SampleTooLarge",
+    "SpikeDetector",
     "StepResult",
+    "StreamLoader",
+    "TimedBatches",
     "Trainer",
+    "TrainingDiverged",
+    "WebDatasetSource",
+    "WeightAverage",
     "__version__",
     "build_scheduler",
+    "capture_training_state",
     "clip_grad_norm",
+    "diagnose_nonfinite",
+    "diagnose_script",
     "evaluate",
     "iter_groups",
+    "lint_paths",
     "load_config",
+    "load_weights",
     "lr_at",
     "make_precision",
+    "read_checkpoint",
     "read_metrics",
+    "restore_training_state",
     "seed_everything",
     "steps_per_epoch",
     "total_steps",
     "train_step",
+    "tune_workers",
 ]
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from torchkeel._version import __version__
+
 
 def git_state(directory: str | Path = ".") -> dict[str, Any]:
     """``{"commit": sha, "dirty": bool}`` of the git work tree at ``directory``; ``None`` values outside one."""
@@ -28,8 +30,6 @@ def git_state(directory: str | Path = ".") -> dict[str, Any]:
 
 def provenance(config_hash: str) -> dict[str, Any]:
     """Fields every checkpoint manifest carries."""
-    from torchkeel import __version__
-
     git = git_state()
     return {
         "torch_version": torch.__version__,

@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 import time
 
-from torch.utils.data import Dataset
-
 import hand_written_loop
+from torch.utils.data import Dataset
 
 
 class LoggedDataset(Dataset):

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from keelproc import keel_env
 
 from conftest import train_tiny
-from keelproc import keel_env
 from torchkeel.export import export_run
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from keelproc import run_keel as keel
 
 import torchkeel
-from keelproc import run_keel as keel
 
 TINY = """\
 name: tiny

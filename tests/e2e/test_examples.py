@@ -6,7 +6,6 @@ import json
 import sys
 
 import pytest
-
 from keelproc import ROOT, run_keel
 
 EXAMPLES = ROOT / "examples" / "streaming"

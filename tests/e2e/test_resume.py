@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from keelproc import run_keel, start_keel
+
 from torchkeel.checkpoint import CheckpointStore
 
 CONFIG = """\

@@ -8,12 +8,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 import tritonclient.http as tritonhttp
 from serveproc import Server, eager_rows, exported, metric  # noqa: F401 - exported is a fixture
 

@@ -16,9 +16,9 @@ import random
 
 import numpy as np
 import pytest
+from serveproc import Server, eager_rows, exported, image_exported  # noqa: F401 - fixtures
 
 from imagedata import encode, image_pixels
-from serveproc import Server, eager_rows, exported, image_exported  # noqa: F401 - fixtures
 
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
 INFER = ["/v2/models/tiny/infer", "/v2/models/tiny/versions/1/infer", "/v1/models/tiny:predict"]

@@ -17,13 +17,13 @@ import torch
 import tritonclient.grpc as tritongrpc
 import tritonclient.http as tritonhttp
 from PIL import Image
+from serveproc import Server, eager_rows, exported, image_exported, metric  # noqa: F401 - fixtures
 from tritonclient.utils import InferenceServerException
 
 from imagedata import EncodedImages, encode, image_pixels
-from serveproc import Server, eager_rows, exported, image_exported, metric  # noqa: F401 - fixtures
 from torchkeel.data.build import transformed_datasets
-from torchkeel.serve.app import Server as ServerParts
 from torchkeel.serve.model import ServeOptions
+from torchkeel.serve.server import Server as ServerParts
 
 
 @pytest.fixture(scope="module")

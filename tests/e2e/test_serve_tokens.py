@@ -13,15 +13,15 @@ import pytest
 import torch
 import tritonclient.grpc as tritongrpc
 import tritonclient.http as tritonhttp
+from serveproc import Server
+from tokens import TinyLM, sequences
 from tritonclient.utils import InferenceServerException
 
-from serveproc import Server
+from tokenrun import train_tokens
 from torchkeel.checkpoint import CheckpointStore
 from torchkeel.checkpoint.foreign import checkpoint_weights
 from torchkeel.data import PadCollate
 from torchkeel.export import export_run
-from tokenrun import train_tokens
-from tokens import TinyLM, sequences
 
 
 @pytest.fixture(scope="module")

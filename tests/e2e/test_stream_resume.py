@@ -8,7 +8,6 @@ import random
 import time
 
 import pytest
-
 import streamdata
 from keelproc import run_keel
 from test_resume import Run, assert_same_as_reference

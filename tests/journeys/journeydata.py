@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from journeymodels import ID_BASE, NUM_CLASSES, NUM_FEATURES, VOCAB
 
 NUM_TRAIN, NUM_VAL = 2048, 256

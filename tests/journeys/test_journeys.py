@@ -33,12 +33,12 @@ import sys
 import time
 from pathlib import Path
 
+import journeydata
+import journeymodels
 import numpy as np
 import pytest
 import torch
 
-import journeydata
-import journeymodels
 from torchkeel.checkpoint import CheckpointStore
 from torchkeel.checkpoint.foreign import checkpoint_weights
 from torchkeel.data import PadCollate

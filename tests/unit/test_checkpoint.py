@@ -306,7 +306,7 @@ def test_saves_and_loads_stream_with_bounded_memory(tmp_path):
     with every byte verified no more than the state itself."""
     import gc
 
-    from torchkeel.train.memory import peak_rss_during
+    from torchkeel.testing import peak_rss_during
 
     state = {"model": {f"w{i}": torch.randn(20 * 2**20 // 4 * 4 // 4) for i in range(16)}}  # 16 x 20 MB
     state_bytes = sum(t.numel() * t.element_size() for t in state["model"].values())

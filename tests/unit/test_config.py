@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from torchkeel.config import build_target, load_config, parse_override, resolve_target
-from torchkeel.errors import ConfigError
-from torchkeel.data.build import build_datasets
-from torchkeel.train.build import build_loss, build_model
 from torchkeel.config.schema import DataConfig, LossConfig, ModelConfig
+from torchkeel.data.build import build_datasets
+from torchkeel.errors import ConfigError
+from torchkeel.train.build import build_loss, build_model
 
 
 def write(tmp_path, text):

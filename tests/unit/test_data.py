@@ -4,14 +4,13 @@ new grid), batches of any shape, bad samples named, workers that persist, ``auto
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
+import streamdata
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-import streamdata
 import torchkeel as tk
 from torchkeel.data import EpochLoader, PadCollate, ParquetSource, StreamLoader, WebDatasetSource, tune_workers
 from torchkeel.data.order import Unit, continue_position, plan_streams

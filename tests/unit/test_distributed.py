@@ -11,11 +11,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import torchkeel as tk
-from torchkeel.checkpoint.faults import parse_step_faults
 from torchkeel.checkpoint.format import read_manifest
+from torchkeel.checkpoint.sharded import read_full_weights, save_sharded
 from torchkeel.data.loader import EpochLoader
 from torchkeel.distributed import apply_activation_checkpointing, per_rank, shard_targets
-from torchkeel.distributed.checkpoint import read_full_weights, save_sharded
+from torchkeel.testing import parse_step_faults
 
 
 def _dataset(n: int) -> TensorDataset:

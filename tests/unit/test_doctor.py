@@ -12,8 +12,14 @@ import torch
 
 from torchkeel.env import Facts, collect_facts, run_checks
 from torchkeel.env.checks import (
-    check_cuda_driver, check_library_conflicts, check_run_dir, check_shared_memory, check_start_method,
-    check_torch_load_safety, check_distributed_env, check_nproc,
+    check_cuda_driver,
+    check_distributed_env,
+    check_library_conflicts,
+    check_nproc,
+    check_run_dir,
+    check_shared_memory,
+    check_start_method,
+    check_torch_load_safety,
 )
 
 ROOT = Path(__file__).resolve().parents[2]

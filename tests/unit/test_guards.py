@@ -6,18 +6,18 @@ import copy
 import json
 import random
 
+import hand_written_loop
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import hand_written_loop
 import torchkeel as tk
 from torchkeel.errors import SampleTooLarge, TrainingDiverged
+from torchkeel.testing import OomInjector
 from torchkeel.train.diagnose import diagnose_nonfinite
 from torchkeel.train.guards import Action, NonFiniteGuard, SpikeDetector
 from torchkeel.train.memory import LeakDetector, MemoryMonitor
-from torchkeel.train.oom import OomInjector
 
 CPU = torch.device("cpu")
 

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hand_written_loop import make_data, make_model
 from torch import nn
 
-from hand_written_loop import make_data, make_model
 from torchkeel.config.schema import MemoryConfig
 from torchkeel.train.memory import LeakDetector
 

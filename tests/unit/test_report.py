@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from test_guards import NaNOnSteps
 
 import torchkeel as tk
-from test_guards import NaNOnSteps
 from torchkeel.report import build_report
 
 
@@ -42,8 +42,9 @@ def test_report_of_a_real_run_with_incidents(run_with_incidents, tmp_path):
 
 
 def test_a_resumed_preempted_run_is_marked(tiny_config, tmp_path):
-    from test_trainer_checkpoints import SignalAt
     import signal
+
+    from test_trainer_checkpoints import SignalAt
 
     tk.Trainer(tiny_config(), model=SignalAt(9, signal.SIGTERM), progress=False).fit()
     report = build_report(tmp_path / "runs" / "tiny")

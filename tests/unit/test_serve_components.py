@@ -13,7 +13,13 @@ from torchkeel.export.stats import reference_stats
 from torchkeel.serve.batcher import DynamicBatcher, QueueFull, QueueTimeout
 from torchkeel.serve.drift import DriftMonitor
 from torchkeel.serve.protocol import (
-    HEADER_LENGTH, ProtocolError, TensorSpec, encode_infer, parse_infer, parse_v1, top_k,
+    HEADER_LENGTH,
+    ProtocolError,
+    TensorSpec,
+    encode_infer,
+    parse_infer,
+    parse_v1,
+    top_k,
 )
 
 IN = [TensorSpec("input", "FP32", [-1, 2, 3])]

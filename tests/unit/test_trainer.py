@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
+import hand_written_loop
 import pytest
 import torch
 import yaml
 from torch import nn
 
-import hand_written_loop
 import torchkeel as tk
 
 

@@ -6,13 +6,12 @@ import json
 import os
 import signal
 
+import hand_written_loop
 import pytest
 import torch
 from torch import nn
 
-import hand_written_loop
 import torchkeel as tk
-from torchkeel.checkpoint import CheckpointStore
 from torchkeel.errors import CheckpointError
 from torchkeel.train.preempt import StopSignals
 

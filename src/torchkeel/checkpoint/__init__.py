@@ -1,7 +1,12 @@
 """Checkpoints: atomic, verified, pickle-free, with exact resume."""
 
 from torchkeel.checkpoint.foreign import load_weights
-from torchkeel.checkpoint.format import Checkpoint, read_checkpoint, snapshot, write_checkpoint
+from torchkeel.checkpoint.format import (
+    Checkpoint,
+    read_checkpoint,
+    snapshot,
+    write_checkpoint,
+)
 from torchkeel.checkpoint.state import (
     capture_rng,
     capture_training_state,

@@ -15,6 +15,7 @@ import safetensors.torch
 import torch
 
 from torchkeel.checkpoint.format import Checkpoint, read_checkpoint
+from torchkeel.checkpoint.sharded import read_full_weights
 from torchkeel.checkpoint.store import is_checkpoint_dir
 from torchkeel.errors import CheckpointError, first_line
 
@@ -26,7 +27,6 @@ _WRAPPER_KEYS = ("state_dict", "model_state_dict", "model")
 def checkpoint_weights(found: Checkpoint) -> dict[str, torch.Tensor]:
     """The model weights of a verified checkpoint; an FSDP run's are gathered from its shards."""
     if found.shards is not None:
-        from torchkeel.distributed.checkpoint import read_full_weights
 
         return read_full_weights(found.shards)
     return found.state["model"]

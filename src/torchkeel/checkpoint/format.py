@@ -34,7 +34,11 @@ import torch
 import xxhash
 
 from torchkeel.checkpoint.codec import decode, encode
-from torchkeel.checkpoint.tensorfile import CHUNK_BYTES, load_tensor_file, tensor_file_chunks
+from torchkeel.checkpoint.tensorfile import (
+    CHUNK_BYTES,
+    load_tensor_file,
+    tensor_file_chunks,
+)
 from torchkeel.errors import CheckpointError, first_line
 from torchkeel.io import fsync_dir, write_chunks_atomic, write_json_atomic
 
@@ -61,7 +65,7 @@ class Checkpoint:
     @property
     def shards(self) -> Path | None:
         """The ``torch.distributed.checkpoint`` directory of a sharded (FSDP) checkpoint, else ``None``;
-        its model and optimizer are not in ``state`` (see ``torchkeel.distributed.checkpoint``)."""
+        its model and optimizer are not in ``state`` (see ``torchkeel.checkpoint.sharded``)."""
         return self.path / self.manifest["shards"] if self.manifest.get("layout") == "sharded" else None
 
 

@@ -61,7 +61,7 @@ def restore_training_state(
     Raises:
         CheckpointError: the model's parameters differ from the checkpoint's (keys listed).
     """
-    if "model" in state:  # not in a sharded checkpoint's state: see torchkeel.distributed.checkpoint
+    if "model" in state:  # not in a sharded checkpoint's state: see torchkeel.checkpoint.sharded
         load_model_weights(model, state["model"], strict=True, source="checkpoint")
     if optimizer is not None and "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])

@@ -10,8 +10,6 @@ from torchkeel.config import load_config
 from torchkeel.data.build import data_fingerprint, loader_factory, resolve_data
 from torchkeel.data.tune import tune_workers
 
-HELP = "time data loading with 0, 1, 2, ... workers on a config's training data and print the table"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config file (its data and train.batch_size are used)")

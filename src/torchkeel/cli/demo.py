@@ -9,8 +9,6 @@ from torchkeel.demo.digits import export_and_serve_one, run_demo
 from torchkeel.export.parity import describe
 from torchkeel.report import build_report
 
-HELP = "train a small CNN on scikit-learn's handwritten digits (runs again and again into OUT_DIR/demo)"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", default="runs", help="directory for the run (default: runs)")

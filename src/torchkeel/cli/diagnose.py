@@ -7,9 +7,9 @@ import json
 import os
 import sys
 
+from torchkeel.diagnose import diagnose_script
+from torchkeel.diagnose.report import human_report
 from torchkeel.errors import ConfigError
-
-HELP = "run an unmodified PyTorch script under instrumentation and name the root cause of what goes wrong"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +37,6 @@ def script_and_args(command: list[str]) -> tuple[str, list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchkeel.diagnose import diagnose_script
-    from torchkeel.diagnose.report import human_report
 
     if args.steps is not None and args.steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}")

@@ -7,7 +7,6 @@ import json
 
 from torchkeel.env import collect_facts, run_checks
 
-HELP = "check the environment: versions, CUDA driver vs runtime, libraries, shm, start method, disk"
 SCHEMA_VERSION = 1
 
 

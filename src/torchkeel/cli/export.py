@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +12,6 @@ from torchkeel.errors import ConfigError
 from torchkeel.export.export import export_run
 from torchkeel.export.formats import FILENAMES
 from torchkeel.export.parity import describe
-
-HELP = "export a trained model, check parity with the eager model, write model.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,8 +6,7 @@ import argparse
 import json
 
 from torchkeel.errors import ConfigError
-
-HELP = "check PyTorch training code for known bugs without running it (TK1xx rules)"
+from torchkeel.lint import RULES, lint_paths
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +21,6 @@ def codes(text: str | None) -> list[str] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchkeel.lint import RULES, lint_paths
 
     for option, value in (("--select", codes(args.select)), ("--ignore", codes(args.ignore))):
         unknown = [c for c in value or [] if not any(code.startswith(c) for code in RULES)]

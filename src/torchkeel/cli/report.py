@@ -6,8 +6,6 @@ import argparse
 
 from torchkeel.report import build_report
 
-HELP = "turn a run's metrics, incidents and summary into report.html with charts"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="run directory (still going or killed is fine)")

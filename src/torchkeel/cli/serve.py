@@ -8,8 +8,6 @@ import sys
 from torchkeel.data.images import MAX_PIXELS
 from torchkeel.serve.app import ServeOptions, serve
 
-HELP = "serve exported models (KServe v2 / Triton REST and gRPC, KServe v1, images, /metrics)"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("export_dirs", nargs="+", metavar="EXPORT_DIR",

@@ -10,7 +10,6 @@ import sys
 
 import torch
 
-from torchkeel.checkpoint.faults import parse_fault_rules, parse_step_faults
 from torchkeel.config.imports import check_target, resolve_target
 from torchkeel.config.load import load_config
 from torchkeel.config.schema import KeelConfig
@@ -18,9 +17,8 @@ from torchkeel.data.build import build_sources
 from torchkeel.distributed.rank import RankInfo
 from torchkeel.env.cpus import choose_threads, usable_cpus
 from torchkeel.errors import ConfigError
+from torchkeel.testing import parse_fault_rules, parse_step_faults
 from torchkeel.train.trainer import Trainer
-
-HELP = "train the model a YAML config describes (overrides: key=value, e.g. optim.lr=3e-4)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

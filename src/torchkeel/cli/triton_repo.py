@@ -6,8 +6,6 @@ import argparse
 
 from torchkeel.export.triton import write_triton_repo
 
-HELP = "write a Triton model repository (config.pbtxt validated against Triton's ModelConfig)"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("export_dir", help="directory written by keel export (torchscript or onnx)")

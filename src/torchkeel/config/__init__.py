@@ -1,7 +1,14 @@
 """Typed configuration: the dataclasses, loading from YAML with overrides, and plug-in imports."""
 
 from torchkeel.config.imports import build_target, resolve_target
-from torchkeel.config.load import config_hash, from_dict, load_config, parse_override, read_yaml, to_dict
+from torchkeel.config.load import (
+    config_hash,
+    from_dict,
+    load_config,
+    parse_override,
+    read_yaml,
+    to_dict,
+)
 from torchkeel.config.schema import (
     CheckpointConfig,
     DataConfig,

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from torchkeel.config.preprocess import parse_preprocess
 from torchkeel.errors import ConfigError
 
 Device = Literal["auto", "cpu", "cuda", "mps"]
@@ -405,9 +406,7 @@ class KeelConfig:
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise ConfigError(f"data.pad_value.{key} must be a number, got {value!r}")
         if d.preprocess.mode is not None:
-            from torchkeel.data.images import ImagePreprocess  # torch and numpy: only when asked for
-
-            ImagePreprocess.from_spec(dataclasses.asdict(d.preprocess), "data.preprocess")
+            parse_preprocess(dataclasses.asdict(d.preprocess), "data.preprocess")
         elif d.preprocess != PreprocessConfig():
             raise ConfigError("data.preprocess is set but data.preprocess.mode is null; set mode: RGB or L")
         if not 0 <= d.max_bad_fraction <= 1:

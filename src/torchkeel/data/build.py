@@ -14,7 +14,10 @@ import torch
 from torchkeel.config.imports import build_target, resolve_target
 from torchkeel.config.schema import DataConfig
 from torchkeel.data.collate import build_collate
+from torchkeel.data.images import ImagePreprocess
 from torchkeel.data.loader import EpochLoader
+from torchkeel.data.sources.parquet import ParquetSource
+from torchkeel.data.sources.webdataset import WebDatasetSource
 from torchkeel.data.stream import StreamLoader
 from torchkeel.data.tune import TuneResult, tune_workers
 from torchkeel.distributed.agree import agree_min
@@ -70,11 +73,9 @@ def build_sources(cfg: DataConfig) -> tuple[Any, Any]:
 
     def make(paths: Any, key: str) -> Any:
         if cfg.format == "parquet":
-            from torchkeel.data.sources.parquet import ParquetSource
 
             return ParquetSource(paths, input=cfg.input, target=cfg.target, columns=cfg.columns, bucket_by=cfg.bucket_by,
                                  bucket_window=cfg.bucket_window, key=key, fixed_length=cfg.collate == "default")
-        from torchkeel.data.sources.webdataset import WebDatasetSource
 
         return WebDatasetSource(paths, input=cfg.input if isinstance(cfg.input, str) or cfg.input is None
                                 else _one(cfg.input), target=cfg.target, shuffle_buffer=cfg.shuffle_buffer,
@@ -158,7 +159,6 @@ def sample_transform(cfg: DataConfig) -> Callable[[Any], Any] | None:
     transform = resolve_target(cfg.transform, "data.transform") if cfg.transform else None
     if cfg.preprocess.mode is None:
         return transform
-    from torchkeel.data.images import ImagePreprocess
 
     return PreprocessInput(ImagePreprocess.from_spec(dataclasses.asdict(cfg.preprocess), "data.preprocess"), transform)
 
@@ -174,7 +174,6 @@ def transformed_datasets(cfg: DataConfig) -> tuple[Any, Any]:
 
 class PreprocessInput:
     """Applies an image preprocess to a sample's input (a tuple's first item, a dict's ``input``)."""
-
     def __init__(self, preprocess: Callable[[Any], Any], then: Callable[[Any], Any] | None = None) -> None:
         self.preprocess, self.then = preprocess, then
 
@@ -192,7 +191,6 @@ class PreprocessInput:
 
 class _Transformed(torch.utils.data.Dataset):
     """A map-style dataset with ``data.transform`` applied to each item."""
-
     def __init__(self, dataset: Any, transform: Callable[[Any], Any]) -> None:
         self.dataset, self.transform = dataset, transform
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from torchkeel.config.imports import resolve_target
 from torchkeel.errors import ConfigError, DataError
 
 LABEL_PAD = -100
@@ -42,7 +43,6 @@ class PadCollate:
     Tuple and dataclass samples keep their shape. The first sequence field is ``input_ids`` if
     the samples have it, else the first whose values are tensors with a dimension.
     """
-
     def __init__(self, pad_value: PadValue = 0.0, *, mask_key: str | None = "attention_mask",
                  lengths_key: str | None = None) -> None:
         self.pad_value, self.mask_key, self.lengths_key = pad_value, mask_key, lengths_key
@@ -96,7 +96,6 @@ class PadCollate:
 
 class DefaultCollate:
     """``torch.utils.data.default_collate``, plus dataclass samples; a shape mismatch names the fix."""
-
     def __call__(self, samples: Sequence[Any]) -> Any:
         first = samples[0]
         if isinstance(first, Mapping):
@@ -212,6 +211,5 @@ def build_collate(spec: str, pad_value: PadValue = 0.0, *, mask_key: str | None 
         return PadCollate(pad_value, mask_key=mask_key, lengths_key=lengths_key)
     if ":" not in spec:
         raise ConfigError(f"data.collate={spec!r} must be default, pad or 'module:function'")
-    from torchkeel.config.imports import resolve_target
 
     return resolve_target(spec, "data.collate")

@@ -22,14 +22,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from torchkeel.data.bad import BadSamples, remember
 from torchkeel.data.collate import DefaultCollate, collate_or_split
-from torchkeel.distributed.parallel import empty_like_batch
-from torchkeel.distributed.rank import per_rank
 from torchkeel.data.order import bucket_order, epoch_seed
 from torchkeel.data.stream import worker_context
-from torchkeel.data.bad import BadSamples, remember
+from torchkeel.distributed.parallel import empty_like_batch
+from torchkeel.distributed.rank import per_rank
 from torchkeel.errors import DataError, first_line
 from torchkeel.rng import BatchSeeds, preserved_rng
+
 
 @dataclass
 class _BadItem:
@@ -144,6 +145,9 @@ class EpochLoader:
             for inputs, targets in loader.epoch(epoch):
                 ...
     """
+
+    streaming = False
+    """Ranks hold the same number of batches (see ``StreamLoader.streaming``)."""
 
     def __init__(
         self,

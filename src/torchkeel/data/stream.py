@@ -28,13 +28,20 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from torchkeel.data.batch import concat, map_tensors, take
+from torchkeel.batch import concat, map_tensors, take
+from torchkeel.data.bad import BadSamples, remember
 from torchkeel.data.collate import DefaultCollate, collate_or_split
 from torchkeel.data.order import (
-    Position, Work, continue_position, epoch_batches, epoch_seed, merge_positions, plan_streams, unit_rng,
+    Position,
+    Work,
+    continue_position,
+    epoch_batches,
+    epoch_seed,
+    merge_positions,
+    plan_streams,
+    unit_rng,
 )
 from torchkeel.data.sources import Bad, Rows, Sample, Source
-from torchkeel.data.bad import BadSamples, remember
 from torchkeel.errors import DataError, first_line
 from torchkeel.rng import BatchSeeds
 
@@ -291,6 +298,9 @@ class StreamLoader:
             for inputs, targets in loader.epoch(epoch):
                 ...
     """
+
+    streaming = True
+    """Ranks may hold different numbers of batches (``DataParallel.batches`` keeps them in step)."""
 
     def __init__(
         self,

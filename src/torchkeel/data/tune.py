@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from torchkeel.data.batch import num_samples
+from torchkeel.batch import num_samples
+from torchkeel.inspect.memory import rss_bytes
 from torchkeel.io import write_json_atomic
 
 TOLERANCE = 0.95
@@ -150,7 +151,6 @@ def _rss_with_workers() -> int:
     """Resident memory of this process and its children (the loader's workers)."""
     import multiprocessing
 
-    from torchkeel.train.memory import rss_bytes
 
     total = rss_bytes()
     for pid in (child.pid for child in multiprocessing.active_children()):

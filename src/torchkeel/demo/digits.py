@@ -17,6 +17,9 @@ from torch.utils.data import TensorDataset
 
 from torchkeel.config.load import load_config
 from torchkeel.errors import MissingExtraError
+from torchkeel.export.export import export_run
+from torchkeel.serve.app import serve_in_background
+from torchkeel.train.trainer import Trainer
 
 DEMO_CONFIG: dict[str, Any] = {
     "name": "demo",
@@ -51,7 +54,6 @@ def load_digits_split(val_fraction: float = 0.2, split_seed: int = 0) -> tuple[T
 
 class _Images(torch.utils.data.Dataset):
     """(uint8 [8, 8] image, label) pairs."""
-
     def __init__(self, images: np.ndarray, labels: np.ndarray) -> None:
         self.images, self.labels = images, labels
         self.classes = [str(d) for d in range(10)]
@@ -79,7 +81,6 @@ def load_digit_images(val_fraction: float = 0.2, split_seed: int = 0) -> tuple[_
 
 class DigitsCNN(nn.Module):
     """Two 3×3 convolutions, a pooling layer and a two-layer head: about 0.1M parameters."""
-
     def __init__(self, channels: int = 32, hidden: int = 128, num_classes: int = 10, dropout: float = 0.2) -> None:
         super().__init__()
         self.features = nn.Sequential(
@@ -98,8 +99,6 @@ class DigitsCNN(nn.Module):
 
 def run_demo(out_dir: str | Path = "runs", overrides: list[str] | None = None, progress: bool = True) -> dict[str, Any]:
     """Train the demo into ``<out_dir>/demo`` (replacing an earlier demo run) and return the summary."""
-    from torchkeel.train.trainer import Trainer
-
     config = load_config(None, overrides or [], base={**DEMO_CONFIG, "out_dir": str(out_dir)})
     return Trainer(config, overwrite=True, progress=progress).fit()
 
@@ -117,8 +116,6 @@ def export_and_serve_one(run_dir: str | Path) -> dict[str, Any]:
 
     from PIL import Image
 
-    from torchkeel.export.export import export_run
-    from torchkeel.serve.app import serve_in_background
 
     export_dir = Path(run_dir) / "export-torchscript"
     meta = export_run(run_dir, "torchscript", export_dir)

@@ -7,6 +7,7 @@ import dataclasses
 import time
 from typing import Any
 
+from torchkeel.diagnose.compiled import CompileWatch
 from torchkeel.diagnose.detectors import judge
 from torchkeel.diagnose.findings import FINDING_IDS, Finding, order_findings
 from torchkeel.diagnose.probe import Facts, Probe
@@ -20,7 +21,6 @@ REPRO_MAX_S = 30.0
 @dataclasses.dataclass
 class Diagnosis:
     """The report: findings (root cause first), how the script ended, and what was observed."""
-
     findings: list[Finding]
     outcome: ScriptOutcome
     facts: Facts
@@ -59,8 +59,6 @@ def diagnose_script(script: str, args: list[str] | None = None, *, steps: int | 
     Raises:
         ConfigError: the script is missing or does not compile.
     """
-    from torchkeel.diagnose.compiled import CompileWatch
-
     args = list(args or [])
     start = time.perf_counter()
     probe = Probe(max_steps=steps, compiling=compile)

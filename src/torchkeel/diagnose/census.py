@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from torchkeel.diagnose.sites import site_text, user_frame, user_site
 from torchkeel.diagnose.tracing import graph_nodes
+from torchkeel.inspect.sites import site_text, user_frame, user_site
 
 
 def census(step: int, tracked: list[weakref.ref], previous: list[weakref.ref],

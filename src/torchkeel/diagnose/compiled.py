@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from torchkeel.diagnose.findings import Finding
-from torchkeel.diagnose.sites import display_path, is_user_file
+from torchkeel.inspect.sites import display_path, is_user_file
+from torchkeel.train.compile import explain_breaks
 
 
 class _Capture(logging.Handler):
@@ -54,7 +55,6 @@ def _parse_break(text: str) -> dict[str, Any]:
 
 class CompileWatch:
     """Context manager around the script run; ``findings()`` afterwards."""
-
     def __init__(self, *, force: bool) -> None:
         self.force = force
         self.capture = _Capture()
@@ -93,7 +93,6 @@ class CompileWatch:
         self.depth = max(0, self.depth - 1)
 
     def _explain(self, module: torch.nn.Module, args: Any) -> None:
-        from torchkeel.train.compile import explain_breaks
 
         for handle in self.handles:  # dynamo would trace into these hooks
             handle.remove()

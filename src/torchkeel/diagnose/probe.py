@@ -36,11 +36,24 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.overrides import TorchFunctionMode
 
+from torchkeel.checkpoint.state import leaving_no_trace
 from torchkeel.diagnose.census import census
-from torchkeel.diagnose.sites import (
+from torchkeel.diagnose.tracing import (
+    FirstNonfiniteOp,
+    GradTracer,
+    allocates_uninitialized,
+    forward_site,
+    graph_nodes,
+    nonfinite_scalar,
+    op_name,
+)
+from torchkeel.inspect.sites import (
     display_path,
     is_nonfinite,
     nonfinite_layout,
@@ -49,9 +62,6 @@ from torchkeel.diagnose.sites import (
     user_frame,
     user_site,
     variable_name,
-)
-from torchkeel.diagnose.tracing import (
-    FirstNonfiniteOp, GradTracer, allocates_uninitialized, forward_site, graph_nodes, nonfinite_scalar, op_name,
 )
 
 _BN = torch.nn.modules.batchnorm._BatchNorm
@@ -70,7 +80,6 @@ class StopScript(BaseException):
 class Facts:
     """Everything observed, as plain data. Module and parameter names are qualified by the
     variable the script holds the model in (``model.encoder.0.weight``)."""
-
     steps: int = 0
     backward_calls: int = 0
     losses: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # {"step", "value"}
@@ -91,7 +100,6 @@ class Facts:
 
 class _Mode(TorchFunctionMode):
     """Sees every torch function call; hands the interesting ones to the probe."""
-
     def __init__(self, probe: Probe) -> None:
         super().__init__()
         self.probe = probe
@@ -123,7 +131,6 @@ class Probe:
         compiling: leave out what torch.compile cannot trace through (``keel diagnose --compile``);
             a script that calls torch.compile gets the same from that call on.
     """
-
     def __init__(self, *, max_steps: int | None = None, anomaly_steps: int = 2, light: bool = False,
                  compiling: bool = False) -> None:
         self.max_steps = max_steps
@@ -398,7 +405,6 @@ class Probe:
     def _replay_for_op(self, module: torch.nn.Module, args: Any) -> dict[str, Any] | None:
         """Run the module again on the same input under an op tracer, leaving no trace, to name the
         first op inside it whose output went non-finite from finite inputs."""
-        from torchkeel.checkpoint.state import leaving_no_trace
 
         tracer = FirstNonfiniteOp()
         try:

@@ -12,8 +12,8 @@ import types
 from typing import Any
 
 from torchkeel.diagnose.probe import Probe, StopScript
-from torchkeel.diagnose.sites import display_path, is_user_file
 from torchkeel.errors import ConfigError
+from torchkeel.inspect.sites import display_path, is_user_file
 
 
 @dataclasses.dataclass

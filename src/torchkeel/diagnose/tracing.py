@@ -11,7 +11,13 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from torchkeel.diagnose.sites import display_path, is_nonfinite, is_user_file, tensors_in, user_site
+from torchkeel.inspect.sites import (
+    display_path,
+    is_nonfinite,
+    is_user_file,
+    tensors_in,
+    user_site,
+)
 
 
 def nonfinite_scalar(value: Any) -> bool:

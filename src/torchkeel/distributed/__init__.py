@@ -1,11 +1,23 @@
 """Distributed training under torchrun: the process group, DDP/FSDP2 wrapping, gradient sync,
 per-rank checkpoint state, and the few decisions every rank must agree on."""
 
-from torchkeel.distributed.agree import agree_all, agree_min, any_rank, any_rank_flags, read_finite
+from torchkeel.distributed.agree import (
+    agree_all,
+    agree_min,
+    any_rank,
+    any_rank_flags,
+    read_finite,
+)
 from torchkeel.distributed.group import CollectiveTimeout, ProcessGroup, default_backend
 from torchkeel.distributed.job import DataParallel
 from torchkeel.distributed.parallel import (
-    GradSync, apply_activation_checkpointing, empty_like_batch, even_batches, resolve_strategy, shard_targets, unwrap,
+    GradSync,
+    apply_activation_checkpointing,
+    empty_like_batch,
+    even_batches,
+    resolve_strategy,
+    shard_targets,
+    unwrap,
     wrap_model,
 )
 from torchkeel.distributed.rank import RankInfo, per_rank

@@ -18,7 +18,13 @@ import torch.distributed as dist
 
 from torchkeel.config.schema import DistConfig
 from torchkeel.distributed.group import ProcessGroup
-from torchkeel.distributed.parallel import GradSync, even_batches, resolve_strategy, unwrap, wrap_model
+from torchkeel.distributed.parallel import (
+    GradSync,
+    even_batches,
+    resolve_strategy,
+    unwrap,
+    wrap_model,
+)
 from torchkeel.distributed.rank import RankInfo, per_rank
 
 
@@ -102,6 +108,11 @@ class DataParallel:
         world = self.rank.world_size
         return (f"{world} ranks, {self.strategy}, {self.group.backend}: train.batch_size {batch_size} is the "
                 f"job's batch, {per_rank(batch_size, world)} samples per rank")
+
+    def row(self, batch_size: int) -> dict[str, Any]:
+        """The job for ``metrics.jsonl``: ranks, strategy, backend, per-rank batch."""
+        return {"world_size": self.rank.world_size, "strategy": self.strategy, "backend": self.group.backend,
+                "batch_per_rank": batch_size // self.rank.world_size}
 
     def close(self) -> None:
         """Leave the process group (every exit path)."""

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from torchkeel.batch import map_tensors
 from torchkeel.config.schema import DistConfig
 from torchkeel.errors import ConfigError
 
@@ -112,10 +113,6 @@ class GradSync:
         self.world_size = dist.get_world_size()
         self.samples = 0
         """The job's samples in the last step (set by ``train_step``)."""
-        self.flags: list[bool] = []
-        """Decisions to agree on in the step's all-gather (a stop signal, a save rank 0's clock
-        wants), instead of a collective of their own; ``agreed`` holds them, OR-ed over the ranks."""
-        self.agreed: list[bool] = []
         self._fsdp = hasattr(model, "set_requires_gradient_sync")
         self._ddp = hasattr(model, "no_sync")
 
@@ -145,8 +142,6 @@ class GradSync:
 def empty_like_batch(batch: Any) -> Any:
     """A batch of the same structure with no samples: what a rank whose share is empty computes
     on, so that every rank takes part in the same collectives."""
-    from torchkeel.data.batch import map_tensors
-
     return map_tensors(batch, lambda t: t[:0] if t.dim() > 0 else t)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from torchkeel._version import __version__
 from torchkeel.env.cpus import affinity_cpus, cgroup_cpus, load_average
 from torchkeel.errors import first_line
 
@@ -75,8 +76,6 @@ class Facts:
 
 def collect_facts(run_dir: str | Path | None = None, smoke_test: bool = True, nproc: int | None = None) -> Facts:
     """Everything the checks need, read from this process and machine (a few hundred ms on a CPU)."""
-    from torchkeel import __version__
-
     facts = Facts(
         python_version=platform.python_version(),
         torch_version=torch.__version__,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,18 +11,23 @@ import torch
 
 from torchkeel.checkpoint import CheckpointStore, load_model_weights, read_checkpoint
 from torchkeel.checkpoint.foreign import checkpoint_weights
-from torchkeel.train.ema import averaged_weights
 from torchkeel.checkpoint.store import is_checkpoint_dir
 from torchkeel.config.load import load_config
+from torchkeel.config.schema import DataConfig
+from torchkeel.data.images import ImagePreprocess
 from torchkeel.errors import CheckpointError, ConfigError, ParityError
-from torchkeel.export.formats import FILENAMES, export_model, load_exported
+from torchkeel.export.formats import (
+    FILENAMES,
+    export_model,
+    load_exported,
+    read_model_json,
+)
 from torchkeel.export.inputs import run_inputs
 from torchkeel.export.parity import check_parity, describe
 from torchkeel.export.signature import ExportModule
 from torchkeel.io import write_json_atomic
-from torchkeel.config.schema import DataConfig
-from torchkeel.data.images import ImagePreprocess
 from torchkeel.train.build import build_model
+from torchkeel.train.ema import averaged_weights
 
 DATATYPES = {
     torch.float32: "FP32", torch.float64: "FP64", torch.float16: "FP16", torch.bfloat16: "BF16",
@@ -105,21 +109,6 @@ def export_run(
     if not parity["passed"]:
         raise ParityError(f"{describe(parity)}; nothing was shipped as good (see {out / 'model.json'})")
     return meta
-
-
-def read_model_json(export_dir: str | Path) -> dict[str, Any]:
-    """The ``model.json`` of an export directory.
-
-    Raises:
-        ConfigError: missing or unreadable, naming the file.
-    """
-    path = Path(export_dir) / "model.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"'{path}' not found; pass a directory written by `keel export`") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"'{path}' is unreadable ({type(exc).__name__}); export again") from None
 
 
 def _resolve(source: Path):

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from torchkeel.errors import MissingExtraError, ParityError
+from torchkeel.errors import ConfigError, MissingExtraError, ParityError
 
 FILENAMES = {"torchscript": "model.pt", "torch-export": "model.pt2", "onnx": "model.onnx"}
 MAX_BATCH = 1 << 16
@@ -136,3 +138,18 @@ def _quiet():
             yield
     finally:
         logger.setLevel(level)
+
+
+def read_model_json(export_dir: str | Path) -> dict[str, Any]:
+    """The ``model.json`` of an export directory.
+
+    Raises:
+        ConfigError: missing or unreadable, naming the file.
+    """
+    path = Path(export_dir) / "model.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"'{path}' not found; pass a directory written by `keel export`") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"'{path}' is unreadable ({type(exc).__name__}); export again") from None

@@ -17,7 +17,14 @@ import torch
 
 from torchkeel.config.schema import KeelConfig
 from torchkeel.data.build import loader_factory, resolve_data
-from torchkeel.export.signature import Call, ExportModule, Signature, capture_calls, dynamic_axes, signature_of
+from torchkeel.export.signature import (
+    Call,
+    ExportModule,
+    Signature,
+    capture_calls,
+    dynamic_axes,
+    signature_of,
+)
 from torchkeel.export.stats import reference_stats
 from torchkeel.train.build import build_objective
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from torchkeel.errors import ConfigError, MissingExtraError
-from torchkeel.export.export import read_model_json
+from torchkeel.export.formats import read_model_json
 
 PLATFORMS = {"torchscript": "pytorch_libtorch", "onnx": "onnxruntime_onnx"}
 

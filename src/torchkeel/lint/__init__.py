@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from torchkeel.lint.engine import LintFinding, LintReport, Rule, lint_source, python_files
+from torchkeel.lint.engine import (
+    LintFinding,
+    LintReport,
+    Rule,
+    lint_source,
+    python_files,
+)
 from torchkeel.lint.rules import RULES
 
 

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from torchkeel.errors import ConfigError
+
 _NOQA = re.compile(r"#\s*keel:\s*noqa(?:\[([A-Za-z0-9_,\s]+)\])?")
 _SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", "site-packages", "node_modules", ".tox", "build", "dist"}
 
@@ -22,7 +24,6 @@ _SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", "site-packages", "node_mod
 @dataclasses.dataclass
 class LintFinding:
     """One rule violation at ``path:line:col``."""
-
     code: str
     id: str | None
     severity: str
@@ -39,7 +40,6 @@ class LintFinding:
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """``code`` (TK1xx), the diagnose finding ``id`` it prevents (or None), what it checks."""
-
     code: str
     name: str
     id: str | None
@@ -83,7 +83,6 @@ def keyword(call: ast.Call, name: str) -> ast.expr | None:
 
 class Source:
     """One parsed file and the questions rules ask about it."""
-
     def __init__(self, path: str, text: str) -> None:
         self.path = path
         self.text = text
@@ -195,7 +194,6 @@ def python_files(paths: Iterable[str]) -> list[str]:
         elif path.exists():
             files.append(str(path))
         else:
-            from torchkeel.errors import ConfigError
 
             raise ConfigError(f"keel lint: {raw}: no such file or directory")
     return files

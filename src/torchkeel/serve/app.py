@@ -1,5 +1,5 @@
 """The HTTP server: routes only. Parsing is in ``protocol``, the models in ``model`` and
-``repository``, batching in ``batcher``, metrics in ``metrics``, gRPC in ``grpc``. KServe v2 /
+``repository``, batching in ``batcher``, metrics in ``metrics``, gRPC in ``grpc``; what both front ends share in ``server``. KServe v2 /
 Triton REST under ``/v2``, KServe v1 under ``/v1``, Prometheus at ``/metrics``.
 """
 
@@ -11,7 +11,6 @@ import dataclasses
 import gc
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,46 +19,31 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from torchkeel import __version__
+from torchkeel._version import __version__
 from torchkeel.errors import ConfigError
-from torchkeel.serve.metrics import ServerMetrics
 from torchkeel.serve.model import ServedModel, ServeOptions
 from torchkeel.serve.protocol import (
-    EXTENSIONS, HEADER_LENGTH, ProtocolError, encode_infer, label_scores, parse_infer, parse_v1_instances, top_k,
-    v1_has_images, v1_images, v1_named_tensors, v1_tensor, v1_top_k,
+    EXTENSIONS,
+    HEADER_LENGTH,
+    ProtocolError,
+    encode_infer,
+    label_scores,
+    parse_infer,
+    parse_v1_instances,
+    top_k,
+    v1_has_images,
+    v1_images,
+    v1_named_tensors,
+    v1_tensor,
+    v1_top_k,
 )
 from torchkeel.serve.repository import ModelRepository
+from torchkeel.serve.server import Server
 
 # An oversized body is read to its end and dropped, up to 4x the limit (at least 64 MiB) or 5 s,
 # before the 413 is sent and the connection closed; past that bound the connection is closed at once.
 DRAIN_FACTOR, DRAIN_MIN_BYTES, DRAIN_S = 4, 64 * 2**20, 5.0
 IMAGE_TOP_K = 5  # v1 image predictions: the 5 best labels unless the request or --top-k says otherwise
-
-
-class Server:
-    """What both front ends share: the models, their metrics, the image threads, the options."""
-
-    def __init__(self, export_dirs: Sequence[str | Path], options: ServeOptions) -> None:
-        self.options = options
-        self.metrics = ServerMetrics()
-        self.images = ThreadPoolExecutor(max_workers=max(1, options.image_threads), thread_name_prefix="torchkeel-image")
-        self.repository = ModelRepository(export_dirs, options, self.metrics, self.images)
-        self.grpc: Any = None
-
-    async def start(self) -> None:
-        await self.repository.start()
-        if self.options.grpc_port:
-            from torchkeel.serve.grpc import start_grpc
-
-            self.grpc = start_grpc(self)
-
-    async def stop(self) -> None:
-        """gRPC stops accepting and finishes its calls, then every queued request is answered."""
-        if self.grpc is not None:  # its calls wait for the batchers, which run on this loop: wait aside
-            stopped = self.grpc.stop(grace=self.options.queue_timeout_ms / 1000)
-            await asyncio.get_running_loop().run_in_executor(None, stopped.wait)
-        await self.repository.stop()
-        self.images.shutdown(wait=True)
 
 
 def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOptions | None = None) -> Starlette:

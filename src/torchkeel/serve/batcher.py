@@ -30,7 +30,6 @@ from typing import Any, Union
 
 import numpy as np
 
-
 PROBE_EVERY = 16
 
 Batch = Union[np.ndarray, dict[str, np.ndarray]]

@@ -28,16 +28,24 @@ import grpc
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from torchkeel import __version__
+from torchkeel._version import __version__
 from torchkeel.errors import ConfigError
 from torchkeel.serve.model import ServedModel
 from torchkeel.serve.protocol import (
-    DTYPES, EXTENSIONS, NUMPY_TO_V2, InferRequest, InputSet, ProtocolError, array_from_bytes, checked_classification,
-    checked_output, length_prefixed,
+    DTYPES,
+    EXTENSIONS,
+    NUMPY_TO_V2,
+    InferRequest,
+    InputSet,
+    ProtocolError,
+    array_from_bytes,
+    checked_classification,
+    checked_output,
+    length_prefixed,
 )
 
 if TYPE_CHECKING:
-    from torchkeel.serve.app import Server
+    from torchkeel.serve.server import Server
 
 SERVICE = "inference.GRPCInferenceService"
 HANDLER_THREADS = 16

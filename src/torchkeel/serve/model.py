@@ -24,12 +24,22 @@ import numpy as np
 
 from torchkeel.data.images import MAX_PIXELS, ImageError, ImagePreprocess
 from torchkeel.errors import ConfigError
-from torchkeel.export.export import read_model_json
-from torchkeel.export.formats import load_exported
-from torchkeel.serve.batcher import Batch, BatchStats, DynamicBatcher, QueueFull, QueueTimeout
+from torchkeel.export.formats import load_exported, read_model_json
+from torchkeel.serve.batcher import (
+    Batch,
+    BatchStats,
+    DynamicBatcher,
+    QueueFull,
+    QueueTimeout,
+)
 from torchkeel.serve.drift import DriftMonitor
 from torchkeel.serve.metrics import ServerMetrics
-from torchkeel.serve.protocol import InferRequest, ProtocolError, TensorSpec, classification
+from torchkeel.serve.protocol import (
+    InferRequest,
+    ProtocolError,
+    TensorSpec,
+    classification,
+)
 
 VERSION = "1"
 IMAGE_INPUT = "image"

@@ -2,16 +2,85 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from torchkeel.checkpoint import load_model_weights, load_weights
 from torchkeel.config.imports import build_target, resolve_target
-from torchkeel.config.schema import LossConfig, ModelConfig
-from torchkeel.errors import ConfigError
+from torchkeel.config.schema import KeelConfig, LossConfig, ModelConfig
+from torchkeel.data.build import Loaders, build_loaders
+from torchkeel.distributed.job import DataParallel
 from torchkeel.distributed.rank import RankInfo
+from torchkeel.errors import ConfigError
+from torchkeel.train.accumulate import total_steps
+from torchkeel.train.compile import CompiledOrEager, Reporter
+from torchkeel.train.ema import WeightAverage
+from torchkeel.train.metricset import MetricSet
 from torchkeel.train.objective import Objective
+from torchkeel.train.optim import build_optimizer
+from torchkeel.train.schedule import build_scheduler
+from torchkeel.train.seed import seed_everything
+
+
+@dataclass
+class Training:
+    """What a run trains with, built in the one order a hand-written loop can follow."""
+
+    data: Loaders
+    model: torch.nn.Module
+    """The plain module (its weights are what checkpoints and exports hold)."""
+    forward_model: torch.nn.Module
+    """What the step calls: the model wrapped for the job (DDP, FSDP2) and compiled if asked."""
+    objective: Objective
+    val_scores: MetricSet | None
+    train_scores: MetricSet | None
+    params: list[torch.nn.Parameter]
+    ema: WeightAverage | None
+    optimizer: torch.optim.Optimizer
+    total_steps: int
+    scheduler: Any
+
+
+def build_training(cfg: KeelConfig, job: DataParallel, *, model: torch.nn.Module | None = None,
+                   train_data: Any = None, val_data: Any = None,
+                   loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                   report: Reporter | None = None) -> Training:
+    """Seed, data, model, loss, optimizer, schedule — in this order (a hand loop that follows it
+    draws the same random numbers). Objects given take the place of the config's import paths;
+    ``report`` hears of graph breaks and compile times."""
+    seed_everything(cfg.seed, cfg.deterministic)
+    rank, device = job.rank, job.device
+    data = build_loaders(cfg.data, batch_size=cfg.train.batch_size, seed=cfg.seed, device=device,
+                         train_data=train_data, val_data=val_data, rank=rank.rank, world_size=rank.world_size)
+    model = (model if model is not None else build_model(cfg.model)).to(device)
+    if cfg.model.init_from:
+        path = cfg.model.init_from
+        skipped = load_model_weights(model, load_weights(path), strict=cfg.model.init_strict,
+                                     source=f"weights in '{path}'")
+        if skipped:
+            print(f"keel: warning: model.init_from '{path}': not loaded: {', '.join(skipped)}", file=sys.stderr)
+    wrapped = job.wrap(model, precision=cfg.precision, batch_size=cfg.train.batch_size, accumulate=cfg.train.accumulate)
+    job.seed_rank(cfg.seed)
+    c = cfg.compile
+    forward_model = CompiledOrEager(wrapped, c.backend, mode=c.mode, fullgraph=c.fullgraph, dynamic=c.dynamic,
+                                    report=report) if c.enabled else wrapped
+    objective = build_objective(cfg.loss, loss_fn, model)
+    val_scores = MetricSet.from_config(cfg.metrics, device)
+    train_scores = MetricSet.from_config(cfg.metrics, device, on="train")
+    params = [p for p in model.parameters() if p.requires_grad]
+    ema = WeightAverage(model, cfg.train.ema.decay, cfg.train.ema.start_step) if cfg.train.ema.decay else None
+    optimizer = build_optimizer(cfg.optim, params)
+    # The schedule's length: exact when no sample is bad (every epoch's plan is known); the
+    # loop itself ends with the data, and the last step's learning rate is the floor.
+    steps = total_steps(data.train.num_batches, cfg.train.accumulate, cfg.train.max_epochs, cfg.train.max_steps)
+    scheduler = build_scheduler(optimizer, warmup_steps=cfg.schedule.warmup_steps, total_steps=steps,
+                                decay=cfg.schedule.decay, min_lr=cfg.schedule.min_lr)
+    return Training(data, model, forward_model, objective, val_scores, train_scores, params, ema, optimizer,
+                    steps, scheduler)
 
 
 def resolve_device(name: str, rank: RankInfo | None = None) -> torch.device:

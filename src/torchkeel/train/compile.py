@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from torchkeel.checkpoint.state import leaving_no_trace
 from torchkeel.errors import KeelError
+from torchkeel.inspect.sites import display_path, is_user_file
 
 # What a compile event is handed to: (kind, message, details) — the Trainer records incidents.
 Reporter = Callable[[str, str, dict[str, Any]], None]
@@ -20,7 +22,6 @@ Reporter = Callable[[str, str, dict[str, Any]], None]
 
 class CompileError(KeelError):
     """``compile.fullgraph`` is on and the model's graph breaks (the message names where)."""
-
     exit_code = 1
 
 
@@ -30,9 +31,6 @@ def explain_breaks(module: torch.nn.Module, *args: Any, **kwargs: Any) -> list[d
     Runs ``torch._dynamo.explain`` once and leaves no trace: RNG states and buffers (batch-norm
     statistics) are restored, and dynamo's caches are reset afterwards.
     """
-    from torchkeel.checkpoint.state import leaving_no_trace
-    from torchkeel.diagnose.sites import display_path, is_user_file
-
     breaks: list[dict[str, Any]] = []
     try:
         with leaving_no_trace(module), torch.no_grad():
@@ -59,7 +57,6 @@ class CompiledOrEager(torch.nn.Module):
     same inputs: an error that is the model's own is raised again by the eager call and reaches
     the user unchanged. Out-of-memory errors are never retried here.
     """
-
     def __init__(self, module: torch.nn.Module, backend: Any = "inductor", *, mode: str | None = None,
                  fullgraph: bool = False, dynamic: bool | None = None, report: Reporter | None = None) -> None:
         super().__init__()

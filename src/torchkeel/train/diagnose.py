@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from torchkeel.batch import num_samples, tensors
 from torchkeel.checkpoint.state import capture_rng, restore_rng
-from torchkeel.data.batch import num_samples, tensors
 from torchkeel.errors import first_line
 from torchkeel.train.objective import Objective
 from torchkeel.train.precision import Precision

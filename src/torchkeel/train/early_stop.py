@@ -37,6 +37,13 @@ class EarlyStopping:
         self.bad_validations = 0
         self.stop_reason: str | None = None
 
+    @classmethod
+    def from_config(cls, cfg: Any) -> EarlyStopping | None:
+        """From ``train.early_stop`` of a ``KeelConfig`` (monitor and mode default to the checkpoint's);
+        ``None`` when ``patience`` is 0 (off)."""
+        es, ck = cfg.train.early_stop, cfg.checkpoint
+        return cls(es.monitor or ck.monitor, es.mode or ck.mode, es.patience, es.min_delta) if es.patience else None
+
     def observe(self, metrics: dict[str, float], step: int) -> bool:
         """Count one validation; True when it improved on the best by more than ``min_delta``.
 
@@ -57,6 +64,19 @@ class EarlyStopping:
                 self.stop_reason = (f"{self.monitor} did not improve on {self.best:.6g} (step {self.best_step}) "
                                     f"by more than {self.min_delta:g} in {self.bad_validations} validations")
         return improved
+
+    def after(self, metrics: dict[str, float], step: int, *, defer: bool = False) -> tuple[bool, bool]:
+        """``observe`` one validation and say when to save: ``(now, at the epoch's end)``. The best
+        state goes to disk when the metric improved, and the last state when it says stop;
+        ``defer`` leaves an improvement's save to the epoch end (a validation at its last batch)."""
+        improved = self.observe(metrics, step)
+        if self.stop_reason or (improved and not defer):
+            return True, False
+        return False, improved
+
+    def summary(self) -> dict[str, Any]:
+        """Why and where it stopped, for ``summary.json``."""
+        return {"reason": self.stop_reason, "best_step": self.best_step, "best": self.best}
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_step": self.best_step, "bad_validations": self.bad_validations,

@@ -11,55 +11,15 @@ every step's graph alive: the graph census grows by one step's graph per step.
 from __future__ import annotations
 
 import gc
-import os
-import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-
-
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def rss_bytes() -> int:
-    """Resident memory of this process (Linux: /proc; elsewhere: the peak from getrusage)."""
-    try:
-        with open("/proc/self/statm", "rb") as statm:  # read every few steps: kept cheap (~5 us)
-            return int(statm.read().split()[1]) * _PAGE_SIZE
-    except FileNotFoundError:
-        pass
-    import resource  # POSIX only; Linux took the branch above
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
-def peak_rss_during(fn: Callable[[], Any], interval_s: float = 0.001) -> tuple[int, Any]:
-    """Run ``fn``; return how far the RSS rose above its level before the call at its peak
-    (sampled every ``interval_s`` by a thread), and ``fn``'s result. For measuring what a save,
-    a load or a step costs in memory."""
-    import threading
-
-    start, peak, done = rss_bytes(), [0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], rss_bytes())
-            time.sleep(interval_s)
-
-    thread = threading.Thread(target=sample, name="torchkeel-rss", daemon=True)
-    thread.start()
-    try:
-        result = fn()
-    finally:
-        done.set()
-        thread.join()
-    return max(peak[0], rss_bytes()) - start, result
+from torchkeel.inspect.memory import rss_bytes
 
 
 class MemoryProbe(Protocol):

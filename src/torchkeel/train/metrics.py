@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
 from tqdm import tqdm
+
+from torchkeel.io import write_text_atomic
 
 
 class MetricsWriter:
@@ -39,6 +42,55 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return rows
+
+
+def drop_rows_after(path: Path, step: int) -> None:
+    """Drop the rows of a JSON-lines file (``metrics.jsonl``, ``incidents.jsonl``) written after
+    ``step`` (by a run that was killed later).
+
+    The resumed run writes them again, so the file reads as one uninterrupted run.
+    """
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the kill
+        if row.get("step", 0) <= step:
+            kept.append(line + "\n")
+    write_text_atomic(path, "".join(kept))
+
+
+def train_row(result: Any, counters: Any, lr: float, samples_per_s: float, scores: Any = None) -> dict[str, Any]:
+    """The ``metrics.jsonl`` row of a logged step (a ``StepResult``; ``counters``: a ``RunCounters``).
+    Reads the loss on the host when the guard did not, and computes ``scores`` (a ``MetricSet``:
+    on every rank at the same steps, since torchmetrics syncs here)."""
+    loss, grad_norm = result.loss_value, result.grad_norm_value
+    if loss is None:  # the guard is off: read them now (host sync, log steps only)
+        loss, grad_norm = result.loss.item(), result.grad_norm.item()
+    metrics = {k: v.item() for k, v in (result.metrics or {}).items()}  # host sync, log steps only
+    if scores is not None:
+        metrics.update(scores.compute())
+    return {"kind": "train", "step": counters.step, "epoch": counters.epoch, "loss": loss, "lr": lr,
+            "grad_norm": grad_norm, "samples": counters.samples, "samples_per_s": samples_per_s, **metrics}
+
+
+class Throughput:
+    """Samples per second over the steps since the last ``rate()`` (the window of one log row)."""
+
+    def __init__(self) -> None:
+        self.samples, self.start = 0, time.perf_counter()
+
+    def add(self, samples: int) -> None:
+        self.samples += samples
+
+    def rate(self) -> float:
+        now = time.perf_counter()
+        rate = self.samples / max(now - self.start, 1e-9)
+        self.samples, self.start = 0, now
+        return rate
 
 
 class Progress:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from torchkeel.data.batch import num_samples, to_device
+from torchkeel.batch import num_samples, to_device
 from torchkeel.errors import DataError
 
 

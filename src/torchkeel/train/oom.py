@@ -3,7 +3,7 @@
 The step (``train_step``) catches ``torch.OutOfMemoryError`` around forward and backward,
 calls ``free_memory``, halves the micro-batch size and redoes the step; the gradient of each
 piece is weighted by its share of samples, so the update is the full batch's. Tests inject an
-OOM on CPU with ``OomInjector``; any other error passes through unchanged.
+OOM on CPU with ``torchkeel.testing.OomInjector``; any other error passes through unchanged.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import gc
 import torch
 
 from torchkeel.errors import SampleTooLarge
+from torchkeel.inspect.memory import rss_bytes
 
 
 def smaller_size(failed_size: int, device: torch.device) -> int:
@@ -43,25 +44,4 @@ def memory_figures(device: torch.device) -> str:
         return (f"allocated {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB, "
                 f"reserved {torch.cuda.memory_reserved(device) / 2**30:.2f} GiB, "
                 f"free {free / 2**30:.2f} of {total / 2**30:.2f} GiB")
-    from torchkeel.train.memory import rss_bytes  # memory imports nothing from here
-
     return f"process RSS {rss_bytes() / 2**30:.2f} GiB"
-
-
-class OomInjector:
-    """Fault injection: raises ``torch.OutOfMemoryError`` for micro-batches above ``max_samples``.
-
-    Pass it as ``train_step(..., before_forward=OomInjector(16))`` (or ``Trainer(oom_hook=...)``)
-    to exercise the split path on a CPU.
-    """
-
-    def __init__(self, max_samples: int) -> None:
-        self.max_samples = max_samples
-        self.num_raised = 0
-
-    def __call__(self, num_samples: int) -> None:
-        if num_samples > self.max_samples:
-            self.num_raised += 1
-            raise torch.OutOfMemoryError(
-                f"injected: a micro-batch of {num_samples} samples is above {self.max_samples}"
-            )

@@ -11,8 +11,6 @@ from typing import Any
 from torchkeel.checkpoint import Checkpoint, CheckpointStore, read_checkpoint
 from torchkeel.config.load import config_hash
 from torchkeel.errors import ConfigError
-from torchkeel.io import write_text_atomic
-
 
 # What a run computes: a change here means the resumed run is no longer the uninterrupted one.
 EXACT = ("seed", "deterministic", "precision", "model", "data", "loss", "optim", "schedule", "train.batch_size",
@@ -39,24 +37,6 @@ def find_checkpoint(store: CheckpointStore, resume: str | Path, warn: Callable[[
     if found is None and problems:
         warn("no valid checkpoint left; starting from scratch")
     return found
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop ``metrics.jsonl`` rows written after ``step`` (by a run that was killed later).
-
-    The resumed run writes them again, so the file reads as one uninterrupted run.
-    """
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-        if row.get("step", 0) <= step:
-            kept.append(line + "\n")
-    write_text_atomic(path, "".join(kept))
 
 
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:

@@ -8,10 +8,22 @@ checkpoint (or completed); a new run that fails before that gets the previous on
 from __future__ import annotations
 
 import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from torchkeel.errors import RunDirError
+import yaml
+
+from torchkeel.errors import RunDirError, TrainingDiverged
+from torchkeel.io import write_json_atomic, write_text_atomic
+from torchkeel.train.incidents import IncidentLog
+from torchkeel.train.loggers import RunLoggers
+from torchkeel.train.metrics import MetricsWriter, Progress, drop_rows_after
+from torchkeel.train.protect import Observed
 
 # Files whose presence marks a directory as a torchkeel run (and so safe to --overwrite).
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "summary.json")
@@ -74,3 +86,134 @@ def prepare_run_dir(out_dir: str | Path, name: str, *, overwrite: bool = False,
 
 def _has_checkpoint(run_dir: Path) -> bool:
     return any(run_dir.glob("checkpoints/step-*/manifest.json"))
+
+
+class RunFiles:
+    """The files of one run in ``<out_dir>/<name>`` — ``config.yaml``, ``metrics.jsonl``,
+    ``incidents.jsonl``, the loggers, ``summary.json`` — and the console lines that go with them.
+
+    Rank 0 writes; on the other ranks every write is a no-op, but incidents are still counted
+    (every rank decides the same from the counts). ``open()`` prepares the directory; until the
+    new run is safe (its first checkpoint, or its end) a run ``--overwrite`` set aside can be put
+    back (``settle``).
+    """
+
+    def __init__(self, run_dir: Path, *, is_main: bool, console: Progress) -> None:
+        self.run_dir, self.is_main, self.console = run_dir, is_main, console
+        self.incidents = IncidentLog(None)
+        self._metrics: MetricsWriter | None = None
+        self._loggers = RunLoggers([])
+        self._previous: PreviousRun | None = None
+        self._start = time.perf_counter()
+        self.summary: dict[str, Any] = {}
+
+    def open(self, config: dict[str, Any], *, resume: bool, resume_step: int | None, overwrite: bool,
+             logging: Any) -> None:
+        """Create (or reuse, on a resume) the directory; drop rows a killed run wrote after ``resume_step``."""
+        self._start = time.perf_counter()
+        if not self.is_main:
+            return
+        text = yaml.safe_dump(config, sort_keys=False)
+        _, self._previous = prepare_run_dir(self.run_dir.parent, self.run_dir.name, overwrite=overwrite,
+                                            resume=resume)
+        write_text_atomic(self.run_dir / "config.yaml", text)
+        for name in ("metrics.jsonl", "incidents.jsonl"):
+            drop_rows_after(self.run_dir / name, resume_step or 0)
+        self._metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+        self._loggers = RunLoggers.from_config(logging, self.run_dir, config, text, resume_step)
+        self.incidents.path = self.run_dir / "incidents.jsonl"
+
+    @property
+    def wall_s(self) -> float:
+        return time.perf_counter() - self._start
+
+    def log(self, row: dict[str, Any]) -> None:
+        """A ``metrics.jsonl`` row (stamped with ``wall_s``), to every logger and the console."""
+        row["wall_s"] = round(self.wall_s, 4)
+        if self._metrics is not None:
+            self._metrics.write(row)
+        self._loggers.log(row)
+        self.console.log(row)
+
+    def say(self, message: str) -> None:
+        """A line a person must see (rank 0), progress output or not."""
+        if self.is_main:
+            self.console.say(message)
+
+    def note(self, message: str) -> None:
+        """A line of information (rank 0, progress output on)."""
+        if self.is_main:
+            self.console.note(message)
+
+    def incident(self, kind: str, step: int, message: str, *, quiet: bool = False, **details: Any) -> None:
+        """Count and record an incident; print it unless ``quiet`` (in the files, not printed again)."""
+        row = self.incidents.record(kind, step, message, **details)
+        if self.is_main:
+            if not quiet:
+                self.console.warn(f"step {row['step']}: {message}")
+            self._loggers.log_incident(row)
+
+    def record(self, step: int, found: Observed) -> None:
+        """Log and record what the protections found at ``step``; then raise the error they give, if any."""
+        for row in found.rows:
+            self.log(row)
+        for incident in found.incidents:
+            self.incident(incident.kind, step, incident.message, quiet=incident.quiet, **incident.details)
+        if found.error is not None:
+            raise found.error
+
+    def first_checkpoint_written(self) -> None:
+        """The new run is safe: the run ``--overwrite`` set aside goes."""
+        if self._previous is not None:
+            self._previous.discard()
+            self._previous = None
+
+    @property
+    def holds_previous(self) -> bool:
+        return self._previous is not None
+
+    def settle(self, status: str) -> bool:
+        """Discard the run set aside when the new one ended well, else put it back (and return True)."""
+        previous, self._previous = self._previous, None
+        if previous is None:
+            return False
+        if status in ("completed", "preempted", "stopped_early"):
+            previous.discard()
+            return False
+        previous.restore()
+        return True
+
+    @contextmanager
+    def ending(self, totals: Callable[[], dict[str, Any]], distinct: Callable[[], dict[str, int]]) -> Iterator[dict[str, Any]]:
+        """Around a run: yields its summary for the block to set ``status`` in; however the block
+        ends, ``summary.json`` gets the status (``failed`` with ``error``, ``interrupted``) and
+        ``totals()``, and the run ``--overwrite`` set aside is discarded or put back."""
+        summary: dict[str, Any] = {"status": "failed"}
+        error: BaseException | None = None
+        try:
+            yield summary
+        except KeyboardInterrupt as exc:
+            summary, error = {"status": "interrupted"}, exc
+            raise
+        except Exception as exc:
+            error = exc
+            summary = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            if isinstance(exc, TrainingDiverged):
+                summary["diagnosis"] = exc.diagnosis
+            raise
+        finally:
+            self.summary = self.close({**summary, **totals()}, distinct())
+            if self.settle(self.summary["status"]) and error is not None:
+                error.__notes__ = [*getattr(error, "__notes__", []), f"the previous run was put back in '{self.run_dir}'"]
+
+    def close(self, summary: dict[str, Any], distinct: dict[str, int] | None = None) -> dict[str, Any]:
+        """Print the incidents' line, close the loggers and write ``summary.json``; returns ``summary``."""
+        self.console.close()
+        line = self.incidents.summary_line(distinct)
+        if line and self.is_main:
+            print(f"keel: {line} (details: {self.run_dir / 'incidents.jsonl'})", file=sys.stderr)
+        self._loggers.close()
+        if self._metrics is not None:
+            self._metrics.close()
+            write_json_atomic(self.run_dir / "summary.json", summary)
+        return summary

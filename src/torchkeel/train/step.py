@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from torchkeel.data.batch import num_samples, split_batch
+from torchkeel.batch import num_samples, split_batch
 from torchkeel.distributed.agree import read_finite
 from torchkeel.distributed.parallel import GradSync, empty_like_batch
-from torchkeel.train.clipping import clip_grad_norm
 from torchkeel.errors import SampleTooLarge
+from torchkeel.train.clipping import clip_grad_norm
 from torchkeel.train.objective import LabelOutOfRange, Objective
 from torchkeel.train.oom import free_memory, smaller_size
 from torchkeel.train.precision import Precision
@@ -45,6 +45,19 @@ class StepResult:
     num_oom_splits: int = 0
     metrics: dict[str, torch.Tensor] | None = None
     """The step function's metrics, averaged over the group like the loss."""
+    agreed: list[bool] = field(default_factory=list)
+    """``train_step``'s ``agree`` flags, each true when it was true on any rank."""
+
+
+@dataclass
+class _Sums:
+    """What the forward and backward of a group's pieces add up to on this rank."""
+
+    loss: torch.Tensor
+    """The mean loss (in one process); this rank's weighted sum under ``sync``."""
+    metrics: dict[str, torch.Tensor] | None
+    count: torch.Tensor | None = None
+    """This rank's count (``sync`` only: the global divisor is known after the all-gather)."""
 
 
 def train_step(
@@ -64,6 +77,7 @@ def train_step(
     before_forward: Callable[[int], None] | None = None,
     sync: GradSync | None = None,
     on_outputs: Callable[[Any, Any], None] | None = None,
+    agree: Callable[[], Sequence[bool]] | None = None,
 ) -> StepResult:
     """One optimizer step over ``group``, a list of micro-batches.
 
@@ -84,30 +98,36 @@ def train_step(
 
     ``on_outputs(outputs, targets)`` is called once per piece of an applied step, after it
     (training metrics): an attempt redone after an out-of-memory error is not counted twice.
+
+    ``agree()`` gives decisions every rank must take together (a stop signal, a save rank 0's
+    clock wants). It is read once the forward and backward are done, and its flags ride along in
+    the step's all-gather instead of a collective of their own; they come back OR-ed over the
+    ranks in ``StepResult.agreed`` (as read, in one process).
     """
     if not group:
         raise ValueError("train_step needs at least one micro-batch")
     objective = Objective.of(loss_fn)
     sizes = [num_samples(batch) for batch in group]
     weights = [objective.weight(batch) for batch in group] if objective.count_key else [float(n) for n in sizes]
-    num_splits = 0
+    num_splits, agreed = 0, []
     seen: list[tuple[Any, Any]] | None = [] if on_outputs is not None else None
     while True:
         if seen is not None:
             seen.clear()
         if sync is not None:  # every rank tries; all redo the step if any ran out of memory
-            loss_sum, metrics, micro_batch_size, redo = _synced(
+            sums, micro_batch_size, agreed, redo = _synced(
                 model, group, sizes, weights, objective, precision, device, micro_batch_size, before_forward,
-                params, sync, split_on_oom, seen)
+                params, sync, split_on_oom, agree, seen)
             if not redo:
                 break
             optimizer.zero_grad(set_to_none=True)
             num_splits += 1
             continue
         try:
-            loss_sum, metrics = _forward_backward(
+            sums = _forward_backward(
                 model, group, sizes, weights, objective, precision, device, micro_batch_size, before_forward, params,
                 seen=seen)
+            agreed = list(agree()) if agree is not None else []
             break
         except torch.OutOfMemoryError:
             if not split_on_oom:
@@ -117,6 +137,7 @@ def train_step(
         free_memory(device)
         micro_batch_size = smaller_size(min(micro_batch_size or max(sizes), max(sizes)), device)
         num_splits += 1
+    loss_sum = sums.loss
     precision.unscale_(optimizer)
     grad_norm = clip_grad_norm(params, clip_grad_norm_max)
     status, loss_value, norm_value = "ok", None, None
@@ -140,7 +161,7 @@ def train_step(
         loss=loss_sum, grad_norm=grad_norm, num_samples=sum(sizes) if sync is None else sync.samples,
         num_micro_batches=len(group), status=status,
         loss_value=loss_value, grad_norm_value=norm_value, micro_batch_size=micro_batch_size,
-        num_oom_splits=num_splits, metrics=metrics,
+        num_oom_splits=num_splits, metrics=sums.metrics, agreed=agreed,
     )
 
 
@@ -166,15 +187,17 @@ def _synced(
     params: Sequence[torch.nn.Parameter],
     sync: GradSync,
     split_on_oom: bool,
+    agree: Callable[[], Sequence[bool]] | None,
     seen: list[tuple[Any, Any]] | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None, int | None, bool]:
-    """One data-parallel attempt at the step; returns the job's mean loss, this rank's metrics,
-    the micro-batch size every rank continues with, and whether every rank must redo the step."""
+) -> tuple[_Sums, int | None, list[bool], bool]:
+    """One data-parallel attempt at the step; returns the job's mean loss with this rank's
+    metrics, the micro-batch size every rank continues with, the agreed flags, and whether every
+    rank must redo the step."""
     per_batch = None if micro_batch_size is None else -(-sync.batch_size // micro_batch_size)
     oom = False
-    loss_sum, metric_sums, count = None, {}, None
+    sums = None
     try:
-        loss_sum, metric_sums, count = _forward_backward(
+        sums = _forward_backward(
             model, group, sizes, weights, objective, precision, device, micro_batch_size, before_forward, params,
             sync=sync, pieces_per_batch=per_batch, seen=seen)
     except torch.OutOfMemoryError:
@@ -183,7 +206,7 @@ def _synced(
         # Finish the step's collectives on empty pieces, so that no rank waits on this one.
         free_memory(device)
         empty = [empty_like_batch(batch) for batch in group]
-        loss_sum, metric_sums, count = _forward_backward(
+        sums = _forward_backward(
             model, empty, [0] * len(group), [0.0] * len(group), objective, precision, device, micro_batch_size,
             None, params, sync=sync, pieces_per_batch=per_batch)
         proposal = max(sizes) if micro_batch_size is None else micro_batch_size
@@ -191,10 +214,11 @@ def _synced(
     else:
         proposal = sync.batch_size if micro_batch_size is None else micro_batch_size
     # Host sync, the one per step (the guard reads the values it gives without another).
-    rows = sync.gather([loss_sum, count, float(oom), proposal, sum(sizes), *map(float, sync.flags)]).tolist()
-    losses, counts, ooms, proposals, samples, *flags = zip(*rows)
+    flags = list(agree()) if agree is not None else []
+    rows = sync.gather([sums.loss, sums.count, float(oom), proposal, sum(sizes), *map(float, flags)]).tolist()
+    losses, counts, ooms, proposals, samples, *per_flag = zip(*rows)
     sync.samples = int(sum(samples))
-    sync.agreed = [any(values) for values in flags]
+    agreed = [any(values) for values in per_flag]
     if any(ooms):
         failed = [rank for rank, flag in enumerate(ooms) if flag]
         if not split_on_oom:
@@ -202,14 +226,14 @@ def _synced(
         if min(proposals) == 0:
             raise SampleTooLarge(f"out of memory with a micro-batch of one sample on rank {failed[0]}; use a smaller "
                                  "model, lower precision (bf16) or dist.activation_checkpointing")
-        return loss_sum, metric_sums or None, int(min(proposals)), True
+        return sums, int(min(proposals)), agreed, True
     factor = sync.world_size * sync.nominal / max(sum(counts), 1e-12)
     if factor != 1.0:
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, factor)
     loss = torch.tensor(sum(losses) * factor / sync.world_size, device=device)
-    return loss, metric_sums or None, micro_batch_size, False
+    return _Sums(loss, sums.metrics), micro_batch_size, agreed, False
 
 
 def _forward_backward(
@@ -226,14 +250,14 @@ def _forward_backward(
     sync: GradSync | None = None,
     pieces_per_batch: int | None = None,
     seen: list[tuple[Any, Any]] | None = None,
-) -> Any:
+) -> _Sums:
     """Forward and backward of every piece, weighted by its count; returns the mean loss and metrics.
 
     A mean loss is scaled by its piece's share of the group's count before its backward. Summed
     losses (a step function that returns ``loss_sum, count``) are backpropagated as they are and
     the gradients divided by the group's total count at the end, since it is known only then.
     With ``sync`` the divisor is ``sync.nominal`` instead (the global count is known only after
-    the all-gather) and this returns ``(loss_sum, metrics, count)`` of this rank for ``_synced``.
+    the all-gather) and this returns this rank's loss sum, metrics and count for ``_synced``.
     """
     non_blocking = device.type == "cuda"
     total = sum(weights) if sync is None else sync.nominal
@@ -281,7 +305,7 @@ def _forward_backward(
     if sync is not None:
         count = torch.as_tensor(counted, device=device, dtype=torch.float64)
         local = torch.clamp(count, min=1.0)
-        return loss_sum, {name: value / local for name, value in metric_sums.items()}, count
+        return _Sums(loss_sum, {name: value / local for name, value in metric_sums.items()} or None, count)
     if True in kinds:
         counted = torch.clamp(torch.as_tensor(counted), min=1.0)
         for p in params:
@@ -289,4 +313,4 @@ def _forward_backward(
                 p.grad.div_(counted)
         loss_sum = loss_sum / counted
         metric_sums = {name: value / counted for name, value in metric_sums.items()}
-    return loss_sum, metric_sums or None
+    return _Sums(loss_sum, metric_sums or None)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchkeel.data.batch import num_samples
+from torchkeel.batch import num_samples
 from torchkeel.train.metricset import MetricSet
 from torchkeel.train.objective import Objective
 from torchkeel.train.precision import Precision

@@ -12,11 +12,9 @@ from typing import Any
 import numpy
 import torch
 
-import torchkeel
-
 _LIBRARY_ROOTS = tuple(
     os.path.dirname(os.path.abspath(p)) + os.sep
-    for p in (torch.__file__, numpy.__file__, torchkeel.__file__)
+    for p in (torch.__file__, numpy.__file__, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "__init__.py"))
 ) + tuple(
     os.path.abspath(p) + os.sep for p in dict.fromkeys((sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]))
 )

@@ -1,4 +1,7 @@
-"""Test-only fault injection at the named points of a checkpoint write.
+"""Test seams: fault injection and measurements that tests and benchmarks use, kept out of the
+public API (``torchkeel.__all__``).
+
+Fault injection at the named points of a checkpoint write (``parse_fault_rules``).
 
 Rules, comma-separated:
 
@@ -24,11 +27,16 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
+
+import torch
 
 from torchkeel.checkpoint.format import PointHook
+from torchkeel.inspect.memory import rss_bytes
 
 
 def parse_fault_rules(spec: str) -> PointHook:
@@ -59,8 +67,6 @@ def parse_fault_rules(spec: str) -> PointHook:
 
 def parse_step_faults(spec: str) -> Callable[[int], None]:
     """A ``before_forward(num_samples)`` hook (``Trainer(oom_hook=...)``) that carries out ``spec``."""
-    from torchkeel.train.oom import OomInjector
-
     oom: OomInjector | None = None
     sleeps: dict[int, float] = {}
     kills: set[int] = set()
@@ -99,3 +105,43 @@ def _rules(spec: str) -> list[str]:
         if all(here.get(key) == value for key, _, value in (scope.partition("=") for scope in scopes)):
             kept.append(rule)
     return kept
+
+
+class OomInjector:
+    """Fault injection: raises ``torch.OutOfMemoryError`` for micro-batches above ``max_samples``.
+
+    Pass it as ``train_step(..., before_forward=OomInjector(16))`` (or ``Trainer(oom_hook=...)``)
+    to exercise the split path on a CPU.
+    """
+
+    def __init__(self, max_samples: int) -> None:
+        self.max_samples = max_samples
+        self.num_raised = 0
+
+    def __call__(self, num_samples: int) -> None:
+        if num_samples > self.max_samples:
+            self.num_raised += 1
+            raise torch.OutOfMemoryError(
+                f"injected: a micro-batch of {num_samples} samples is above {self.max_samples}"
+            )
+
+
+def peak_rss_during(fn: Callable[[], Any], interval_s: float = 0.001) -> tuple[int, Any]:
+    """Run ``fn``; return how far the RSS rose above its level before the call at its peak
+    (sampled every ``interval_s`` by a thread), and ``fn``'s result. For measuring what a save,
+    a load or a step costs in memory."""
+    start, peak, done = rss_bytes(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(interval_s)
+
+    thread = threading.Thread(target=sample, name="torchkeel-rss", daemon=True)
+    thread.start()
+    try:
+        result = fn()
+    finally:
+        done.set()
+        thread.join()
+    return max(peak[0], rss_bytes()) - start, result

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchkeel.checkpoint.format import Checkpoint, PointHook
+from torchkeel.checkpoint.format import Checkpoint, PointHook, write_checkpoint
 from torchkeel.checkpoint.store import CheckpointStore
 from torchkeel.errors import CheckpointError, first_line
 
@@ -65,7 +65,6 @@ def save_sharded(
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path / SHARDS))
     if is_main:  # DCP returns on rank 0 after every rank's shards and the metadata are written
-        from torchkeel.checkpoint.format import write_checkpoint
 
         manifest = {"step": step, "epoch": epoch, "metrics": dict(metrics or {}), **(meta or {})}
         write_checkpoint(path, state, manifest, hook, shards=SHARDS)

@@ -1,0 +1,1 @@
+"""What train and diagnose both look at: where in the user's code something happened."""

@@ -1,0 +1,38 @@
+"""What the HTTP and gRPC front ends share: the models, their metrics, the image threads, the options."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from torchkeel.serve.grpc import start_grpc
+from torchkeel.serve.metrics import ServerMetrics
+from torchkeel.serve.model import ServeOptions
+from torchkeel.serve.repository import ModelRepository
+
+
+class Server:
+    """What both front ends share: the models, their metrics, the image threads, the options."""
+
+    def __init__(self, export_dirs: Sequence[str | Path], options: ServeOptions) -> None:
+        self.options = options
+        self.metrics = ServerMetrics()
+        self.images = ThreadPoolExecutor(max_workers=max(1, options.image_threads), thread_name_prefix="torchkeel-image")
+        self.repository = ModelRepository(export_dirs, options, self.metrics, self.images)
+        self.grpc: Any = None
+
+    async def start(self) -> None:
+        await self.repository.start()
+        if self.options.grpc_port:
+            self.grpc = start_grpc(self)
+
+    async def stop(self) -> None:
+        """gRPC stops accepting and finishes its calls, then every queued request is answered."""
+        if self.grpc is not None:  # its calls wait for the batchers, which run on this loop: wait aside
+            stopped = self.grpc.stop(grace=self.options.queue_timeout_ms / 1000)
+            await asyncio.get_running_loop().run_in_executor(None, stopped.wait)
+        await self.repository.stop()
+        self.images.shutdown(wait=True)

@@ -1,0 +1,171 @@
+"""A Trainer's checkpoints: where they go, when they are due, and what one holds on several ranks.
+
+``RunCheckpoints`` owns the store, the background saver and the cadence, and knows the job's
+layout: full weights written by rank 0 (with every rank's RNG and data position gathered to it),
+or each rank's shards under FSDP. ``save`` and ``restore`` are the only two ways in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchkeel.checkpoint import (
+    AsyncSaver,
+    Checkpoint,
+    CheckpointStore,
+    capture_training_state,
+    restore_training_state,
+)
+from torchkeel.checkpoint.format import PointHook
+from torchkeel.checkpoint.sharded import load_sharded, save_sharded
+from torchkeel.checkpoint.state import capture_rng, restore_rng
+from torchkeel.config.schema import CheckpointConfig
+from torchkeel.distributed.job import DataParallel
+from torchkeel.errors import CheckpointError
+from torchkeel.train.cadence import SaveCadence
+from torchkeel.train.counters import RunCounters, TrainingParts
+from torchkeel.train.early_stop import EarlyStopping
+from torchkeel.train.incidents import IncidentLog
+from torchkeel.train.protect import BadSampleReport, Protections
+from torchkeel.train.resume import find_checkpoint
+
+
+@dataclass
+class RunState:
+    """What a checkpoint carries besides the weights, from the components that own it: where the
+    run stands, the protections' and early stopping's state, the incidents so far, the position in
+    the data (``loader``)."""
+
+    counters: RunCounters
+    protections: Protections
+    bad_samples: BadSampleReport
+    incidents: IncidentLog
+    stopper: EarlyStopping | None
+    loader: Any
+
+    def progress(self) -> dict[str, Any]:
+        return {**self.counters.state_dict(), "diagnosis": self.protections.diagnosis,
+                "early_stop": self.stopper.state_dict() if self.stopper else None}
+
+    def protection_state(self) -> dict[str, Any]:
+        return {**self.protections.state_dict(), "incidents": dict(self.incidents.counts),
+                "shown_bad": self.bad_samples.state_dict()}
+
+    def load(self, progress: dict[str, Any], protections: dict[str, Any]) -> None:
+        self.counters.load_state_dict(progress)
+        self.protections.diagnosis = progress.get("diagnosis")
+        if self.stopper is not None and progress.get("early_stop") is not None:
+            self.stopper.load_state_dict(progress["early_stop"])
+        if progress.get("data"):
+            self.loader.load_state_dict(progress["data"])
+        self.protections.load_state_dict(protections)
+        self.incidents.counts.update(protections.get("incidents", {}))
+        self.bad_samples.load_state_dict(protections.get("shown_bad", []))
+
+
+class RunCheckpoints:
+    """Saves and restores a Trainer's run in ``directory``, with ``cfg``'s retention and cadence."""
+
+    def __init__(self, cfg: CheckpointConfig, directory: Path, job: DataParallel, *,
+                 hook: PointHook | None = None) -> None:
+        self.cfg, self.job = cfg, job
+        self.store = CheckpointStore(directory, keep_last=cfg.keep_last, save_top_k=cfg.save_top_k,
+                                     monitor=cfg.monitor, mode=cfg.mode, hook=hook)
+        # Sharded saves are collective: every rank writes its shards at the same time.
+        self.saver = AsyncSaver(self.store) if cfg.async_save and not job.sharded else None
+        self.cadence = SaveCadence(cfg.every_s, cfg.max_overhead)
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.enabled
+
+    def find(self, resume: str | Path, warn: Callable[[str], None]) -> Checkpoint | None:
+        """The checkpoint to resume from (``"auto"``: the newest valid one, or ``None``)."""
+        return find_checkpoint(self.store, resume, warn)
+
+    def is_due(self, at_epoch_end: bool) -> bool:
+        """Whether the time-based cadence asks for a save. Rank 0's clock decides; the other ranks
+        learn it in the agreement that follows."""
+        return self.job.rank.is_main and self.cfg.enabled and self.cadence.is_due(at_epoch_end)
+
+    def is_every_steps(self, step: int) -> bool:
+        return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
+
+    def save(self, parts: TrainingParts, run: RunState, *, held: list[Any], meta: dict[str, Any],
+             wait: bool = False) -> None:
+        """Checkpoint the run. Every rank takes part (its RNG, and its position in the data less
+        ``held``, the batches read ahead and not trained on); rank 0 writes, except each rank's
+        shards under FSDP. ``wait``: the checkpoint is on disk when this returns."""
+        progress = run.progress()
+        step, epoch = progress["step"], progress["epoch"]
+        job, is_main = self.job, self.job.rank.is_main
+        with job.watch("saving a checkpoint", step):
+            # Under torchrun every rank's RNG and position; in one process capture_training_state's suffice.
+            ranks = job.gather({"rng": capture_rng() if job.active else None,
+                                "data": run.loader.state_dict(unconsumed=held)})
+            state: dict[str, Any] = {}
+            if is_main:
+                assert ranks is not None
+                progress["data"] = ranks[0]["data"] if len(ranks) == 1 else [r["data"] for r in ranks]
+                state = capture_training_state(parts.model, parts.optimizer, parts.scheduler, parts.scaler,
+                                               progress, run.protection_state(), weights=not job.sharded)
+                if len(ranks) > 1:
+                    state["ranks"] = {"rng": [r["rng"] for r in ranks]}
+                if parts.ema is not None:
+                    state["ema"] = parts.ema.state_dict()
+            kwargs = {"step": step, "epoch": epoch, "metrics": run.counters.val_metrics, "meta": meta}
+            start = time.perf_counter()
+            if job.sharded:
+                save_sharded(self.store, state, parts.model, parts.optimizer, hook=self.store.hook, **kwargs)
+            elif not is_main:
+                return
+            elif self.saver is not None:
+                self.saver.save(state, **kwargs)
+                if wait:
+                    self.saver.wait()
+            else:
+                self.store.save(state, **kwargs)
+        self.cadence.saved(time.perf_counter() - start)
+
+    def restore(self, found: Checkpoint, parts: TrainingParts, run: RunState, seed: int) -> int | None:
+        """Load ``found`` into ``parts``, ``run`` and this rank's RNG. Returns ``None``, or the number
+        of ranks that wrote it when each rank's random stream could not be continued (reseeded).
+
+        Raises:
+            CheckpointError: the checkpoint's layout (sharded or not) is not this run's strategy.
+        """
+        job = self.job
+        if (found.shards is not None) != job.sharded:
+            written = "dist.strategy=fsdp" if found.shards is not None else "full weights (no FSDP)"
+            raise CheckpointError(
+                f"checkpoint '{found.path}' was written with {written}, this run uses dist.strategy="
+                f"{job.cfg.strategy}: resume with the strategy it was written with (on any number of "
+                "ranks), or start from its weights with model.init_from")
+        if found.shards is not None:
+            load_sharded(found, parts.model, parts.optimizer)
+        progress = restore_training_state(found.state, parts.model, parts.optimizer, parts.scheduler, parts.scaler)
+        if parts.ema is not None and found.state.get("ema") is not None:
+            parts.ema.load_state_dict(found.state["ema"])  # else the average starts afresh from these weights
+        run.load(progress, found.state.get("protections") or {})
+        per_rank_rng = (found.state.get("ranks") or {}).get("rng") or []
+        world = job.rank.world_size
+        if len(per_rank_rng) == world > 1:
+            restore_rng(per_rank_rng[job.rank.rank])  # dropout continues exactly on every rank
+        elif world > 1 or per_rank_rng:
+            job.seed_rank(seed + progress["step"])
+            return max(1, len(per_rank_rng))
+        return None
+
+    def wait(self) -> None:
+        """The save in flight is on disk."""
+        if self.saver is not None:
+            self.saver.wait()
+
+    def join(self) -> None:
+        """Let a save in flight land (a complete state), and stop the background writer."""
+        if self.saver is not None:
+            self.saver.join()

@@ -1,0 +1,48 @@
+"""Where a run stands (the counters a checkpoint carries, so that a resumed run continues with the
+very next batch) and the objects that learn."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+
+@dataclass
+class RunCounters:
+    """Steps, epochs and samples done, and what the run decided along the way.
+
+    ``batch_in_epoch`` counts loader batches (not steps) into the current epoch; ``validated_at``
+    and ``saved_at`` are the steps of the last validation and checkpoint (-1: none yet);
+    ``micro_batch_size`` is the size an out-of-memory split left (``None``: whole batches).
+    """
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    samples: int = 0
+    val_metrics: dict[str, float] = field(default_factory=dict)
+    validated_at: int = -1
+    saved_at: int = -1
+    micro_batch_size: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Every counter from ``state``; one a checkpoint lacks keeps its start value."""
+        for f in fields(self):
+            if f.name in state:
+                setattr(self, f.name, state[f.name])
+
+
+@dataclass
+class TrainingParts:
+    """What a checkpoint captures besides the run's counters: the objects that learn."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Any
+    ema: Any = None
