@@ -18,9 +18,9 @@ from torchkeel.serve.protocol import (
     TensorSpec,
     encode_infer,
     parse_infer,
-    parse_v1,
     top_k,
 )
+from torchkeel.testing import parse_v1
 
 IN = [TensorSpec("input", "FP32", [-1, 2, 3])]
 OUT = [TensorSpec("output", "FP32", [-1, 4])]

@@ -6,12 +6,10 @@ names the key to change. Loading from YAML and overrides lives in ``torchkeel.co
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from torchkeel.config.preprocess import parse_preprocess
-from torchkeel.errors import ConfigError
+from torchkeel.config.validate import check_config
 
 Device = Literal["auto", "cpu", "cuda", "mps"]
 PrecisionName = Literal["fp32", "bf16", "fp16"]
@@ -381,116 +379,5 @@ class KeelConfig:
 
     def validate(self) -> "KeelConfig":
         """Check values and combinations; raise ``ConfigError`` naming the key to change."""
-        t = self.train
-        _positive("train.batch_size", t.batch_size)
-        _positive("train.accumulate", t.accumulate)
-        _positive("train.log_every", t.log_every)
-        _at_least("train.val_every", t.val_every, 0)
-        _at_least("train.early_stop.patience", t.early_stop.patience, 0)
-        _at_least("train.early_stop.min_delta", t.early_stop.min_delta, 0)
-        if not 0 <= t.ema.decay < 1:
-            raise ConfigError(f"train.ema.decay must be in [0, 1) (0: off), got {t.ema.decay}")
-        _at_least("train.ema.start_step", t.ema.start_step, 0)
-        if t.ema.decay and self.dist.strategy == "fsdp":
-            raise ConfigError("train.ema does not work with dist.strategy=fsdp yet (the average would need the "
-                              "full weights on every rank); use dist.strategy=ddp or set train.ema.decay=0")
-        d = self.data
-        if d.num_workers != "auto":
-            _at_least("data.num_workers", d.num_workers, 0)
-        _positive("data.prefetch_factor", d.prefetch_factor)
-        _positive("data.bucket_window", d.bucket_window)
-        _at_least("data.shuffle_buffer", d.shuffle_buffer, 0)
-        _positive("data.streams", d.streams)
-        if isinstance(d.pad_value, dict):
-            for key, value in d.pad_value.items():
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise ConfigError(f"data.pad_value.{key} must be a number, got {value!r}")
-        if d.preprocess.mode is not None:
-            parse_preprocess(dataclasses.asdict(d.preprocess), "data.preprocess")
-        elif d.preprocess != PreprocessConfig():
-            raise ConfigError("data.preprocess is set but data.preprocess.mode is null; set mode: RGB or L")
-        if not 0 <= d.max_bad_fraction <= 1:
-            raise ConfigError(f"data.max_bad_fraction must be in [0, 1], got {d.max_bad_fraction}")
-        if d.format == "map" and d.train is not None:
-            raise ConfigError("data.train is for streaming formats; set data.format=parquet or webdataset")
-        if d.format == "parquet" and d.input is None and not d.columns and d.train is not None:
-            raise ConfigError("data.format=parquet needs data.input (the feature columns, or one list-valued column) "
-                              "or data.columns (the columns of dict samples)")
-        if d.columns and (d.format != "parquet" or d.input is not None or d.target is not None):
-            raise ConfigError("data.columns makes dict samples of Parquet columns: use it with data.format=parquet, "
-                              "without data.input and data.target (name the label column among data.columns)")
-        if d.format == "webdataset" and d.bucket_by is not None:
-            raise ConfigError("data.bucket_by works with parquet and map-style data; for webdataset, "
-                              "write shards grouped by length or drop data.bucket_by")
-        if d.batch_transform is not None and d.format != "parquet":
-            raise ConfigError("data.batch_transform applies to parquet row blocks; use data.transform per sample")
-        _at_least("schedule.warmup_steps", self.schedule.warmup_steps, 0)
-        _at_least("optim.weight_decay", self.optim.weight_decay, 0)
-        _at_least("schedule.min_lr", self.schedule.min_lr, 0)
-        if self.optim.lr <= 0:
-            raise ConfigError(f"optim.lr must be > 0, got {self.optim.lr}")
-        if self.schedule.min_lr > self.optim.lr:
-            raise ConfigError(
-                f"schedule.min_lr ({self.schedule.min_lr}) is above optim.lr ({self.optim.lr}); "
-                "set schedule.min_lr <= optim.lr"
-            )
-        if t.max_epochs is None and t.max_steps is None:
-            raise ConfigError("set train.max_epochs or train.max_steps: training needs a limit")
-        if t.max_epochs is not None:
-            _positive("train.max_epochs", t.max_epochs)
-        if t.max_steps is not None:
-            _positive("train.max_steps", t.max_steps)
-        if t.clip_grad_norm is not None and t.clip_grad_norm <= 0:
-            raise ConfigError(
-                f"train.clip_grad_norm must be > 0 or null (no clipping), got {t.clip_grad_norm}"
-            )
-        if not self.name or "/" in self.name or self.name in (".", ".."):
-            raise ConfigError(f"name {self.name!r} is not a valid run name; use letters, digits, '-', '_'")
-        _at_least("checkpoint.every_steps", self.checkpoint.every_steps, 0)
-        _positive("checkpoint.keep_last", self.checkpoint.keep_last)
-        _at_least("checkpoint.save_top_k", self.checkpoint.save_top_k, 0)
-        _at_least("checkpoint.every_s", self.checkpoint.every_s, 0)
-        if not 0 < self.checkpoint.max_overhead <= 1:
-            raise ConfigError(f"checkpoint.max_overhead must be in (0, 1], got {self.checkpoint.max_overhead}")
-        g, m = self.guard, self.memory
-        _positive("guard.max_consecutive", g.max_consecutive)
-        _at_least("guard.max_rollbacks", g.max_rollbacks, 0)
-        _at_least("guard.snapshot_every", g.snapshot_every, 0)
-        if not 0 < g.lr_backoff <= 1:
-            raise ConfigError(f"guard.lr_backoff must be in (0, 1], got {g.lr_backoff}")
-        if g.spike_factor is not None and g.spike_factor <= 1:
-            raise ConfigError(f"guard.spike_factor must be > 1 or null, got {g.spike_factor}")
-        _at_least("memory.every_steps", m.every_steps, 0)
-        _positive("memory.leak_every_steps", m.leak_every_steps)
-        if m.leak_max_overhead <= 0:
-            raise ConfigError(f"memory.leak_max_overhead must be > 0, got {m.leak_max_overhead}")
-        _at_least("memory.leak_warmup_steps", m.leak_warmup_steps, 0)
-        _at_least("memory.leak_window", m.leak_window, 2)
-        if not 0 < m.warn_cuda_fraction <= 1:
-            raise ConfigError(f"memory.warn_cuda_fraction must be in (0, 1], got {m.warn_cuda_fraction}")
-        if self.dist.init_timeout_s <= 0 or self.dist.timeout_s <= 0:
-            raise ConfigError("dist.init_timeout_s and dist.timeout_s must be > 0 (seconds)")
-        names = [m.name for m in self.metrics]
-        for i, m in enumerate(self.metrics):
-            if not m.name.isidentifier():
-                raise ConfigError(f"metrics[{i}].name must be a name like f1 (logged as val_<name>), got {m.name!r}")
-            if not m.target:
-                raise ConfigError(f"metrics[{i}].target is missing: give 'module:Class', "
-                                  "e.g. torchmetrics.classification:MulticlassF1Score")
-            if not m.on:
-                raise ConfigError(f"metrics[{i}].on is empty: give [val], [train] or [val, train]")
-            if m.name in ("loss", "accuracy") or names.count(m.name) > 1:
-                raise ConfigError(f"metrics[{i}].name {m.name!r} is taken (val_loss, val_accuracy or another "
-                                  "metric): choose another name")
-        if self.device == "cpu" and self.precision == "fp16":
-            raise ConfigError("precision fp16 needs a CUDA device; use precision=bf16 on CPU")
+        check_config(self)
         return self
-
-
-def _positive(key: str, value: int) -> None:
-    _at_least(key, value, 1)
-
-
-def _at_least(key: str, value: float, low: float) -> None:
-    if value < low:
-        raise ConfigError(f"{key} must be >= {low}, got {value}")

@@ -61,3 +61,18 @@ def order_findings(findings: list[Finding]) -> list[Finding]:
     """Most likely root cause first: errors before warnings before info, then the id order."""
     rank = {name: i for i, name in enumerate(FINDING_IDS)}
     return sorted(findings, key=lambda f: (SEVERITIES.index(f.severity), rank.get(f.id, len(rank))))
+
+
+def where_text(event: dict[str, Any]) -> str:
+    return f" at {event['file']}:{event['line']}" if event.get("file") else ""
+
+
+def site_fields(event: dict[str, Any]) -> dict[str, Any]:
+    return {k: event[k] for k in ("file", "line") if event.get(k) is not None}
+
+
+def forward_op_of(backward_op: str | None) -> str | None:
+    if not backward_op:
+        return None
+    name = backward_op.rstrip("0123456789")
+    return name[: -len("Backward")].lower() if name.endswith("Backward") else name

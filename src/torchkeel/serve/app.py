@@ -25,7 +25,6 @@ from torchkeel.serve.model import ServedModel, ServeOptions
 from torchkeel.serve.protocol import (
     EXTENSIONS,
     HEADER_LENGTH,
-    ProtocolError,
     encode_infer,
     label_scores,
     parse_infer,
@@ -39,6 +38,7 @@ from torchkeel.serve.protocol import (
 )
 from torchkeel.serve.repository import ModelRepository
 from torchkeel.serve.server import Server
+from torchkeel.serve.tensors import ProtocolError
 
 # An oversized body is read to its end and dropped, up to 4x the limit (at least 64 MiB) or 5 s,
 # before the 413 is sent and the connection closed; past that bound the connection is closed at once.
@@ -98,46 +98,34 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
         return Response(status_code=200 if repository.ready else 503)
 
     async def model_metadata(request: Request) -> Response:
-        try:
-            return JSONResponse(model_of(request).metadata())
-        except ProtocolError as exc:
-            return error(exc.status, str(exc))
+        return JSONResponse(model_of(request).metadata())
 
     async def model_ready(request: Request) -> Response:
-        try:
-            return Response(status_code=200 if model_of(request).ready else 503)
-        except ProtocolError as exc:
-            return error(exc.status, str(exc))
+        return Response(status_code=200 if model_of(request).ready else 503)
 
     async def repository_index(request: Request) -> Response:
         return JSONResponse(repository.index())
 
     async def infer(request: Request) -> Response:
-        try:
-            model = model_of(request)
+        model = model_of(request)
 
-            async def handle() -> Response:
-                body = await read_body(request)
-                parsed = parse_infer(body, request.headers.get(HEADER_LENGTH), model.inputs, model.outputs,
-                                     opts.max_batch_size, opts.allow_nonfinite, one_of=model.is_image_model)
-                results = await model.infer(parsed)
-                payload, headers = encode_infer(model.name, model.version, parsed, results)
-                media = "application/octet-stream" if headers else "application/json"
-                return Response(payload, media_type=media, headers=headers)
+        async def handle() -> Response:
+            body = await read_body(request)
+            parsed = parse_infer(body, request.headers.get(HEADER_LENGTH), model.inputs, model.outputs,
+                                 opts.max_batch_size, opts.allow_nonfinite, one_of=model.is_image_model)
+            results = await model.infer(parsed)
+            payload, headers = encode_infer(model.name, model.version, parsed, results)
+            media = "application/octet-stream" if headers else "application/json"
+            return Response(payload, media_type=media, headers=headers)
 
-            return await model.counted("v2", handle)
-        except ProtocolError as exc:
-            return error(exc.status, str(exc), exc.headers)
+        return await model.counted("v2", handle)
 
     async def v1_models(request: Request) -> Response:
         return JSONResponse({"models": sorted(repository.models)})
 
     async def v1_model(request: Request) -> Response:
         name, _, verb = request.path_params["spec"].partition(":")
-        try:
-            model = repository.get(name)
-        except ProtocolError as exc:
-            return error(exc.status, str(exc))
+        model = repository.get(name)
         if request.method == "GET" and not verb:
             return JSONResponse({"name": model.name, "ready": model.ready})
         if request.method == "POST" and verb == "predict":
@@ -162,10 +150,7 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
                     return JSONResponse({"predictions": top_k(outputs, model.labels, k)})
                 return JSONResponse({"predictions": outputs.tolist()})
 
-            try:
-                return await model.counted("v1", handle)
-            except ProtocolError as exc:
-                return error(exc.status, str(exc), exc.headers)
+            return await model.counted("v1", handle)
         return error(404, f"no route {request.method} /v1/models/{request.path_params['spec']}; use GET "
                           f"/v1/models/{model.name} or POST /v1/models/{model.name}:predict")
 
@@ -187,7 +172,8 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
         Route("/v1/models", v1_models),
         Route("/metrics", metrics),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_allowed})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        404: not_found, 405: not_allowed, ProtocolError: protocol_error})
     app.state.server = server
     return app
 
@@ -203,6 +189,12 @@ async def _drain(stream: AsyncIterator[bytes], limit_bytes: int, timeout_s: floa
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+async def protocol_error(request: Request, exc: Exception) -> Response:
+    """Every route's client mistakes (``ProtocolError``): its status, message and headers."""
+    assert isinstance(exc, ProtocolError)
+    return error(exc.status, str(exc), exc.headers)
 
 
 async def not_found(request: Request, exc: Exception) -> Response:

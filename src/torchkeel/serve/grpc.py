@@ -31,18 +31,8 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from torchkeel._version import __version__
 from torchkeel.errors import ConfigError
 from torchkeel.serve.model import ServedModel
-from torchkeel.serve.protocol import (
-    DTYPES,
-    EXTENSIONS,
-    NUMPY_TO_V2,
-    InferRequest,
-    InputSet,
-    ProtocolError,
-    array_from_bytes,
-    checked_classification,
-    checked_output,
-    length_prefixed,
-)
+from torchkeel.serve.protocol import EXTENSIONS, InferRequest, InputSet, checked_classification, checked_output
+from torchkeel.serve.tensors import DTYPES, NUMPY_TO_V2, ProtocolError, array_from_bytes, length_prefixed
 
 if TYPE_CHECKING:
     from torchkeel.serve.server import Server

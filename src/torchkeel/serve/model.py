@@ -34,12 +34,8 @@ from torchkeel.serve.batcher import (
 )
 from torchkeel.serve.drift import DriftMonitor
 from torchkeel.serve.metrics import ServerMetrics
-from torchkeel.serve.protocol import (
-    InferRequest,
-    ProtocolError,
-    TensorSpec,
-    classification,
-)
+from torchkeel.serve.protocol import InferRequest, TensorSpec, classification
+from torchkeel.serve.tensors import ProtocolError
 
 VERSION = "1"
 IMAGE_INPUT = "image"

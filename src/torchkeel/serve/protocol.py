@@ -10,38 +10,29 @@ declares ``parameters.binary_data_size``, and outputs come back in binary when a
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
-import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from torchkeel.errors import first_line
+from torchkeel.serve.tensors import (
+    DTYPES,
+    NUMPY_TO_V2,
+    ProtocolError,
+    all_finite,
+    array_from_bytes,
+    as_bytes,
+    b64decode,
+    base64_items,
+    is_int,
+    length_prefixed,
+    numbers,
+)
 
-DTYPES: dict[str, Any] = {
-    "BOOL": np.bool_, "UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
-    "INT64": np.int64, "FP16": np.float16, "FP32": np.float32, "FP64": np.float64, "BF16": None, "BYTES": object,
-}
-NUMPY_TO_V2 = {np.dtype(v): k for k, v in DTYPES.items() if v not in (None, object)}
 HEADER_LENGTH = "Inference-Header-Content-Length"
 EXTENSIONS = ["binary_tensor_data", "classification"]
-
-
-class ProtocolError(Exception):
-    """A request the server cannot accept: ``status`` is the HTTP code, the message says why.
-
-    ``headers`` go on the error response (``Connection: close`` after an oversized body).
-    """
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.headers = headers
 
 
 @dataclass
@@ -124,7 +115,7 @@ class InputSet:
         spec = self.specs[name]
         if datatype != spec.datatype:
             raise ProtocolError(400, f"{where}.datatype is {datatype!r}; the model's '{spec.name}' takes {spec.datatype}")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
             raise ProtocolError(400, f"{where}.shape must be a list of non-negative integers, got {shape!r}")
         expected = [str(d) if d >= 0 else "N" for d in spec.shape]
         if spec.datatype == "BYTES" and len(shape) == 2 and shape[1] == 1:
@@ -191,7 +182,7 @@ def _input_array(raw: dict[str, Any], where: str, spec: TensorSpec, shape: list[
     params = _parameters(raw, f"{where}.parameters")
     if "binary_data_size" in params:
         size = params["binary_data_size"]
-        if not _is_int(size) or size < 0 or offset + size > len(binary):
+        if not is_int(size) or size < 0 or offset + size > len(binary):
             raise ProtocolError(400, f"{where}.parameters.binary_data_size {size!r} does not fit the "
                                      f"{len(binary) - offset} binary bytes left")
         chunk = binary[offset: offset + size]
@@ -202,85 +193,12 @@ def _input_array(raw: dict[str, Any], where: str, spec: TensorSpec, shape: list[
     if datatype == "BF16":
         raise ProtocolError(400, f"{where}: BF16 tensors must be sent as binary data")
     if datatype == "BYTES":
-        array = _base64_items(raw["data"], where)
+        array = base64_items(raw["data"], where)
     else:
-        array = _numbers(raw["data"], DTYPES[datatype], f"{where}.data holds values that are not {datatype}")
+        array = numbers(raw["data"], DTYPES[datatype], f"{where}.data holds values that are not {datatype}")
     if array.size != count:
         raise ProtocolError(400, f"{where}.data has {array.size} values; shape {shape} needs {count}")
     return array.reshape(shape), offset
-
-
-def array_from_bytes(chunk: memoryview | bytes, datatype: str, count: int, where: str) -> np.ndarray:
-    """``count`` values of ``datatype`` from raw bytes (Triton's layout: BYTES items length-prefixed)."""
-    if datatype == "BYTES":
-        return _length_prefixed(memoryview(chunk), count, where)
-    if datatype == "BF16":
-        if len(chunk) != 2 * count:
-            raise ProtocolError(400, f"{where}: {len(chunk)} binary bytes for {count} BF16 values (need {2 * count})")
-        return torch.frombuffer(bytearray(chunk), dtype=torch.bfloat16).float().numpy()
-    dtype = np.dtype(DTYPES[datatype])
-    if len(chunk) != dtype.itemsize * count:
-        raise ProtocolError(400, f"{where}: {len(chunk)} binary bytes for {count} {datatype} values "
-                                 f"(need {dtype.itemsize * count})")
-    return np.frombuffer(chunk, dtype=dtype).copy()
-
-
-def _length_prefixed(chunk: memoryview, count: int, where: str) -> np.ndarray:
-    items, offset = [], 0
-    for i in range(count):
-        if offset + 4 > len(chunk):
-            raise ProtocolError(400, f"{where}: the binary data ends before BYTES item {i} of {count}")
-        size = int.from_bytes(chunk[offset: offset + 4], "little")
-        if offset + 4 + size > len(chunk):
-            raise ProtocolError(400, f"{where}: BYTES item {i} declares {size} bytes; {len(chunk) - offset - 4} are left")
-        items.append(bytes(chunk[offset + 4: offset + 4 + size]))
-        offset += 4 + size
-    if offset != len(chunk):
-        raise ProtocolError(400, f"{where}: {len(chunk) - offset} bytes after the {count} BYTES items")
-    return _object_array(items)
-
-
-def _base64_items(data: Any, where: str) -> np.ndarray:
-    """JSON ``data`` of a BYTES input: base64 strings (flat or nested), decoded."""
-    flat = data
-    while isinstance(flat, list) and flat and isinstance(flat[0], list):
-        flat = [v for row in flat for v in (row if isinstance(row, list) else [row])]
-    if not isinstance(flat, list):
-        raise ProtocolError(400, f"{where}.data must be a list of base64 strings")
-    items = []
-    for i, item in enumerate(flat):
-        if not isinstance(item, str):
-            raise ProtocolError(400, f"{where}.data[{i}] must be a base64 string, got {type(item).__name__}")
-        items.append(b64decode(item, f"{where}.data[{i}]"))
-    return _object_array(items)
-
-
-def b64decode(text: str, where: str) -> bytes:
-    """Strict base64 (no stray characters), or a 400 naming ``where``."""
-    try:
-        if _STRICT_BASE64:
-            return binascii.a2b_base64(text, strict_mode=True)  # C, one pass
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise ProtocolError(400, f"{where} is not valid base64") from None
-
-
-_STRICT_BASE64 = sys.version_info >= (3, 11)
-
-
-def _object_array(items: list[bytes]) -> np.ndarray:
-    array = np.empty(len(items), dtype=object)
-    array[:] = items
-    return array
-
-
-def length_prefixed(items: np.ndarray) -> bytes:
-    """BYTES items in Triton's binary layout: each a 4-byte little-endian length, then the bytes."""
-    return b"".join(len(b).to_bytes(4, "little") + b for b in (_as_bytes(v) for v in items.reshape(-1)))
-
-
-def _as_bytes(value: Any) -> bytes:
-    return value if isinstance(value, bytes) else str(value).encode()
 
 
 def classification(outputs: np.ndarray, labels: list[str] | None, k: int) -> np.ndarray:
@@ -318,7 +236,7 @@ def checked_output(name: Any, where: str, outputs: list[TensorSpec]) -> str:
 
 def checked_classification(k: Any, where: str, outputs: list[TensorSpec]) -> int:
     num_classes = outputs[0].shape[-1] if len(outputs[0].shape) == 2 else 0
-    if not _is_int(k) or not 1 <= k <= max(num_classes, 1) or num_classes <= 0:
+    if not is_int(k) or not 1 <= k <= max(num_classes, 1) or num_classes <= 0:
         raise ProtocolError(400, f"{where}.parameters.classification must be an integer from 1 to {num_classes} "
                                  f"(the model's classes), got {k!r}")
     return k
@@ -337,7 +255,7 @@ def encode_infer(model: str, version: str, request: InferRequest, results: dict[
             entry["parameters"] = {"binary_data_size": len(data)}
             chunks.append(data)
         elif datatype == "BYTES":
-            entry["data"] = [_as_bytes(v).decode("utf-8", "replace") for v in array.reshape(-1)]
+            entry["data"] = [as_bytes(v).decode("utf-8", "replace") for v in array.reshape(-1)]
         else:
             entry["data"] = array.reshape(-1).tolist()
         entries.append(entry)
@@ -348,12 +266,6 @@ def encode_infer(model: str, version: str, request: InferRequest, results: dict[
     if not chunks:
         return header, {}
     return header + b"".join(chunks), {HEADER_LENGTH: str(len(header))}
-
-
-def parse_v1(body: bytes, spec: TensorSpec, max_batch_size: int, allow_nonfinite: bool = False) -> tuple[np.ndarray, dict[str, Any]]:
-    """A KServe v1 ``{"instances": [...]}`` body of tensors → the input batch and the request's parameters."""
-    instances, parameters = parse_v1_instances(body, max_batch_size)
-    return v1_tensor(instances, spec, allow_nonfinite), parameters
 
 
 def parse_v1_instances(body: bytes, max_batch_size: int) -> tuple[list[Any], dict[str, Any]]:
@@ -369,7 +281,7 @@ def parse_v1_instances(body: bytes, max_batch_size: int) -> tuple[list[Any], dic
 
 def v1_tensor(instances: list[Any], spec: TensorSpec, allow_nonfinite: bool = False) -> np.ndarray:
     """v1 instances of numbers → the batch, checked against the model's input ``spec``."""
-    array = _numbers(instances, DTYPES[spec.datatype],
+    array = numbers(instances, DTYPES[spec.datatype],
                      f"'instances' must be numbers of shape {spec.shape[1:]} each (ragged or non-numeric)")
     wanted = spec.shape[1:]
     if array.ndim != len(spec.shape) or any(d >= 0 and d != s for d, s in zip(wanted, array.shape[1:])):
@@ -409,7 +321,7 @@ def v1_named_tensors(instances: list[Any], specs: list[TensorSpec], allow_nonfin
                 raise ProtocolError(400, f"instances[{i}].{spec.name} has shape {list(np.shape(instance[spec.name]))}, "
                                          f"instances[0].{spec.name} {list(first)}; send values of one shape in a "
                                          "request (pad sequences to one length)")
-        array = _numbers([instance[spec.name] for instance in instances], DTYPES[spec.datatype],
+        array = numbers([instance[spec.name] for instance in instances], DTYPES[spec.datatype],
                          f"instances[*].{spec.name} must be numbers of type {spec.datatype}")
         wanted = spec.shape[1:]
         if array.ndim != len(spec.shape) or any(d >= 0 and d != s for d, s in zip(wanted, array.shape[1:])):
@@ -446,7 +358,7 @@ def v1_images(instances: list[Any]) -> tuple[list[bytes], list[str]]:
 def v1_top_k(parameters: dict[str, Any], default: int | None, num_classes: int) -> int | None:
     """``parameters.top_k`` of a v1 request (or the server's default), checked against the classes."""
     k = parameters.get("top_k", default)
-    if k is not None and (not _is_int(k) or not 1 <= k <= num_classes):
+    if k is not None and (not is_int(k) or not 1 <= k <= num_classes):
         raise ProtocolError(400, f"parameters.top_k must be an integer from 1 to {num_classes}, got {k!r}")
     return k
 
@@ -480,16 +392,6 @@ def _json_object(data: bytes) -> dict[str, Any]:
     return doc
 
 
-def all_finite(array: np.ndarray) -> bool:
-    """Whether a numeric array holds no NaN/Inf. For 16/32-bit floats one float64 sum decides it
-    (it cannot overflow from finite values of those types), which is cheaper than a mask."""
-    if array.dtype.kind != "f":
-        return True
-    if array.dtype.itemsize <= 4:
-        return math.isfinite(np.add.reduce(array, axis=None, dtype=np.float64))
-    return bool(np.isfinite(array).all())
-
-
 def _parameters(doc: dict[str, Any], where: str) -> dict[str, Any]:
     params = doc.get("parameters")
     if params is None:
@@ -497,15 +399,3 @@ def _parameters(doc: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(params, dict):
         raise ProtocolError(400, f"'{where}' must be an object, got {type(params).__name__}")
     return params
-
-
-def _numbers(data: Any, dtype: Any, message: str) -> np.ndarray:
-    """``data`` (nested JSON lists of numbers) as an array of ``dtype``, or the 400 ``message``."""
-    try:
-        return np.asarray(data, dtype=dtype)  # out-of-range floats become inf (with a warning): refused later
-    except (TypeError, ValueError, OverflowError, RecursionError):
-        raise ProtocolError(400, message) from None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -18,7 +18,7 @@ from typing import Any
 from torchkeel.errors import ConfigError, first_line
 from torchkeel.serve.metrics import ServerMetrics
 from torchkeel.serve.model import VERSION, ServedModel, ServeOptions
-from torchkeel.serve.protocol import ProtocolError
+from torchkeel.serve.tensors import ProtocolError
 
 
 @dataclass

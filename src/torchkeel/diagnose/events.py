@@ -1,0 +1,152 @@
+"""What the probe records and the detectors read: one typed definition per event kind.
+
+Events stay plain dicts at run time (``TypedDict``), so ``Facts`` is plain data that serializes as
+it is; the types say which keys each kind carries, for the listener that records it and the
+detector that judges it. ``Site`` keys (``file``, ``line``, ``function``) are the user's line, when
+one was found. ``KINDS`` maps each kind's name to its definition.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+
+class Site(TypedDict, total=False):
+    file: str
+    line: int
+    function: str
+
+
+class Layout(TypedDict, total=False):
+    """Where a tensor holds NaN/Inf (``inspect.sites.nonfinite_layout``)."""
+
+    shape: list[int]
+    num_nonfinite: int
+    has_nan: bool
+    has_inf: bool
+    samples: list[int]
+    num_samples: int
+    features: list[int]
+
+
+class NonfiniteInput(Site, Layout, total=False):
+    step: int
+    module: str
+    argument: int
+    op: str
+
+
+class NonfiniteForward(TypedDict, total=False):
+    step: int
+    module: str
+    module_class: str
+    params_nonfinite: list[str]
+    training: bool
+    output: Layout
+    op: dict[str, Any] | None
+
+
+class NonfiniteLoss(TypedDict):
+    step: int
+    op: dict[str, Any] | None
+    site: Site | None
+
+
+class NonfiniteGrad(TypedDict):
+    step: int
+    parameters: list[str]
+    num_parameters: int
+    modules: list[str]
+    backward_op: dict[str, Any] | None
+
+
+class LabelOutOfRange(Site, total=False):
+    step: int
+    loss: str
+    value: float
+    num_classes: int
+    num_bad_targets: int
+    min_target: float
+    max_target: float
+
+
+class ProbabilitiesIntoCrossEntropy(Site, total=False):
+    step: int
+    loss: str
+    rows: int
+    num_classes: int
+    max_row_sum_error: float | None
+    produced_by: str | None
+
+
+class BatchnormBatchOne(Site, total=False):
+    step: int
+    module: str
+    input_shape: list[int]
+    values_per_channel: int
+    loader: dict[str, Any] | None
+
+
+class EvalInTrainMode(Site, total=False):
+    step: int
+    module: str
+    train_mode_layers: list[str]
+    inference_mode: bool
+
+
+class CarriedState(Site, total=False):
+    step: int
+    module: str
+    argument: int
+    made_at_step: int
+    variable: str | None
+
+
+class LossWithoutGraph(Site, total=False):
+    step: int
+    grad_enabled: bool
+    num_params: int
+    num_trainable: int
+
+
+class InplaceModified(Site, total=False):
+    step: int
+    error: str
+    backward_op: str
+    saved: str
+    module: str | None
+
+
+class GraphReused(Site, total=False):
+    step: int
+    holder: dict[str, Any] | None
+    error: str
+
+
+class DoubleStep(TypedDict):
+    step: int
+    steps_since_backward: int
+    call_sites: list[str]
+    sites: list[Site | None]
+
+
+class ZeroGradCheck(TypedDict):
+    step: int
+    optimizer: str
+    optimizer_index: int
+    param: str | None
+
+
+class ProbeError(TypedDict):
+    error: str
+
+
+KINDS: dict[str, type] = {
+    "nonfinite-input": NonfiniteInput, "nonfinite-forward": NonfiniteForward, "nonfinite-loss": NonfiniteLoss,
+    "nonfinite-grad": NonfiniteGrad, "label-out-of-range": LabelOutOfRange,
+    "probabilities-into-cross-entropy": ProbabilitiesIntoCrossEntropy, "batchnorm-batch-one": BatchnormBatchOne,
+    "eval-in-train-mode": EvalInTrainMode, "carried-state": CarriedState, "loss-without-graph": LossWithoutGraph,
+    "inplace-modified": InplaceModified, "graph-reused": GraphReused, "double-step": DoubleStep,
+    "zero-grad-checks": ZeroGradCheck, "probe-error": ProbeError,
+}
+NAMES: dict[type, str] = {definition: name for name, definition in KINDS.items()}

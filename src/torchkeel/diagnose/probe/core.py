@@ -1,0 +1,178 @@
+"""The probe's shared room: the facts, the names of what the script holds, and the install order.
+
+Each concern is a listener of its own (``modules``, ``backward``, ``optim``, ``data``, ``seeds``)
+that owns its state and writes its part of ``Facts`` when the script ends. What they share lives
+here: the facts and ``record`` (typed events, ``diagnose.events``), ``guarded`` (an observation
+never breaks the script), the script's models and their names, the tensors with a graph the
+probe saw made (for censuses), and the flags of where the script is (in a step, in a fetch).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchkeel.diagnose.events import ProbeError
+from torchkeel.diagnose.probe.backward import BackwardListener
+from torchkeel.diagnose.probe.data import LoaderListener
+from torchkeel.diagnose.probe.facts import Facts, StopScript
+from torchkeel.diagnose.probe.modules import ModuleListener
+from torchkeel.diagnose.probe.optim import OptimizerListener
+from torchkeel.diagnose.probe.seeds import SeedListener
+from torchkeel.inspect.sites import tensors_in
+
+
+class Probe:
+    """Install with ``with Probe(...) as probe:``; read ``probe.facts`` afterwards.
+
+    Args:
+        max_steps: raise ``StopScript`` after this many optimizer steps (None: never).
+        anomaly_steps: steps run with autograd anomaly mode recording forward stacks.
+        light: only losses and steps (the second run of a reproducibility check).
+        compiling: leave out what torch.compile cannot trace through (``keel diagnose --compile``);
+            a script that calls torch.compile gets the same from that call on.
+    """
+    def __init__(self, *, max_steps: int | None = None, anomaly_steps: int = 2, light: bool = False,
+                 compiling: bool = False) -> None:
+        self.max_steps, self.anomaly_steps, self.light, self.compiling = max_steps, anomaly_steps, light, compiling
+        self.facts = Facts()
+        self.busy = False  # inside an observation: the probe's own torch calls are not observed
+        self.in_step = False  # inside optimizer.step()
+        self.in_fetch = False  # inside a DataLoader's next()
+        self.watch_ops = True  # look at ops outside modules (off once the loss went non-finite)
+        self.step_nonfinite_op: dict[str, Any] | None = None  # this step's first op that went non-finite
+        self.roots: dict[int, tuple[torch.nn.Module, str]] = {}  # models the script called, by variable name
+        self.used: set[int] = set()  # modules called at least once
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.tracked: list[weakref.ref] = []  # tensors with a graph the probe saw made (for censuses)
+        self.last_census: list[weakref.ref] = []
+        self.overhead_s = 0.0  # time the probe itself spent in the loop (censuses), not the script's
+        self.started_at = 0.0
+        self._undo: list[Callable[[], None]] = []
+        self.modules, self.backward, self.optim = ModuleListener(self), BackwardListener(self), OptimizerListener(self)
+        self.data, self.seeds = LoaderListener(self), SeedListener(self)
+
+    # ---------------------------------------------------------------- install / uninstall
+    def __enter__(self) -> Probe:
+        self.started_at = time.perf_counter()
+        self.backward.install()
+        self.optim.install()
+        self.seeds.install()
+        if not self.light:
+            self.patch(torch, "compile", self._stepping_aside(torch.compile))
+            self.optim.install_zero_grad()
+            self.data.install()
+            self.seeds.note_start()
+            if self.anomaly_steps > 0:
+                previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+                torch.autograd.set_detect_anomaly(True, check_nan=False)
+                self._undo.append(lambda: torch.autograd.set_detect_anomaly(*previous))
+                warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
+            if not self.compiling:
+                self.modules.install()
+        return self
+
+    def step_aside(self) -> None:
+        """Remove what torch.compile cannot trace through (module hooks, the function mode): from
+        here on, module-level facts (names, non-finite outputs, loss arguments) are not collected."""
+        self.modules.uninstall()
+        self.compiling = True
+
+    def _stepping_aside(self, original: Callable) -> Callable:
+        probe = self
+
+        def compile(*args: Any, **kwargs: Any) -> Any:
+            probe.step_aside()
+            return original(*args, **kwargs)
+
+        return compile
+
+    def __exit__(self, *exc: Any) -> None:
+        self.facts.wall_s = time.perf_counter() - self.started_at
+        self.step_aside()
+        if not self.light:
+            self.seeds.finish()
+            self.facts.events["graph-reused"] = self.facts.events.get("graph-reused", [])
+            self.optim.finish()
+            self.data.finish()
+        while self._undo:
+            try:
+                self._undo.pop()()
+            except Exception:  # noqa: BLE001 - undo the rest even if the mode stack was left unbalanced
+                pass
+
+    def patch(self, owner: Any, name: str, replacement: Any) -> None:
+        """Replace ``owner.name`` until the probe is uninstalled."""
+        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        setattr(owner, name, replacement)
+        self._undo.append(lambda: setattr(owner, name, original))
+
+    def on_exit(self, undo: Callable[[], None]) -> None:
+        self._undo.append(undo)
+
+    def guarded(self, fn: Callable, *args: Any) -> None:
+        """Run an observation; a bug in it must never break the script."""
+        self.busy = True
+        try:
+            fn(*args)
+        except StopScript:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            self.record("probe-error", ProbeError(error=f"{type(exc).__name__}: {exc}"[:300]))
+        finally:
+            self.busy = False
+
+    def record(self, kind: str, event: Any, limit: int = 5) -> None:
+        """Keep ``event`` (of ``diagnose.events.KINDS[kind]``) if fewer than ``limit`` of its kind are kept."""
+        found = self.facts.events.setdefault(kind, [])
+        if len(found) < limit:
+            found.append(event)
+
+    @property
+    def next_step(self) -> int:
+        """The step the script is in (1-based: the optimizer steps done, plus one)."""
+        return self.facts.steps + 1
+
+    # ---------------------------------------------------------------- names
+    def name_of(self, module: torch.nn.Module) -> str:
+        for root, label in self.roots.values():
+            if root is module:
+                return label
+        for root, label in self.roots.values():
+            for name, sub in root.named_modules():
+                if sub is module and name:
+                    return f"{label}.{name}"
+        return type(module).__name__
+
+    def param_names(self) -> dict[int, str]:
+        names: dict[int, str] = {}
+        for root, label in self.roots.values():
+            for name, p in root.named_parameters():
+                names.setdefault(id(p), f"{label}.{name}")
+        return names
+
+    def owner_of(self) -> dict[int, torch.nn.Module]:
+        """Parameter id → the module that holds it directly."""
+        owners: dict[int, torch.nn.Module] = {}
+        for root, _ in self.roots.values():
+            for sub in root.modules():
+                for p in sub.parameters(recurse=False):
+                    owners.setdefault(id(p), sub)
+        return owners
+
+    def all_params(self) -> list[torch.nn.Parameter]:
+        """The optimizers' parameters, else the models'."""
+        return [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]] or \
+            [p for root, _ in self.roots.values() for p in root.parameters()]
+
+    def track(self, obj: Any) -> None:
+        for t in tensors_in(obj):
+            if t.grad_fn is not None:
+                self.tracked.append(weakref.ref(t))
+        if len(self.tracked) > 50000:  # a loop without optimizer steps: keep the live ones only
+            self.tracked = [r for r in self.tracked if r() is not None]
