@@ -1,4 +1,7 @@
-"""The global random generators (python, numpy, torch CPU and CUDA): read, restore, fence off.
+"""The global random generators (python, numpy, torch CPU and CUDA): seed, read, restore, fence off.
+
+``seed_everything(seed)`` seeds them all (the one copy of it: the run's seed, each rank's own
+stream under torchrun).
 
 A seeded run draws its numbers in a fixed order: seed, model init, then the training steps.
 Anything that runs outside that order — the worker trial, a loader reading sample lengths, a
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import random
 import sys
 from collections.abc import Iterator, Mapping
@@ -24,6 +28,24 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import get_worker_info
+
+
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed python, numpy and torch (CPU and every CUDA device); optionally force determinism.
+
+    ``deterministic=True`` turns on ``torch.use_deterministic_algorithms`` and deterministic
+    cuDNN (no autotuning), and sets ``CUBLAS_WORKSPACE_CONFIG``, which cuBLAS reads to make its
+    reductions deterministic. Data order and DataLoader workers are seeded by
+    ``torchkeel.data.EpochLoader`` from the same seed (see ``torchkeel.data.seed_worker``).
+    """
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
 
 
 def capture_rng() -> dict[str, Any]:
@@ -113,8 +135,13 @@ class BatchSeeds:
         self._drew: set[str] = set()
         self._active = list(_GENERATORS)
 
+    def __call__(self, *key: int) -> contextlib.AbstractContextManager[None]:
+        if not self._active and self._probed >= self.PROBE_BATCHES and get_worker_info() is None:
+            return _NOTHING  # the data code draws from no generator: nothing to seed or restore
+        return self._isolated(key)
+
     @contextlib.contextmanager
-    def __call__(self, *key: int) -> Iterator[None]:
+    def _isolated(self, key: tuple[int, ...]) -> Iterator[None]:
         seed = _mix(key)
         if get_worker_info() is not None:
             _seed_all(seed)
@@ -213,6 +240,9 @@ class _NumpyGlobal:
 
 _NUMPY = _NumpyGlobal()
 _GENERATORS: dict[str, Any] = {"python": _PythonGlobal(), "numpy": _NUMPY, "torch": _TorchGlobal()}
+
+
+_NOTHING = contextlib.nullcontext()
 
 
 def _mix(key: tuple[int, ...]) -> int:

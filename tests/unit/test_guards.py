@@ -15,9 +15,9 @@ from torch.utils.data import TensorDataset
 import torchkeel as tk
 from torchkeel.errors import SampleTooLarge, TrainingDiverged
 from torchkeel.testing import OomInjector
-from torchkeel.train.diagnose import diagnose_nonfinite
 from torchkeel.train.guards import Action, NonFiniteGuard, SpikeDetector
 from torchkeel.train.memory import LeakDetector, MemoryMonitor
+from torchkeel.train.nonfinite import diagnose_nonfinite
 
 CPU = torch.device("cpu")
 

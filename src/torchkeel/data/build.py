@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -25,7 +25,27 @@ from torchkeel.distributed.rank import per_rank
 from torchkeel.errors import ConfigError
 from torchkeel.rng import preserved_rng
 
-Loader = EpochLoader | StreamLoader
+
+class Loader(Protocol):
+    """What the Trainer uses of a loader, map-style (``EpochLoader``) or streaming (``StreamLoader``).
+
+    ``num_batches(epoch)`` is what every rank iterates in that epoch; ``streaming`` says whether
+    ranks may hold different numbers of batches (then ``TrainingJob.batches`` keeps them in
+    step). ``batch_size`` is the batch a rank's loader collates: the global batch split over the
+    ranks for ``EpochLoader``, the per-rank batch ``build_loaders`` gives ``StreamLoader``.
+    """
+
+    streaming: bool
+    num_workers: int
+    new_bad: list[tuple[str, str]]
+    bad: Any
+
+    def num_batches(self, epoch: int) -> int: ...
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]: ...
+    def origin(self, batch: Any, index: int) -> str | None: ...
+    def state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]: ...
+    def load_state_dict(self, state: Any) -> None: ...
+    def close(self) -> None: ...
 
 
 @dataclass

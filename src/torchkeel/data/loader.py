@@ -74,16 +74,17 @@ class _Guarded(Dataset):
         one of them raises, so the others are kept."""
         with self.seeds(self.seed, self.rank, int(self.epoch[0]), indices[0]):
             try:
-                items = [self.dataset[i] for i in indices]
+                return _Fetched([self.dataset[i] for i in indices], indices)
             except Exception:
-                items = [self._item(i) for i in indices]
-        return _Fetched(items, indices)
+                return _Fetched([self._item(i) for i in indices], indices, may_be_bad=True)
 
 
 @dataclass
 class _Fetched:
     items: list[Any]
     indices: list[int]
+    may_be_bad: bool = False
+    """Some item raised: the batch holds ``_BadItem`` records (else there are none to look for)."""
 
 
 class _Collate:
@@ -95,7 +96,7 @@ class _Collate:
 
     def __call__(self, fetched: _Fetched) -> tuple[Any, list[_BadItem], list[int]]:
         items, indices = fetched.items, fetched.indices
-        bad = [item for item in items if type(item) is _BadItem]
+        bad = [item for item in items if type(item) is _BadItem] if fetched.may_be_bad else []
         if bad:
             indices = [i for i, item in zip(indices, items) if type(item) is not _BadItem]
             items = [item for item in items if type(item) is not _BadItem]

@@ -91,7 +91,7 @@ class StreamLoader:
     """
 
     streaming = True
-    """Ranks may hold different numbers of batches (``DataParallel.batches`` keeps them in step)."""
+    """Ranks may hold different numbers of batches (``TrainingJob.batches`` keeps them in step)."""
 
     def __init__(
         self,

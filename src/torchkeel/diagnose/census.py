@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torchkeel.diagnose.tracing import graph_nodes
+from torchkeel.inspect.graph import graph_nodes
 from torchkeel.inspect.sites import site_text, user_frame, user_site
 
 

@@ -16,7 +16,7 @@ import torch
 
 from torchkeel.diagnose.findings import Finding
 from torchkeel.inspect.sites import display_path, is_user_file
-from torchkeel.train.compile import explain_breaks
+from torchkeel.train.compile import break_reason, explain_breaks
 
 
 class _Capture(logging.Handler):
@@ -41,10 +41,8 @@ class _Capture(logging.Handler):
 def _parse_break(text: str) -> dict[str, Any]:
     """Reason, hint and user file:line of one dynamo ``graph_breaks`` log record."""
     lines = [line.strip() for line in text.splitlines()]
-    reason = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Graph Break Reason:")), lines[0])
-    if reason.startswith("Encountered graph break"):  # the specific reason follows on the next lines
-        after = lines[next(i for i, line in enumerate(lines) if line.startswith("Graph Break Reason:")) + 1:]
-        reason = next((line for line in after if line), reason)
+    at = next((i for i, line in enumerate(lines) if line.startswith("Graph Break Reason:")), None)
+    reason = lines[0] if at is None else break_reason([lines[at].split(":", 1)[1], *lines[at + 1:]])
     hint = next((line[len("Hint:"):].strip() for line in lines if line.startswith("Hint:")), None)
     sites = [(p, int(n)) for p, n in re.findall(r"in user code at (.+?):(\d+)", text) if is_user_file(p)]
     if not sites:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
+from torchkeel.inspect.graph import graph_nodes
 from torchkeel.inspect.sites import (
     display_path,
     is_nonfinite,
@@ -94,20 +95,6 @@ class GradTracer:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
-
-
-def graph_nodes(starts: list[Any], limit: int) -> list[Any]:
-    seen: list[Any] = []
-    ids: set[int] = set()
-    todo = list(starts)
-    while todo and len(seen) < limit:
-        node = todo.pop()
-        if node is None or id(node) in ids:
-            continue
-        ids.add(id(node))
-        seen.append(node)
-        todo.extend(n for n, _ in getattr(node, "next_functions", ()))
-    return seen
 
 
 def forward_site(trace: str | list[str]) -> dict[str, Any]:

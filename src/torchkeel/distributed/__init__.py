@@ -8,8 +8,8 @@ from torchkeel.distributed.agree import (
     any_rank_flags,
     read_finite,
 )
-from torchkeel.distributed.group import CollectiveTimeout, ProcessGroup, default_backend
-from torchkeel.distributed.job import DataParallel
+from torchkeel.distributed.group import CollectiveTimeout, JobGroup, default_backend
+from torchkeel.distributed.job import TrainingJob
 from torchkeel.distributed.parallel import (
     GradSync,
     apply_activation_checkpointing,
@@ -23,7 +23,11 @@ from torchkeel.distributed.parallel import (
 from torchkeel.distributed.rank import RankInfo, per_rank
 
 __all__ = [
-    "CollectiveTimeout", "DataParallel", "GradSync", "ProcessGroup", "RankInfo", "agree_all", "agree_min", "any_rank",
-    "any_rank_flags", "apply_activation_checkpointing", "default_backend", "empty_like_batch", "even_batches",
+    "CollectiveTimeout", "DataParallel", "GradSync", "JobGroup", "ProcessGroup", "RankInfo", "TrainingJob",
+    "agree_all", "agree_min", "any_rank", "any_rank_flags", "apply_activation_checkpointing", "default_backend", "empty_like_batch", "even_batches",
     "per_rank", "read_finite", "resolve_strategy", "shard_targets", "unwrap", "wrap_model",
 ]
+
+# The names these had before (they read as torch.nn.DataParallel and torch.distributed.ProcessGroup).
+DataParallel = TrainingJob
+ProcessGroup = JobGroup

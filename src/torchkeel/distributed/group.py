@@ -12,7 +12,7 @@ import datetime
 import os
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-class ProcessGroup:
+class JobGroup:
     """Joins the process group torchrun describes (``WORLD_SIZE`` > 1) and owns its lifetime.
 
     In a single process (no torchrun) it does nothing and ``active`` is false, so a caller uses
@@ -41,7 +41,7 @@ class ProcessGroup:
 
     Example (a hand-written loop under torchrun)::
 
-        group = ProcessGroup(DistConfig(), RankInfo.from_env(), device)
+        group = JobGroup(DistConfig(), RankInfo.from_env(), device)
         try:
             ...  # first step
             group.first_step_done()
@@ -91,10 +91,14 @@ class ProcessGroup:
     def timeout_s(self) -> float:
         return self.cfg.timeout_s if self._tight else self.cfg.init_timeout_s
 
-    @contextmanager
-    def watch(self, what: str, step: int) -> Iterator[None]:
+    def watch(self, what: str, step: int) -> AbstractContextManager[None]:
         """Turn a collective's timeout inside the block into a ``CollectiveTimeout`` that names
-        the collective (``what``), the step and, where the backend can tell, the missing rank."""
+        the collective (``what``), the step and, where the backend can tell, the missing rank.
+        In one process (no collectives) the block runs as it is."""
+        return self._watch(what, step) if self.active else nullcontext()
+
+    @contextmanager
+    def _watch(self, what: str, step: int) -> Iterator[None]:
         try:
             yield
         except (RuntimeError, dist.DistError) as exc:

@@ -1,23 +1,21 @@
 """The distributed side of a training run, in one component the Trainer composes.
 
-``DataParallel`` owns the process group, the wrapped model, gradient sync and the per-rank part
+``TrainingJob`` owns the process group, the wrapped model, gradient sync and the per-rank part
 of checkpoints (every rank's RNG and data position). In one process it is inert: the same
 Trainer code runs with and without ``torchrun``.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from torchkeel.config.schema import DistConfig
-from torchkeel.distributed.group import ProcessGroup
+from torchkeel.distributed.group import JobGroup
 from torchkeel.distributed.parallel import (
     GradSync,
     even_batches,
@@ -26,14 +24,15 @@ from torchkeel.distributed.parallel import (
     wrap_model,
 )
 from torchkeel.distributed.rank import RankInfo, per_rank
+from torchkeel.rng import seed_everything
 
 
-class DataParallel:
+class TrainingJob:
     """Joins the job, wraps the model, and gathers what each rank must checkpoint.
 
     Example::
 
-        job = DataParallel(cfg.dist, RankInfo.from_env(), device)
+        job = TrainingJob(cfg.dist, RankInfo.from_env(), device)
         try:
             forward_model = job.wrap(model, precision="fp32", batch_size=64, accumulate=1)
             ...  # train_step(forward_model, ..., sync=job.sync)
@@ -43,7 +42,7 @@ class DataParallel:
 
     def __init__(self, cfg: DistConfig, rank: RankInfo, device: torch.device) -> None:
         self.cfg, self.rank, self.device = cfg, rank, device
-        self.group = ProcessGroup(cfg, rank, device)
+        self.group = JobGroup(cfg, rank, device)
         self.strategy = resolve_strategy(cfg, rank.world_size)
         self.sync: GradSync | None = None
 
@@ -67,10 +66,7 @@ class DataParallel:
     def seed_rank(self, seed: int) -> None:
         """Give each rank its own random stream (dropout) once the model is built identically everywhere."""
         if self.rank.world_size > 1:
-            rank_seed = seed * 1000003 + self.rank.rank + 1
-            torch.manual_seed(rank_seed)
-            random.seed(rank_seed)
-            np.random.seed(rank_seed % 2**32)
+            seed_everything(seed * 1000003 + self.rank.rank + 1)
 
     def evaluation_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module validation runs on: the plain module under DDP (no collectives), FSDP's otherwise."""
@@ -78,7 +74,7 @@ class DataParallel:
 
     def batches(self, batches: Iterator[Any], streaming: bool) -> Iterator[Any]:
         """Keep the ranks in step when their streams hold different numbers of batches."""
-        return even_batches(batches, self.device, enabled=self.active and streaming)
+        return even_batches(batches, self.device, enabled=True) if self.active and streaming else batches
 
     def gather(self, value: Any) -> list[Any] | None:
         """Every rank's ``value`` (plain data), on rank 0; ``None`` on the others."""

@@ -15,6 +15,9 @@ from typing import Any
 
 def iter_groups(batches: Iterable[Any], accumulate: int) -> Iterator[list[Any]]:
     """Yield lists of up to ``accumulate`` consecutive batches; the last list may be shorter."""
+    if accumulate == 1:
+        yield from ([batch] for batch in batches)
+        return
     group: list[Any] = []
     for batch in batches:
         group.append(batch)

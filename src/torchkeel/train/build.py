@@ -13,9 +13,10 @@ from torchkeel.checkpoint import load_model_weights, load_weights
 from torchkeel.config.imports import build_target, resolve_target
 from torchkeel.config.schema import KeelConfig, LossConfig, ModelConfig
 from torchkeel.data.build import Loaders, build_loaders
-from torchkeel.distributed.job import DataParallel
+from torchkeel.distributed.job import TrainingJob
 from torchkeel.distributed.rank import RankInfo
 from torchkeel.errors import ConfigError
+from torchkeel.rng import seed_everything
 from torchkeel.train.accumulate import total_steps
 from torchkeel.train.compile import CompiledOrEager, Reporter
 from torchkeel.train.ema import WeightAverage
@@ -23,7 +24,6 @@ from torchkeel.train.metricset import MetricSet
 from torchkeel.train.objective import Objective
 from torchkeel.train.optim import build_optimizer
 from torchkeel.train.schedule import build_scheduler
-from torchkeel.train.seed import seed_everything
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Training:
     scheduler: Any
 
 
-def build_training(cfg: KeelConfig, job: DataParallel, *, model: torch.nn.Module | None = None,
+def build_training(cfg: KeelConfig, job: TrainingJob, *, model: torch.nn.Module | None = None,
                    train_data: Any = None, val_data: Any = None,
                    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                    report: Reporter | None = None) -> Training:

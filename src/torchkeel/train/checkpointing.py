@@ -24,7 +24,7 @@ from torchkeel.checkpoint.format import PointHook
 from torchkeel.checkpoint.sharded import load_sharded, save_sharded
 from torchkeel.checkpoint.state import capture_rng, restore_rng
 from torchkeel.config.schema import CheckpointConfig
-from torchkeel.distributed.job import DataParallel
+from torchkeel.distributed.job import TrainingJob
 from torchkeel.errors import CheckpointError
 from torchkeel.train.cadence import SaveCadence
 from torchkeel.train.counters import RunCounters, TrainingParts
@@ -70,7 +70,7 @@ class RunState:
 class RunCheckpoints:
     """Saves and restores a Trainer's run in ``directory``, with ``cfg``'s retention and cadence."""
 
-    def __init__(self, cfg: CheckpointConfig, directory: Path, job: DataParallel, *,
+    def __init__(self, cfg: CheckpointConfig, directory: Path, job: TrainingJob, *,
                  hook: PointHook | None = None) -> None:
         self.cfg, self.job = cfg, job
         self.store = CheckpointStore(directory, keep_last=cfg.keep_last, save_top_k=cfg.save_top_k,

@@ -110,11 +110,17 @@ class CompiledOrEager(torch.nn.Module):
                 self.report("graph_break", f"torch.compile breaks the graph{where}: {b['reason']}", dict(b))
 
 
-def _first_reason(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if lines and lines[0].startswith("Encountered graph break") and len(lines) > 1:
+def break_reason(lines: list[str]) -> str:
+    """The specific reason of a graph break, from the lines of its reason text: dynamo puts a
+    generic ``Encountered graph break`` header first and the specific reason after it."""
+    lines = [line.strip() for line in lines if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Encountered graph break"):
         return lines[1][:300]
-    return (lines[0] if lines else text)[:300]
+    return (lines[0] if lines else "")[:300]
+
+
+def _first_reason(text: str) -> str:
+    return break_reason(text.splitlines()) or text[:300]
 
 
 def _message(exc: BaseException) -> str:

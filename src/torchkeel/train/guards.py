@@ -78,9 +78,12 @@ class Snapshot:
     states: dict[str, Any] = field(repr=False)
 
     @classmethod
-    def take(cls, step: int, **objects: Any) -> "Snapshot":
-        """``Snapshot.take(step, model=m, optimizer=o, scheduler=s)``; ``None`` objects are skipped."""
-        return cls(step, {name: snapshot(obj.state_dict()) for name, obj in objects.items() if obj is not None})
+    def take(cls, step: int, reuse: Snapshot | None = None, **objects: Any) -> Snapshot:
+        """``Snapshot.take(step, model=m, optimizer=o, scheduler=s)``; ``None`` objects are skipped.
+        ``reuse``: a snapshot nobody reads any more, whose memory the copy goes into."""
+        old = reuse.states if reuse is not None else {}
+        return cls(step, {name: snapshot(obj.state_dict(), old.get(name)) for name, obj in objects.items()
+                          if obj is not None})
 
     def restore(self, **objects: Any) -> None:
         for name, obj in objects.items():

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from torchkeel.inspect.graph import graph_nodes
 from torchkeel.inspect.memory import rss_bytes
 
 
@@ -147,19 +148,7 @@ def tensor_census(step: int, cuda_allocated_bytes: int | None = None) -> Census:
         group_bytes[key] += size
         if obj.grad_fn is not None:
             roots.append(obj.grad_fn)
-    return Census(step, num, total, _count_graph_nodes(roots), groups, group_bytes, cuda_allocated_bytes)
-
-
-def _count_graph_nodes(roots: list[Any]) -> int:
-    seen: set[int] = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return len(seen)
+    return Census(step, num, total, len(graph_nodes(roots)), groups, group_bytes, cuda_allocated_bytes)
 
 
 class LeakDetector:

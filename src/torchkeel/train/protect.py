@@ -16,10 +16,9 @@ from typing import Any
 import torch
 
 from torchkeel.config.schema import KeelConfig
-from torchkeel.distributed.job import DataParallel
+from torchkeel.distributed.job import TrainingJob
 from torchkeel.errors import DataError, KeelError, TrainingDiverged
 from torchkeel.train.counters import TrainingParts
-from torchkeel.train.diagnose import diagnose_nonfinite
 from torchkeel.train.guards import (
     Action,
     NonFiniteGuard,
@@ -29,6 +28,7 @@ from torchkeel.train.guards import (
 )
 from torchkeel.train.inputbound import InputBoundDetector
 from torchkeel.train.memory import LeakDetector, MemoryMonitor, MemoryProbe
+from torchkeel.train.nonfinite import diagnose_nonfinite
 from torchkeel.train.objective import Objective
 from torchkeel.train.precision import Precision
 from torchkeel.train.step import StepResult
@@ -85,10 +85,14 @@ class Protections:
         self.snapshots: list[Snapshot] = []
 
     def take_snapshot(self, step: int) -> None:
-        if self.cfg.guard.snapshot_every:
+        """Keep the state of ``step`` for a rollback (only when the guard can roll back). The oldest
+        of the two kept goes, and its memory takes the copy."""
+        if self.cfg.guard.enabled and self.cfg.guard.snapshot_every:
             p = self.parts
-            taken = Snapshot.take(step, model=p.model, optimizer=p.optimizer, scheduler=p.scheduler, scaler=p.scaler)
-            self.snapshots = [*self.snapshots, taken][-2:]
+            reuse = self.snapshots[0] if len(self.snapshots) == 2 else None
+            taken = Snapshot.take(step, reuse, model=p.model, optimizer=p.optimizer, scheduler=p.scheduler,
+                                  scaler=p.scaler)
+            self.snapshots = [*self.snapshots[-1:], taken]
 
     def after_step(self, result: StepResult, group: Sequence[Any], step: int, wait_s: float) -> Observed:
         """Act on one step's result (``step``: the steps done, this one included; ``wait_s``: the
@@ -179,7 +183,7 @@ class BadSampleReport:
     met one), so that every rank decides the same on ``data.max_bad_fraction``.
     """
 
-    def __init__(self, job: DataParallel) -> None:
+    def __init__(self, job: TrainingJob) -> None:
         self.job = job
         self.shown: set[str] = set()  # printed already: once per run, every occurrence in incidents
 

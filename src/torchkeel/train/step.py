@@ -261,7 +261,7 @@ def _forward_backward(
     """
     non_blocking = device.type == "cuda"
     total = sum(weights) if sync is None else sync.nominal
-    loss_sum = torch.zeros((), device=device)
+    loss_sum: torch.Tensor | None = None
     metric_sums: dict[str, torch.Tensor] = {}
     counted: torch.Tensor | float = 0.0
     kinds: set[bool] = set()
@@ -296,12 +296,15 @@ def _forward_backward(
                 precision.backward(loss)  # an empty piece (n == 0) adds zero gradients
             if not n:
                 continue
-            loss_sum = loss_sum + loss.detach().float()
+            detached = loss.detach().float()
+            loss_sum = detached if loss_sum is None else loss_sum + detached
             scale = 1.0 if out.is_sum else (share / total if sync is None else share)
             for name, value in out.metrics.items():
                 value = torch.as_tensor(value, device=device).detach().float() * scale
                 metric_sums[name] = metric_sums[name] + value if name in metric_sums else value
             counted = counted + (torch.as_tensor(out.count, device=device).float() if out.is_sum else share)
+    if loss_sum is None:  # every piece was empty (a rank without data this step)
+        loss_sum = torch.zeros((), device=device)
     if sync is not None:
         count = torch.as_tensor(counted, device=device, dtype=torch.float64)
         local = torch.clamp(count, min=1.0)

@@ -19,7 +19,7 @@ from torchkeel.checkpoint.format import PointHook
 from torchkeel.config.load import config_hash, to_dict
 from torchkeel.config.schema import KeelConfig
 from torchkeel.distributed import RankInfo, any_rank
-from torchkeel.distributed.job import DataParallel
+from torchkeel.distributed.job import TrainingJob
 from torchkeel.errors import TrainingDiverged
 from torchkeel.provenance import provenance
 from torchkeel.train.accumulate import Lookahead, iter_groups
@@ -65,7 +65,7 @@ class Trainer:
         self.config, self.rank = (cfg := config.validate()), RankInfo.from_env()
         self.device = resolve_device(cfg.device, self.rank)
         self.precision = make_precision(cfg.precision, self.device)
-        self.job = DataParallel(cfg.dist, self.rank, self.device)  # joins the job under torchrun
+        self.job = TrainingJob(cfg.dist, self.rank, self.device)  # joins the job under torchrun
         try:
             t = build_training(cfg, self.job, model=model, train_data=train_data, val_data=val_data, loss_fn=loss_fn,
                                report=self._compile_event)

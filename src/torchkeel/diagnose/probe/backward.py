@@ -12,7 +12,8 @@ import torch
 
 from torchkeel.diagnose.census import census
 from torchkeel.diagnose.events import GraphReused, InplaceModified, LossWithoutGraph, NonfiniteGrad, NonfiniteLoss
-from torchkeel.diagnose.tracing import GradTracer, forward_site, graph_nodes
+from torchkeel.diagnose.tracing import GradTracer, forward_site
+from torchkeel.inspect.graph import graph_nodes
 from torchkeel.inspect.sites import display_path, is_nonfinite, tensors_in, user_site
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from torchkeel.lint.engine import Rule
-from torchkeel.lint.rules import data, loop, model
+from torchkeel.lint.rules import checkpoint, data, distributed, loop, model
 
 _TABLE = [
     ("TK101", "loss-accumulated-as-tensor", "leaked-graph", "error", loop.loss_accumulated,
@@ -45,16 +45,16 @@ _TABLE = [
     ("TK113", "softmax-into-cross-entropy", "probabilities-into-cross-entropy", "error",
      model.softmax_into_cross_entropy, "softmax output passed to CrossEntropyLoss / F.cross_entropy",
      "Pass the logits; apply softmax only to read probabilities."),
-    ("TK114", "torch-load-unsafe", None, "warning", data.unsafe_load,
+    ("TK114", "torch-load-unsafe", None, "warning", checkpoint.unsafe_load,
      "torch.load without weights_only=True (or with weights_only=False)",
      "Use torch.load(path, weights_only=True), or safetensors, for files you did not write."),
-    ("TK115", "save-whole-module", None, "warning", data.save_whole_module,
+    ("TK115", "save-whole-module", None, "warning", checkpoint.save_whole_module,
      "torch.save(model) of the module object instead of its state_dict",
      "Save model.state_dict() and rebuild the model from code when loading."),
-    ("TK116", "save-to-final-path", None, "warning", data.save_to_final_path,
+    ("TK116", "save-to-final-path", None, "warning", checkpoint.save_to_final_path,
      "torch.save straight to the final path (no write-then-rename)",
      "Write to path + '.tmp' and os.replace() it onto the final path (or use torchkeel's CheckpointStore)."),
-    ("TK117", "set-device-after-init", None, "error", data.set_device_after_init,
+    ("TK117", "set-device-after-init", None, "error", distributed.set_device_after_init,
      "torch.cuda.set_device() after init_process_group()",
      "Call torch.cuda.set_device(local_rank) before init_process_group()."),
     ("TK118", "sampler-without-set-epoch", None, "warning", data.sampler_without_set_epoch,

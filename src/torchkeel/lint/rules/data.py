@@ -1,11 +1,11 @@
-"""Rules about data loading, checkpoints on disk and process groups."""
+"""Rules about data loading: DataLoader workers, what ``__getitem__`` does, sampling order."""
 
 from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
 
-from torchkeel.lint.engine import Source, call_name, dotted, keyword, last
+from torchkeel.lint.engine import Source, call_name, keyword, last
 
 _PY_RANDOM = {"random", "randint", "uniform", "gauss", "choice", "choices", "shuffle", "sample", "normalvariate",
               "randrange", "betavariate", "expovariate"}
@@ -92,57 +92,6 @@ def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
 
 def _is_set(node: ast.AST) -> bool:
     return isinstance(node, (ast.Set, ast.SetComp)) or (isinstance(node, ast.Call) and call_name(node) in {"set", "frozenset"})
-
-
-def unsafe_load(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    for call in source.calls():
-        if call_name(call) == "torch.load":
-            value = keyword(call, "weights_only")
-            if value is None:
-                yield call, ("torch.load without weights_only=True: older torch versions unpickle arbitrary code from "
-                             "the file")
-            elif isinstance(value, ast.Constant) and value.value is False:
-                yield call, "torch.load(weights_only=False) runs whatever pickled code the file holds"
-
-
-def save_whole_module(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    for call in source.calls():
-        if call_name(call) != "torch.save" or not call.args:
-            continue
-        obj = call.args[0]
-        if not isinstance(obj, (ast.Name, ast.Attribute)):
-            continue
-        name = dotted(obj)
-        modelish = any(k in last(name).lower() for k in ("model", "net")) or source.assigned_from(
-            name, lambda v: isinstance(v, ast.Call) and (call_name(v).startswith(("nn.", "torch.nn."))
-                                                          or source.is_module_class(last(call_name(v)))))
-        if modelish:
-            yield call, (f"torch.save({name}) pickles the whole module: loading needs the same code at the same import "
-                         "path and runs pickled code")
-
-
-def save_to_final_path(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    for call in source.calls():
-        if call_name(call) != "torch.save" or len(call.args) < 2:
-            continue
-        scope = source.function_of(call) or source.tree
-        renames = [c for c in source.calls(scope) if last(call_name(c)) in {"replace", "rename"}
-                   and (call_name(c).startswith("os.") or isinstance(c.func, ast.Attribute)) and c.lineno >= call.lineno]
-        if not renames:
-            yield call, ("torch.save writes straight to the final path: a kill during the write leaves a truncated "
-                         "file where the last good checkpoint was")
-
-
-def set_device_after_init(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    for scope in ast.walk(source.tree):
-        if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
-            continue
-        body_calls = [c for c in source.calls(scope) if (source.function_of(c) or source.tree) is scope]
-        inits = [c for c in body_calls if last(call_name(c)) == "init_process_group"]
-        for call in body_calls:
-            if call_name(call).endswith("cuda.set_device") and inits and call.lineno > inits[0].lineno:
-                yield call, ("torch.cuda.set_device() after init_process_group(): NCCL has already bound every rank to "
-                             "GPU 0")
 
 
 def sampler_without_set_epoch(source: Source) -> Iterator[tuple[ast.AST, str]]:

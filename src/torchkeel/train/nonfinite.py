@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from torchkeel.batch import num_samples, tensors
-from torchkeel.checkpoint.state import capture_rng, restore_rng
+from torchkeel.checkpoint.state import leaving_no_trace
 from torchkeel.errors import first_line
 from torchkeel.train.objective import Objective
 from torchkeel.train.precision import Precision
@@ -37,8 +37,6 @@ def diagnose_nonfinite(
     ``target_nonfinite_samples``, ``loss_nonfinite``, ``nonfinite_grads`` (parameter names),
     ``backward_anomaly`` (autograd's message), ``summary`` (one line for a person).
     """
-    rng = capture_rng()
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     saved_grads = {name: p.grad for name, p in model.named_parameters()}
     result: dict[str, Any] = {
         "first_module": None, "module_class": None, "module_input_nonfinite": None,
@@ -46,24 +44,21 @@ def diagnose_nonfinite(
         "nonfinite_grads": [], "backward_anomaly": None,
     }
     try:
-        objective = Objective.of(loss_fn)
-        offset = 0
-        for batch in group:
-            is_pair = isinstance(batch, (tuple, list)) and len(batch) == 2
-            inputs, targets = batch if is_pair else (batch, None)
-            result["input_nonfinite_samples"] += [offset + i for i in _bad_rows(inputs)]
-            result["target_nonfinite_samples"] += [offset + i for i in _bad_rows(targets)]
-            offset += num_samples(batch)
-        for batch in group:
-            if _replay(model, batch, objective, precision, device, result):
-                break
+        with leaving_no_trace(model):  # RNG states and batch-norm statistics as they were
+            objective = Objective.of(loss_fn)
+            offset = 0
+            for batch in group:
+                is_pair = isinstance(batch, (tuple, list)) and len(batch) == 2
+                inputs, targets = batch if is_pair else (batch, None)
+                result["input_nonfinite_samples"] += [offset + i for i in _bad_rows(inputs)]
+                result["target_nonfinite_samples"] += [offset + i for i in _bad_rows(targets)]
+                offset += num_samples(batch)
+            for batch in group:
+                if _replay(model, batch, objective, precision, device, result):
+                    break
     finally:
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
         for name, p in model.named_parameters():
             p.grad = saved_grads[name]
-        restore_rng(rng)
     result["summary"] = _summary(result)
     return result
 
