@@ -182,7 +182,7 @@ def test_a_run_shorter_than_planned_takes_its_last_step_at_the_floor(tmp_path):
 def test_the_job_line_is_not_a_progress_line():
     import io
 
-    from torchkeel.train.metrics import Progress
+    from torchkeel.train.runlog import Progress
 
     stream = io.StringIO()
     progress = Progress(10, stream=stream)
@@ -194,7 +194,7 @@ def test_the_job_line_is_not_a_progress_line():
 def test_a_resumed_bar_counts_from_the_resumed_step():
     import io
 
-    from torchkeel.train.metrics import Progress
+    from torchkeel.train.runlog import Progress
 
     class Terminal(io.StringIO):
         def isatty(self):

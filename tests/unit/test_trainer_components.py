@@ -16,10 +16,10 @@ from torchkeel.errors import TrainingDiverged
 from torchkeel.train.checkpointing import RunCheckpoints, RunState
 from torchkeel.train.counters import RunCounters, TrainingParts
 from torchkeel.train.incidents import IncidentLog
-from torchkeel.train.metrics import Progress
 from torchkeel.train.objective import Objective
 from torchkeel.train.protect import BadSampleReport, Protections
 from torchkeel.train.rundir import RunFiles
+from torchkeel.train.runlog import Progress
 from torchkeel.train.step import StepResult, train_step
 
 CPU = torch.device("cpu")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from torchkeel.errors import MissingExtraError
-from torchkeel.train.metrics import read_metrics
+from torchkeel.train.runlog import read_metrics
 
 FIGSIZE, DPI = (8.0, 3.0), 100  # every chart is 800 × 300 pixels
 MARKERS = {"nonfinite": "tab:red", "rollback": "tab:purple", "oom_split": "tab:orange", "leak": "tab:brown",

@@ -22,8 +22,8 @@ from torchkeel.errors import RunDirError, TrainingDiverged
 from torchkeel.io import write_json_atomic, write_text_atomic
 from torchkeel.train.incidents import IncidentLog
 from torchkeel.train.loggers import RunLoggers
-from torchkeel.train.metrics import MetricsWriter, Progress, drop_rows_after
 from torchkeel.train.protect import Observed
+from torchkeel.train.runlog import MetricsWriter, Progress, drop_rows_after
 
 # Files whose presence marks a directory as a torchkeel run (and so safe to --overwrite).
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "summary.json")

@@ -29,13 +29,13 @@ from torchkeel.train.counters import RunCounters, TrainingParts
 from torchkeel.train.early_stop import EarlyStopping
 from torchkeel.train.inputbound import TimedBatches
 from torchkeel.train.memory import MemoryProbe
-from torchkeel.train.metrics import Progress, Throughput, train_row
 from torchkeel.train.objective import LabelOutOfRange
 from torchkeel.train.precision import make_precision
 from torchkeel.train.preempt import StopSignals
 from torchkeel.train.protect import BadSampleReport, Protections
 from torchkeel.train.resume import check_resume_config
 from torchkeel.train.rundir import RunFiles
+from torchkeel.train.runlog import Progress, Throughput, train_row
 from torchkeel.train.schedule import end_at_floor
 from torchkeel.train.step import StepResult, train_step
 from torchkeel.train.validate import evaluate
