@@ -33,12 +33,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from torchkeel.checkpoint.format import PointHook
 from torchkeel.inspect.memory import rss_bytes
-from torchkeel.serve.protocol import TensorSpec, parse_v1_instances, v1_tensor
 
 
 def parse_fault_rules(spec: str) -> PointHook:
@@ -147,10 +145,3 @@ def peak_rss_during(fn: Callable[[], Any], interval_s: float = 0.001) -> tuple[i
         done.set()
         thread.join()
     return max(peak[0], rss_bytes()) - start, result
-
-
-def parse_v1(body: bytes, spec: TensorSpec, max_batch_size: int, allow_nonfinite: bool = False) -> tuple[np.ndarray, dict[str, Any]]:
-    """A KServe v1 ``{"instances": [...]}`` body of tensors → the input batch and the request's parameters
-    (what the server does in two steps, in one call for the protocol's tests)."""
-    instances, parameters = parse_v1_instances(body, max_batch_size)
-    return v1_tensor(instances, spec, allow_nonfinite), parameters

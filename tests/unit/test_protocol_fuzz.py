@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from v1body import parse_v1
 
 from torchkeel.serve.protocol import DTYPES, ProtocolError, TensorSpec, parse_infer, top_k, v1_top_k
-from torchkeel.testing import parse_v1
 
 # Huge values cast to FP16/FP32 overflow to inf (numpy warns); they are then refused as non-finite.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from v1body import parse_v1
 
 from torchkeel.export.stats import reference_stats
 from torchkeel.serve.batcher import DynamicBatcher, QueueFull, QueueTimeout
@@ -20,7 +21,6 @@ from torchkeel.serve.protocol import (
     parse_infer,
     top_k,
 )
-from torchkeel.testing import parse_v1
 
 IN = [TensorSpec("input", "FP32", [-1, 2, 3])]
 OUT = [TensorSpec("output", "FP32", [-1, 4])]

@@ -22,10 +22,10 @@ from torchkeel.checkpoint import (
 )
 from torchkeel.checkpoint.format import PointHook
 from torchkeel.checkpoint.sharded import load_sharded, save_sharded
-from torchkeel.checkpoint.state import capture_rng, restore_rng
 from torchkeel.config.schema import CheckpointConfig
 from torchkeel.distributed.job import TrainingJob
 from torchkeel.errors import CheckpointError
+from torchkeel.rng import capture_rng, restore_rng
 from torchkeel.train.cadence import SaveCadence
 from torchkeel.train.counters import RunCounters, TrainingParts
 from torchkeel.train.early_stop import EarlyStopping
