@@ -33,6 +33,8 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Move every tensor in a (nested) batch to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
     return map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
 
 

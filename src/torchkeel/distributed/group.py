@@ -83,7 +83,7 @@ class JobGroup:
 
     def first_step_done(self) -> None:
         """Switch to ``dist.timeout_s``: the slow first collectives (rendezvous, compilation) are past."""
-        if self.active and not self._tight:
+        if not self._tight and self.active:  # the cheap test first: this runs after every step
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.cfg.timeout_s))
             self._tight = True
 

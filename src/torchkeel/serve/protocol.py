@@ -21,11 +21,14 @@ from torchkeel.serve.tensors import (
     DTYPES,
     NUMPY_TO_V2,
     ProtocolError,
+    TensorSpec,
     all_finite,
     array_from_bytes,
     as_bytes,
     b64decode,
     base64_items,
+    check_range,
+    check_shared_dims,
     is_int,
     length_prefixed,
     numbers,
@@ -33,18 +36,6 @@ from torchkeel.serve.tensors import (
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 EXTENSIONS = ["binary_tensor_data", "classification"]
-
-
-@dataclass
-class TensorSpec:
-    name: str
-    datatype: str
-    shape: list[int]  # -1 for the batch dimension and other dynamic ones
-    dims: list[str] | None = None
-    """A name per axis; a dynamic axis shares its name with the axes of other inputs that must
-    have the same size (``batch``, ``length``). ``None``: only the batch is shared."""
-    range: list[int] | None = None
-    """``[low, high]``: the values an integer input may hold (token ids of the model's embedding)."""
 
 
 @dataclass
@@ -147,32 +138,6 @@ class InputSet:
             raise ProtocolError(400, f"inputs disagree on the batch size: {sorted(sizes)}")
         check_shared_dims({n: a for n, a in self.arrays.items()}, self.specs)
         return self.arrays
-
-
-def check_range(array: np.ndarray, spec: TensorSpec, where: str) -> None:
-    """An integer input outside its ``range`` (a token id past the model's vocabulary) is a 400."""
-    if spec.range is None or array.size == 0 or array.dtype.kind not in "iu":
-        return
-    low, high = int(array.min()), int(array.max())
-    if low < spec.range[0] or high > spec.range[1]:
-        value = low if low < spec.range[0] else high
-        raise ProtocolError(400, f"{where} holds {value}, outside [{spec.range[0]}, {spec.range[1]}] (the ids the "
-                                 f"model's embedding has rows for); send ids of the model's vocabulary")
-
-
-def check_shared_dims(arrays: dict[str, np.ndarray], specs: dict[str, TensorSpec], where: str = "inputs") -> None:
-    """Axes that share a name across inputs (a padded sequence's ``length``) must have one size."""
-    seen: dict[str, tuple[str, int]] = {}
-    for name, array in arrays.items():
-        dims = specs[name].dims if name in specs else None
-        for axis, dim in enumerate(dims or []):
-            if dim == "batch" or axis >= array.ndim:
-                continue
-            if dim in seen and seen[dim][1] != array.shape[axis]:
-                other, size = seen[dim]
-                raise ProtocolError(400, f"{where} disagree on '{dim}': '{other}' has {size}, '{name}' has "
-                                         f"{array.shape[axis]} (axis {axis}); send them of one length")
-            seen.setdefault(dim, (name, array.shape[axis]))
 
 
 def _input_array(raw: dict[str, Any], where: str, spec: TensorSpec, shape: list[int], binary: memoryview,

@@ -23,6 +23,7 @@ from torchkeel.train.ema import WeightAverage
 from torchkeel.train.metricset import MetricSet
 from torchkeel.train.objective import Objective
 from torchkeel.train.optim import build_optimizer
+from torchkeel.train.precision import Precision
 from torchkeel.train.schedule import build_scheduler
 
 
@@ -45,9 +46,9 @@ class Training:
     scheduler: Any
 
 
-def build_training(cfg: KeelConfig, job: TrainingJob, *, model: torch.nn.Module | None = None,
+def build_training(cfg: KeelConfig, job: TrainingJob, model: torch.nn.Module | None = None,
                    train_data: Any = None, val_data: Any = None,
-                   loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                   loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *,
                    report: Reporter | None = None) -> Training:
     """Seed, data, model, loss, optimizer, schedule — in this order (a hand loop that follows it
     draws the same random numbers). Objects given take the place of the config's import paths;
@@ -81,6 +82,17 @@ def build_training(cfg: KeelConfig, job: TrainingJob, *, model: torch.nn.Module 
                                 decay=cfg.schedule.decay, min_lr=cfg.schedule.min_lr)
     return Training(data, model, forward_model, objective, val_scores, train_scores, params, ema, optimizer,
                     steps, scheduler)
+
+
+def step_options(cfg: KeelConfig, training: Training, precision: Precision, job: TrainingJob,
+                 **hooks: Any) -> dict[str, Any]:
+    """``train_step``'s keyword arguments that every step of the run shares: the config's, and
+    ``hooks`` (``before_forward``, ``agree``) as given."""
+    scores = training.train_scores
+    return dict(params=training.params, precision=precision, device=job.device, scheduler=training.scheduler,
+                clip_grad_norm_max=cfg.train.clip_grad_norm, check_finite=cfg.guard.enabled,
+                split_on_oom=cfg.oom.auto_split, sync=job.sync, on_outputs=scores.update if scores is not None else None,
+                **hooks)
 
 
 def resolve_device(name: str, rank: RankInfo | None = None) -> torch.device:

@@ -31,7 +31,7 @@ from torchkeel.train.counters import RunCounters, TrainingParts
 from torchkeel.train.early_stop import EarlyStopping
 from torchkeel.train.incidents import IncidentLog
 from torchkeel.train.protect import BadSampleReport, Protections
-from torchkeel.train.resume import find_checkpoint
+from torchkeel.train.resume import check_resume_config, find_checkpoint
 
 
 @dataclass
@@ -87,6 +87,15 @@ class RunCheckpoints:
         """The checkpoint to resume from (``"auto"``: the newest valid one, or ``None``)."""
         return find_checkpoint(self.store, resume, warn)
 
+    def resumable(self, resume: str | Path | None, config: dict[str, Any], *, allow_change: bool,
+                  warn: Callable[[str], None] | None) -> tuple[Checkpoint | None, list[str]]:
+        """``find``'s checkpoint (none when ``resume`` is not set) and the config changes it allows
+        (``check_resume_config``: a change in what the run computes is refused unless ``allow_change``)."""
+        found = self.find(resume, warn or (lambda message: None)) if resume else None
+        if found is None:
+            return None, []
+        return found, check_resume_config(found.manifest, config, allow=allow_change, checkpoint=found.path)
+
     def is_due(self, at_epoch_end: bool) -> bool:
         """Whether the time-based cadence asks for a save. Rank 0's clock decides; the other ranks
         learn it in the agreement that follows."""
@@ -131,9 +140,11 @@ class RunCheckpoints:
                 self.store.save(state, **kwargs)
         self.cadence.saved(time.perf_counter() - start)
 
-    def restore(self, found: Checkpoint, parts: TrainingParts, run: RunState, seed: int) -> int | None:
+    def restore(self, found: Checkpoint, parts: TrainingParts, run: RunState, seed: int, *,
+                warn: Callable[[str], None] | None = None) -> int | None:
         """Load ``found`` into ``parts``, ``run`` and this rank's RNG. Returns ``None``, or the number
-        of ranks that wrote it when each rank's random stream could not be continued (reseeded).
+        of ranks that wrote it when each rank's random stream could not be continued (reseeded),
+        which ``warn`` hears of.
 
         Raises:
             CheckpointError: the checkpoint's layout (sharded or not) is not this run's strategy.
@@ -157,7 +168,11 @@ class RunCheckpoints:
             restore_rng(per_rank_rng[job.rank.rank])  # dropout continues exactly on every rank
         elif world > 1 or per_rank_rng:
             job.seed_rank(seed + progress["step"])
-            return max(1, len(per_rank_rng))
+            written = max(1, len(per_rank_rng))
+            if warn is not None:
+                warn(f"the checkpoint was written by {written} rank{'s' * (written > 1)}, this run has {world}: "
+                     "each rank's random stream (dropout) starts afresh")
+            return written
         return None
 
     def wait(self) -> None:

@@ -30,6 +30,14 @@ class RunCounters:
     def state_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def position(self) -> dict[str, int]:
+        """Where the run stands: steps, epochs and samples done, and loader batches into the epoch."""
+        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "samples": self.samples}
+
+    def totals(self) -> dict[str, Any]:
+        """The summary's share: the last validation's metrics, and steps, epochs and samples done."""
+        return {**self.val_metrics, "steps": self.step, "epochs": self.epoch, "samples": self.samples}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Every counter from ``state``; one a checkpoint lacks keeps its start value."""
         for f in fields(self):

@@ -102,7 +102,7 @@ class Objective:
         """Forward one micro-batch (still on the CPU as the loader gave it) and compute its loss."""
         if self.step_fn is not None:
             return _step_output(self.step_fn(model, to_device(batch, device, non_blocking)))
-        if isinstance(batch, Mapping):
+        if not isinstance(batch, (tuple, list)) and isinstance(batch, Mapping):
             return _model_loss(model, to_device(batch, device, non_blocking))
         inputs, targets = batch
         outputs = model(to_device(inputs, device, non_blocking))

@@ -65,7 +65,7 @@ class Protections:
     the run waits on its input.
     """
 
-    def __init__(self, cfg: KeelConfig, parts: TrainingParts, *, objective: Objective, precision: Precision,
+    def __init__(self, cfg: KeelConfig, parts: TrainingParts, objective: Objective, precision: Precision,
                  device: torch.device, num_workers: int, memory_probe: MemoryProbe | None = None) -> None:
         g, mem = cfg.guard, cfg.memory
         self.cfg, self.parts, self.objective, self.precision, self.device = cfg, parts, objective, precision, device

@@ -98,8 +98,9 @@ class RunFiles:
     back (``settle``).
     """
 
-    def __init__(self, run_dir: Path, *, is_main: bool, console: Progress) -> None:
-        self.run_dir, self.is_main, self.console = run_dir, is_main, console
+    def __init__(self, run_dir: Path, *, is_main: bool, console: Progress | None = None) -> None:
+        self.run_dir, self.is_main = run_dir, is_main
+        self.console = console if console is not None else Progress(0, enabled=False)
         self.incidents = IncidentLog(None)
         self._metrics: MetricsWriter | None = None
         self._loggers = RunLoggers([])
@@ -152,6 +153,19 @@ class RunFiles:
             if not quiet:
                 self.console.warn(f"step {row['step']}: {message}")
             self._loggers.log_incident(row)
+
+    def compile_event(self, step: int, kind: str, message: str, details: dict[str, Any]) -> None:
+        """What ``torch.compile`` reported: its compile time is a metrics row, a graph break or a
+        fall-back to eager an incident."""
+        if "compile_s" in details:
+            self.log({"kind": "compile", "step": step, **details})
+            self.note(message)
+        else:
+            self.incident(kind, step, message, **details)
+
+    def totals(self) -> dict[str, Any]:
+        """The summary's share: incidents by kind, seconds since ``open()``, the run directory."""
+        return {"incidents": dict(self.incidents.counts), "wall_s": round(self.wall_s, 3), "run_dir": str(self.run_dir)}
 
     def record(self, step: int, found: Observed) -> None:
         """Log and record what the protections found at ``step``; then raise the error they give, if any."""

@@ -23,6 +23,8 @@ from torchkeel.train.objective import LabelOutOfRange, Objective
 from torchkeel.train.oom import free_memory, smaller_size
 from torchkeel.train.precision import Precision
 
+_NOTHING = nullcontext()
+
 
 @dataclass
 class StepResult:
@@ -264,17 +266,21 @@ def _forward_backward(
     loss_sum: torch.Tensor | None = None
     metric_sums: dict[str, torch.Tensor] = {}
     counted: torch.Tensor | float = 0.0
-    kinds: set[bool] = set()
+    summed: bool | None = None  # whether the pieces' losses are sums; None until one has samples
+    whole = micro_batch_size is None and pieces_per_batch is None  # each batch is one piece
     for index, (batch, size, weight) in enumerate(zip(group, sizes, weights)):
-        pieces = _pieces(batch, size, micro_batch_size, pieces_per_batch)
+        pieces = [batch] if whole else _pieces(batch, size, micro_batch_size, pieces_per_batch)
         offset = 0
         for number, piece in enumerate(pieces):
-            n = size if len(pieces) == 1 else num_samples(piece)
-            share = weight if len(pieces) == 1 else objective.weight(piece) if n else 0.0
-            is_last = index == len(group) - 1 and number == len(pieces) - 1
+            if len(pieces) == 1:
+                n, share = size, weight
+            else:
+                n = num_samples(piece)
+                share = objective.weight(piece) if n else 0.0
             if before_forward is not None and n:
                 before_forward(n)
-            with sync.micro_batch(is_last) if sync is not None else nullcontext():
+            is_last = index == len(group) - 1 and number == len(pieces) - 1
+            with sync.micro_batch(is_last) if sync is not None else _NOTHING:
                 try:
                     with precision.autocast():
                         out = objective(model, piece, device, non_blocking)
@@ -283,12 +289,13 @@ def _forward_backward(
                     raise
                 offset += n
                 if n:
-                    kinds.add(out.is_sum)
+                    if summed is not None and summed != out.is_sum:
+                        raise ValueError("loss.step_fn returned a mean for one micro-batch and a (sum, count) for "
+                                         "another")
+                    summed = out.is_sum
                     if seen is not None:
                         outputs = out.outputs.detach() if isinstance(out.outputs, torch.Tensor) else out.outputs
                         seen.append((outputs, out.targets))
-                if len(kinds) > 1:
-                    raise ValueError("loss.step_fn returned a mean for one micro-batch and a (sum, count) for another")
                 if out.is_sum:
                     loss = out.loss / total if sync is not None else out.loss
                 else:
@@ -296,20 +303,24 @@ def _forward_backward(
                 precision.backward(loss)  # an empty piece (n == 0) adds zero gradients
             if not n:
                 continue
-            detached = loss.detach().float()
+            detached = loss.detach()
+            if detached.dtype != torch.float32:
+                detached = detached.float()
             loss_sum = detached if loss_sum is None else loss_sum + detached
-            scale = 1.0 if out.is_sum else (share / total if sync is None else share)
-            for name, value in out.metrics.items():
-                value = torch.as_tensor(value, device=device).detach().float() * scale
-                metric_sums[name] = metric_sums[name] + value if name in metric_sums else value
-            counted = counted + (torch.as_tensor(out.count, device=device).float() if out.is_sum else share)
+            if out.metrics:
+                scale = 1.0 if out.is_sum else (share / total if sync is None else share)
+                for name, value in out.metrics.items():
+                    value = torch.as_tensor(value, device=device).detach().float() * scale
+                    metric_sums[name] = metric_sums[name] + value if name in metric_sums else value
+            if out.is_sum or sync is not None:
+                counted = counted + (torch.as_tensor(out.count, device=device).float() if out.is_sum else share)
     if loss_sum is None:  # every piece was empty (a rank without data this step)
         loss_sum = torch.zeros((), device=device)
     if sync is not None:
         count = torch.as_tensor(counted, device=device, dtype=torch.float64)
         local = torch.clamp(count, min=1.0)
         return _Sums(loss_sum, {name: value / local for name, value in metric_sums.items()} or None, count)
-    if True in kinds:
+    if summed:
         counted = torch.clamp(torch.as_tensor(counted), min=1.0)
         for p in params:
             if p.grad is not None:

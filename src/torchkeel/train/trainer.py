@@ -23,7 +23,7 @@ from torchkeel.distributed.job import TrainingJob
 from torchkeel.errors import TrainingDiverged
 from torchkeel.provenance import provenance
 from torchkeel.train.accumulate import Lookahead, iter_groups
-from torchkeel.train.build import build_training, resolve_device
+from torchkeel.train.build import build_training, resolve_device, step_options
 from torchkeel.train.checkpointing import RunCheckpoints, RunState
 from torchkeel.train.counters import RunCounters, TrainingParts
 from torchkeel.train.early_stop import EarlyStopping
@@ -33,7 +33,6 @@ from torchkeel.train.objective import LabelOutOfRange
 from torchkeel.train.precision import make_precision
 from torchkeel.train.preempt import StopSignals
 from torchkeel.train.protect import BadSampleReport, Protections
-from torchkeel.train.resume import check_resume_config
 from torchkeel.train.rundir import RunFiles
 from torchkeel.train.runlog import Progress, Throughput, train_row
 from torchkeel.train.schedule import end_at_floor
@@ -45,11 +44,11 @@ class Trainer:
     """Trains the model a ``KeelConfig`` describes, with every protection on.
 
     Objects passed in (``model``, ``train_data``/``val_data`` — map-style datasets or streaming
-    sources —, ``loss_fn``) take the place of the config's import paths. Build order — seed, data, model, loss, optimizer — is fixed, so a
-    hand-written loop that follows it draws the same random numbers. ``resume`` is ``"auto"``
-    (the newest valid checkpoint of the run, or a fresh start) or a checkpoint directory; a
-    config that differs from the checkpoint's in what the run computes (data, model, batch,
-    seed…) is refused unless ``allow_config_change`` (see ``check_resume_config``).
+    sources —, ``loss_fn``) take the place of the config's import paths. Build order — seed,
+    data, model, loss, optimizer — is fixed, so a hand-written loop that follows it draws the
+    same random numbers. ``resume`` is ``"auto"`` (the newest valid checkpoint of the run, or a
+    fresh start) or a checkpoint directory; a config that differs from the checkpoint's in what
+    the run computes (data, model, batch, seed…) is refused unless ``allow_config_change``.
 
     Example::
 
@@ -66,9 +65,10 @@ class Trainer:
         self.device = resolve_device(cfg.device, self.rank)
         self.precision = make_precision(cfg.precision, self.device)
         self.job = TrainingJob(cfg.dist, self.rank, self.device)  # joins the job under torchrun
+        self.counters, self.run_dir = RunCounters(), Path(cfg.out_dir) / cfg.name
+        self.files = RunFiles(self.run_dir, is_main=self.rank.is_main)
         try:
-            t = build_training(cfg, self.job, model=model, train_data=train_data, val_data=val_data, loss_fn=loss_fn,
-                               report=self._compile_event)
+            t = build_training(cfg, self.job, model, train_data, val_data, loss_fn, report=self._compile_event)
         except BaseException:
             self.job.close()
             raise
@@ -76,22 +76,18 @@ class Trainer:
         self.model, self.forward_model, self.objective, self.params = t.model, t.forward_model, t.objective, t.params
         self.val_scores, self.train_scores, self.ema = t.val_scores, t.train_scores, t.ema
         self.optimizer, self.scheduler, self.total_steps = t.optimizer, t.scheduler, t.total_steps
-        self.run_dir = Path(cfg.out_dir) / cfg.name
+        self.step_options = step_options(cfg, t, self.precision, self.job, before_forward=oom_hook, agree=self._agree)
         self.parts = TrainingParts(self.model, self.optimizer, self.scheduler, self.precision.scaler, self.ema)
         self.checkpoints = RunCheckpoints(cfg.checkpoint, self.run_dir / "checkpoints", self.job, hook=checkpoint_hook)
         self.store = self.checkpoints.store
-        self.protections = Protections(cfg, self.parts, objective=self.objective, precision=self.precision,
-                                       device=self.device, num_workers=self.train_loader.num_workers,
-                                       memory_probe=memory_probe)
-        self.guard = self.protections.guard
-        self.stopper = EarlyStopping.from_config(cfg)
-        self.oom_hook, self.resume, self.overwrite, self.show_progress = oom_hook, resume, overwrite, progress
-        self.allow_config_change = allow_config_change
-        self.counters = RunCounters()
+        workers = self.train_loader.num_workers
+        self.protections = Protections(cfg, self.parts, t.objective, self.precision, self.device, workers, memory_probe)
+        self.guard, self.stopper = self.protections.guard, EarlyStopping.from_config(cfg)
         self.bad_samples = BadSampleReport(self.job)
-        self.files = RunFiles(self.run_dir, is_main=self.rank.is_main, console=Progress(self.total_steps, enabled=False))
-        self.state = RunState(self.counters, self.protections, self.bad_samples, self.files.incidents, self.stopper,
-                              self.train_loader)
+        self.resume, self.overwrite, self.show_progress = resume, overwrite, progress
+        self.allow_config_change = allow_config_change
+        held = (self.counters, self.protections, self.bad_samples, self.files.incidents, self.stopper)
+        self.state = RunState(*held, self.train_loader)
         self._ahead: Lookahead | None = None  # the epoch's groups, one read ahead
         self._best_unsaved = False
 
@@ -113,14 +109,12 @@ class Trainer:
     def _fit(self) -> dict[str, Any]:
         cfg, is_main, plain = self.config, self.rank.is_main, to_dict(self.config)
         # Every rank verifies the same checkpoint; rank 0 reports what it skipped.
-        found = self.checkpoints.find(self.resume, self.files.console.warn if is_main else (lambda message: None)) \
-            if self.resume else None
-        changes = check_resume_config(found.manifest, plain, allow=self.allow_config_change,
-                                      checkpoint=found.path) if found is not None else []
-        self.files.console = Progress(self.total_steps, enabled=self.show_progress and is_main,
-                                      initial=found.step if found is not None else 0)
-        self.files.open(plain, resume=self.resume is not None, resume_step=found.step if found else None,
-                        overwrite=self.overwrite, logging=cfg.logging)
+        warn, allow = self.files.console.warn if is_main else None, self.allow_config_change
+        found, changes = self.checkpoints.resumable(self.resume, plain, allow_change=allow, warn=warn)
+        start = found.step if found is not None else None
+        self.files.console = Progress(self.total_steps, enabled=self.show_progress and is_main, initial=start or 0)
+        resumed = self.resume is not None
+        self.files.open(plain, resume=resumed, resume_step=start, overwrite=self.overwrite, logging=cfg.logging)
         self._provenance = {**provenance(config_hash(cfg)), "config": plain}
         if self.job.active:
             self.files.log({"kind": "dist", "step": 0, **self.job.row(cfg.train.batch_size)})
@@ -145,9 +139,7 @@ class Trainer:
     def _totals(self) -> dict[str, Any]:
         """The summary's figures, once a save in flight has landed (it is a complete state)."""
         self.checkpoints.join()
-        c = self.counters
-        return {**c.val_metrics, "incidents": dict(self.files.incidents.counts), "steps": c.step, "epochs": c.epoch,
-                "samples": c.samples, "wall_s": round(self.files.wall_s, 3), "run_dir": str(self.run_dir)}
+        return {**self.counters.totals(), **self.files.totals()}
 
     def _train(self) -> None:
         train, c, throughput = self.config.train, self.counters, Throughput()
@@ -159,7 +151,8 @@ class Trainer:
             batches = TimedBatches(self.train_loader.epoch(c.epoch, start_batch=c.batch_in_epoch))
             self.protections.input_bound.start()
             # One group is read ahead, so that the epoch's last step is known when it is taken.
-            self._ahead = Lookahead(iter_groups(self.job.batches(batches, self.train_loader.streaming), train.accumulate))
+            groups = iter_groups(self.job.batches(batches, self.train_loader.streaming), train.accumulate)
+            self._ahead = Lookahead(groups)
             for group, at_epoch_end in self._ahead:
                 is_last = (at_epoch_end and c.epoch + 1 == train.max_epochs) or (
                     train.max_steps is not None and c.step + 1 == train.max_steps)
@@ -178,8 +171,8 @@ class Trainer:
                 self.files.console.advance(1)
                 stop, due, any_bad = result.agreed
                 if any_bad:
-                    self.files.record(self.counters.step, self.bad_samples.collect(self.train_loader))
-                self.files.record(self.counters.step, self.protections.after_step(result, group, c.step, batches.take()))
+                    self.files.record(c.step, self.bad_samples.collect(self.train_loader))
+                self.files.record(c.step, self.protections.after_step(result, group, c.step, batches.take()))
                 c.micro_batch_size = result.micro_batch_size  # under torchrun the smallest that fit on any rank
                 if is_log:
                     self.files.log(train_row(result, c, lr, throughput.rate(), self.train_scores))
@@ -216,16 +209,10 @@ class Trainer:
 
     def _step(self, group: list[Any]) -> StepResult:
         """``train_step`` with the run's settings; a label out of range is named with its sample."""
-        train = self.config.train
+        fitted = self.counters.micro_batch_size
         try:
-            return train_step(
-                self.forward_model, self.optimizer, group, self.objective, params=self.params,
-                precision=self.precision, device=self.device,
-                clip_grad_norm_max=train.clip_grad_norm, scheduler=self.scheduler,
-                check_finite=self.config.guard.enabled, split_on_oom=self.config.oom.auto_split,
-                micro_batch_size=self.counters.micro_batch_size, before_forward=self.oom_hook, sync=self.job.sync,
-                on_outputs=self.train_scores.update if self.train_scores is not None else None, agree=self._agree,
-            )
+            return train_step(self.forward_model, self.optimizer, group, self.objective, micro_batch_size=fitted,
+                              **self.step_options)
         except LabelOutOfRange as exc:
             origin = self.train_loader.origin(group[exc.micro_batch], exc.sample)
             exc.add_note(f"step {self.counters.step + 1}, micro-batch {exc.micro_batch}: {origin or 'origin unknown'}")
@@ -249,12 +236,7 @@ class Trainer:
         self.files.log({"kind": "val", "step": c.step, "epoch": c.epoch, **c.val_metrics})
 
     def _compile_event(self, kind: str, message: str, details: dict[str, Any]) -> None:
-        """A graph break or a fall-back to eager is an incident; the compile time a metrics row."""
-        if "compile_s" in details:
-            self.files.log({"kind": "compile", "step": self.counters.step, **details})
-            self.files.note(message)
-        else:
-            self.files.incident(kind, self.counters.step, message, **details)
+        self.files.compile_event(self.counters.step, kind, message, details)
 
     def _after_validation(self, at_epoch_end: bool) -> bool:
         """Save the best state and stop, as early stopping says; True: the run ends here."""
@@ -283,13 +265,8 @@ class Trainer:
 
     def _restore(self, found: Checkpoint, changes: list[str]) -> None:
         with self.job.watch("loading the checkpoint", found.step):
-            reseeded = self.checkpoints.restore(found, self.parts, self.state, self.config.seed)
-        if reseeded is not None:
-            self.files.console.warn(f"the checkpoint was written by {reseeded} rank{'s' * (reseeded > 1)}, this run "
-                                    f"has {self.rank.world_size}: each rank's random stream (dropout) starts afresh")
-        c = self.counters
-        row = {"step": c.step, "epoch": c.epoch, "batch_in_epoch": c.batch_in_epoch, "samples": c.samples,
-               "checkpoint": str(found.path)}
+            self.checkpoints.restore(found, self.parts, self.state, self.config.seed, warn=self.files.console.warn)
+        row = {**self.counters.position(), "checkpoint": str(found.path)}
         for line in ["resumed: " + " ".join(f"{k} {v}" for k, v in row.items()), *changes]:
             self.files.say(line)  # always said, progress output or not
         self.files.log({"kind": "resume", **row})
