@@ -559,3 +559,36 @@ def test_a_sample_unlike_the_rest_of_its_batch_is_named_not_padded():
     assert bad == [("sample 5", "its shape [7] differs from the other samples' [8] in its batch; fix or remove it")]
     with pytest.raises(DataError, match="set data.collate=pad"):  # lengths that vary everywhere: no majority
         collate_or_split(DefaultCollate(), [torch.ones(n) for n in (2, 3, 4, 5)], name)
+
+
+@pytest.mark.parametrize("kind", ["map", "parquet"])
+def test_batch_size_is_the_jobs_batch_for_every_loader(tmp_path, kind):
+    """One meaning of ``batch_size``: with 2 ranks of a batch of 16, each rank collates 8, and
+    the two ranks' batches of one step are 16 distinct samples."""
+    if kind == "map":
+        data = TensorDataset(torch.arange(64).float().unsqueeze(1), torch.zeros(64, dtype=torch.long))
+        ranks = [EpochLoader(data, 16, seed=3, rank=r, world_size=2) for r in range(2)]
+    else:
+        source = make_source(kind, tmp_path)
+        ranks = [StreamLoader(source, 16, seed=3, rank=r, world_size=2) for r in range(2)]
+    firsts = [next(iter(loader.epoch(0))) for loader in ranks]
+    for loader, batch in zip(ranks, firsts):
+        assert loader.batch_size == loader.options.batch_size == 16
+        assert loader.options.rank_batch_size == 8 and len(batch[0]) == 8
+    assert len(set(firsts[0][0][:, 0].tolist()) | set(firsts[1][0][:, 0].tolist())) == 16
+    for loader in ranks:
+        loader.close()
+
+
+def test_loader_options_name_the_setting_that_is_out_of_range(tmp_path):
+    data = TensorDataset(torch.zeros(8, 1), torch.zeros(8, dtype=torch.long))
+    with pytest.raises(tk.ConfigError, match="train.batch_size 10 does not divide by the world size 4"):
+        EpochLoader(data, 10, world_size=4)
+    with pytest.raises(tk.ConfigError, match="batch_size 6 does not divide by the world size 4"):
+        StreamLoader(make_source("parquet", tmp_path), 6, world_size=4)
+    with pytest.raises(ValueError, match="num_workers must be >= 0, got -1"):
+        EpochLoader(data, 4, num_workers=-1)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+        EpochLoader(data, 4, rank=2, world_size=2)
+    with pytest.raises(ValueError, match=r"max_bad_fraction must be in \[0, 1\], got 1.5"):
+        EpochLoader(data, 4, max_bad_fraction=1.5)

@@ -6,6 +6,7 @@ from torchkeel._lazy import lazy_exports
 _EXPORTS = {
     "DefaultCollate": "torchkeel.data.collate",
     "EpochLoader": "torchkeel.data.loader",
+    "LoaderOptions": "torchkeel.data.options",
     "PadCollate": "torchkeel.data.collate",
     "ParquetSource": "torchkeel.data.sources.parquet",
     "StreamLoader": "torchkeel.data.stream",
@@ -18,7 +19,7 @@ _EXPORTS = {
     "tune_workers": "torchkeel.data.tune",
 }
 
-__all__ = ["DefaultCollate", "EpochLoader", "PadCollate", "ParquetSource", "StreamLoader", "TuneResult",
+__all__ = ["DefaultCollate", "EpochLoader", "LoaderOptions", "PadCollate", "ParquetSource", "StreamLoader", "TuneResult",
            "WebDatasetSource", "epoch_seed", "num_samples", "seed_worker", "to_device", "tune_workers"]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

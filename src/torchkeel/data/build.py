@@ -16,6 +16,7 @@ from torchkeel.config.schema import DataConfig
 from torchkeel.data.collate import build_collate
 from torchkeel.data.images import ImagePreprocess
 from torchkeel.data.loader import EpochLoader
+from torchkeel.data.options import LoaderOptions
 from torchkeel.data.sources.parquet import ParquetSource
 from torchkeel.data.sources.webdataset import WebDatasetSource
 from torchkeel.data.stream import StreamLoader
@@ -31,11 +32,13 @@ class Loader(Protocol):
 
     ``num_batches(epoch)`` is what every rank iterates in that epoch; ``streaming`` says whether
     ranks may hold different numbers of batches (then ``TrainingJob.batches`` keeps them in
-    step). ``batch_size`` is the batch a rank's loader collates: the global batch split over the
-    ranks for ``EpochLoader``, the per-rank batch ``build_loaders`` gives ``StreamLoader``.
+    step). ``options`` holds the settings both share (``options.batch_size`` is always the job's
+    batch, each rank collating ``options.rank_batch_size`` of it); ``num_workers`` is the worker
+    processes the loader runs.
     """
 
     streaming: bool
+    options: LoaderOptions
     num_workers: int
     new_bad: list[tuple[str, str]]
     bad: Any
@@ -116,18 +119,22 @@ def loader_factory(
     transform = sample_transform(cfg)
     batch_transform = resolve_target(cfg.batch_transform, "data.batch_transform") if cfg.batch_transform else None
 
+    run = LoaderOptions(batch_size, seed=seed, collate_fn=collate, pin_memory=device.type == "cuda",
+                        prefetch_factor=cfg.prefetch_factor, max_bad_fraction=cfg.max_bad_fraction,
+                        rank=rank, world_size=world_size)
+
     def make(data: Any, num_workers: int, *, train: bool = True) -> Loader:
-        common = dict(seed=seed, num_workers=num_workers, collate_fn=collate, pin_memory=device.type == "cuda",
-                      prefetch_factor=cfg.prefetch_factor, max_bad_fraction=cfg.max_bad_fraction,
-                      shuffle=cfg.shuffle and train, drop_last=cfg.drop_last and train)
-        if is_source(data):  # each rank streams its own units: its share of the batch
-            return StreamLoader(data, per_rank(batch_size, world_size), transform=transform, batch_transform=batch_transform,
-                                rank=rank, world_size=world_size, streams=cfg.streams, **common)
+        options = dataclasses.replace(run, num_workers=num_workers, shuffle=cfg.shuffle and train,
+                                      drop_last=cfg.drop_last and train)
+        common = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+        if is_source(data):  # each rank streams its own units
+            return StreamLoader(data, transform=transform, batch_transform=batch_transform, streams=cfg.streams,
+                                **common)
         key = id(data)  # the caller keeps train and val data alive: ids stay theirs
         if transform is not None:
             data = _Transformed(data, transform)
-        loader = EpochLoader(data, batch_size, bucket_by=_bucket_key(cfg.bucket_by), bucket_window=cfg.bucket_window,
-                             lengths=lengths.get(key), rank=rank, world_size=world_size, **common)
+        loader = EpochLoader(data, bucket_by=_bucket_key(cfg.bucket_by), bucket_window=cfg.bucket_window,
+                             lengths=lengths.get(key), **common)
         if cfg.bucket_by is not None:  # one pass over the samples, shared by the trial's loaders
             lengths[key] = loader.lengths()
         return loader

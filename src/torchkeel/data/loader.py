@@ -24,10 +24,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from torchkeel.data.bad import BadSamples, remember
 from torchkeel.data.collate import DefaultCollate, collate_or_split
+from torchkeel.data.options import HasLoaderOptions, LoaderOptions
 from torchkeel.data.order import bucket_order, epoch_seed
 from torchkeel.data.stream import worker_context
 from torchkeel.distributed.parallel import empty_like_batch
-from torchkeel.distributed.rank import per_rank
 from torchkeel.errors import DataError, first_line
 from torchkeel.rng import BatchSeeds, preserved_rng
 
@@ -124,7 +124,7 @@ class _EpochSampler(Sampler[int]):
         return len(self.order)
 
 
-class EpochLoader:
+class EpochLoader(HasLoaderOptions):
     """Batches of a map-style dataset for one epoch at a time.
 
     With ``world_size`` > 1, ``batch_size`` is the global batch: rank ``rank`` takes its slice of
@@ -175,18 +175,11 @@ class EpochLoader:
                 f"dataset {type(dataset).__name__} must be map-style (define __len__ and __getitem__)"
             )
         self.dataset = dataset
-        self.batch_size = batch_size
-        self.rank, self.world_size = rank, world_size
-        self.rank_batch_size = per_rank(batch_size, world_size)
-        self.seed = seed
-        self.shuffle = shuffle
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
-        self.collate_fn = collate_fn or DefaultCollate()
-        self.drop_last = drop_last
+        self.options = LoaderOptions(batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
+                                     num_workers=num_workers, collate_fn=collate_fn or DefaultCollate(),
+                                     pin_memory=pin_memory, prefetch_factor=prefetch_factor, start_method=start_method,
+                                     max_bad_fraction=max_bad_fraction, rank=rank, world_size=world_size)
         self.bucket_by, self.bucket_window = bucket_by, bucket_window
-        self.max_bad_fraction = max_bad_fraction
-        self.start_method, self.prefetch_factor = start_method, prefetch_factor
         self.num_samples = len(dataset)  # type: ignore[arg-type]
         if self.num_samples == 0:
             raise DataError(f"dataset {type(dataset).__name__} is empty")
@@ -200,8 +193,8 @@ class EpochLoader:
 
     def __len__(self) -> int:
         """Batches per epoch (the last one may be short, unless ``drop_last``)."""
-        round_ = math.floor if self.drop_last else math.ceil
-        return round_(self.num_samples / self.batch_size)
+        round_ = math.floor if self.options.drop_last else math.ceil
+        return round_(self.num_samples / self.options.batch_size)
 
     def num_batches(self, epoch: int) -> int:
         """The batches every rank iterates in ``epoch`` (the same in every epoch)."""
@@ -209,14 +202,14 @@ class EpochLoader:
 
     def indices(self, epoch: int) -> list[int]:
         """The sample order of ``epoch``."""
-        if not self.shuffle:
+        if not self.options.shuffle:
             order = list(range(self.num_samples))
         else:
-            generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+            generator = torch.Generator().manual_seed(epoch_seed(self.options.seed, epoch))
             order = torch.randperm(self.num_samples, generator=generator).tolist()
         if self.bucket_by is None:
             return order
-        rng = np.random.default_rng([epoch_seed(self.seed, epoch), 1])
+        rng = np.random.default_rng([epoch_seed(self.options.seed, epoch), 1])
         return bucket_order(np.array(order), self.lengths(), self.bucket_window, rng).tolist()
 
     def lengths(self) -> np.ndarray:
@@ -237,17 +230,18 @@ class EpochLoader:
             self.bad.start_epoch(epoch)
         self.bad.epoch = epoch  # a resumed epoch keeps the bad-sample count its checkpoint had
         order = self.indices(epoch)
-        if self.drop_last:
-            order = order[: len(self) * self.batch_size]
+        if self.options.drop_last:
+            order = order[: len(self) * self.options.batch_size]
         self._epoch[0] = epoch
-        self._sampler.order = self.rank_share(order)[start_batch * self.rank_batch_size:]
+        self._sampler.order = self.rank_share(order)[start_batch * self.options.rank_batch_size:]
         return self._iterate(len(self) - start_batch)
 
     def rank_share(self, order: list[int]) -> list[int]:
         """This rank's slices of the global batches of ``order``, in order."""
-        if self.world_size == 1:
+        o = self.options
+        if o.world_size == 1:
             return order
-        size, rank, world, mine = self.batch_size, self.rank, self.world_size, []
+        size, rank, world, mine = o.batch_size, o.rank, o.world_size, []
         for start in range(0, len(order), size):
             n = min(size, len(order) - start)
             low = start + rank * (n // world) + min(rank, n % world)
@@ -259,7 +253,7 @@ class EpochLoader:
         for batch, bad, kept in self._data_loader():
             if bad:
                 self.bad.record([(f"dataset index {b.index}", b.error) for b in bad])
-            if batch is None and self.world_size > 1 and template is not None:
+            if batch is None and self.options.world_size > 1 and template is not None:
                 batch = template  # all bad: the other ranks still step, so this one does too
             if batch is not None:
                 if batch is not template:
@@ -268,7 +262,7 @@ class EpochLoader:
                 template = template if template is not None else empty_like_batch(batch)
                 count += 1
                 yield batch
-        if self.world_size > 1 and template is not None:
+        if self.options.world_size > 1 and template is not None:
             for _ in range(expected - count):  # an empty share of the last batch
                 yield template
 
@@ -291,7 +285,7 @@ class EpochLoader:
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Continue the bad-sample count from this rank's state, or every rank's (a list)."""
-        self.bad.load_state_dict([state] if isinstance(state, dict) else list(state), self.rank, self.world_size)
+        self.bad.load_state_dict([state] if isinstance(state, dict) else list(state), self.options.rank, self.options.world_size)
 
     def close(self) -> None:
         """Stop the worker processes (they are started again by the next ``epoch()``)."""
@@ -299,15 +293,16 @@ class EpochLoader:
 
     def _data_loader(self) -> DataLoader:
         if self._loader is None:
-            workers = self.num_workers
+            o = self.options
+            workers = o.num_workers
             self._loader = DataLoader(
-                _Guarded(self.dataset, self.seed, self.rank, self._epoch), batch_size=self.rank_batch_size, sampler=self._sampler,
-                num_workers=workers, pin_memory=self.pin_memory, collate_fn=_Collate(self.collate_fn),
+                _Guarded(self.dataset, o.seed, o.rank, self._epoch), batch_size=o.rank_batch_size, sampler=self._sampler,
+                num_workers=workers, pin_memory=o.pin_memory, collate_fn=_Collate(o.collate_fn),
                 worker_init_fn=seed_worker if workers else None, persistent_workers=workers > 0,
-                prefetch_factor=self.prefetch_factor if workers else None,
-                multiprocessing_context=worker_context(self.start_method) if workers else None,
+                prefetch_factor=o.prefetch_factor if workers else None,
+                multiprocessing_context=worker_context(o.start_method) if workers else None,
                 # The loader draws its worker base seed from this generator, not the global RNG.
-                generator=torch.Generator().manual_seed(epoch_seed(self.seed, 0) + 1),
+                generator=torch.Generator().manual_seed(epoch_seed(o.seed, 0) + 1),
             )
         return self._loader
 

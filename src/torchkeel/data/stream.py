@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from torchkeel.data.bad import BadSamples, remember
 from torchkeel.data.collate import DefaultCollate
+from torchkeel.data.options import HasLoaderOptions, LoaderOptions
 from torchkeel.data.order import (
     Position,
     Work,
@@ -72,7 +73,7 @@ class _Undo:
             position.next_stream[rank] = self.next_stream
 
 
-class StreamLoader:
+class StreamLoader(HasLoaderOptions):
     """Batches of a streaming ``Source`` for one epoch at a time, exactly once, resumable.
 
     ``rank``/``world_size`` say which share this process reads, in ``streams`` streams (the
@@ -116,10 +117,13 @@ class StreamLoader:
     ) -> None:
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
-        self.source, self.batch_size, self.seed, self.shuffle = source, batch_size, seed, shuffle
-        self.streams, self.num_workers = streams, min(num_workers, streams)
-        self.rank, self.world_size = rank, world_size
-        self.drop_last, self.max_bad_fraction = drop_last, max_bad_fraction
+        self.source = source
+        self.options = o = LoaderOptions(batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
+                                         num_workers=min(num_workers, streams), collate_fn=collate_fn or DefaultCollate(),
+                                         pin_memory=pin_memory, prefetch_factor=prefetch_factor,
+                                         start_method=start_method, max_bad_fraction=max_bad_fraction, rank=rank,
+                                         world_size=world_size)
+        self.streams = streams
         self.units = source.units()
         self.num_samples = sum(u.num_samples for u in self.units)
         if self.num_samples == 0:
@@ -128,12 +132,10 @@ class StreamLoader:
             as_samples = collate_fn is not None or transform is not None
         self._plan = torch.zeros(2 + streams + 3 * len(self.units), dtype=torch.int64).share_memory_()
         self._taken = torch.zeros(streams, dtype=torch.int64).share_memory_()
-        self._dataset = Streams(source, self._plan, self._taken, batch_size, seed=seed, rank=rank, streams=streams,
-                                 window=prefetch_factor + 1, collate=collate_fn or DefaultCollate(),
+        self._dataset = Streams(source, self._plan, self._taken, o.rank_batch_size, seed=seed, rank=rank, streams=streams,
+                                 window=prefetch_factor + 1, collate=o.collate_fn,
                                  transform=transform, batch_transform=batch_transform, drop_last=drop_last,
                                  as_samples=as_samples, shuffle=shuffle)
-        self.pin_memory = pin_memory
-        self._loader_args = dict(start_method=start_method, prefetch_factor=prefetch_factor)
         self._loader: DataLoader | None = None
         self.position: Position | None = None
         self.bad = BadSamples(max_bad_fraction, self.num_samples, world_size)
@@ -142,13 +144,13 @@ class StreamLoader:
 
     def __len__(self) -> int:
         """This rank's batches in a fresh epoch 0 (other epochs differ by a batch or so per stream)."""
-        return self.rank_batches(0)[self.rank]
+        return self.rank_batches(0)[self.options.rank]
 
     def rank_batches(self, epoch: int) -> list[int]:
         """Every rank's batches in a fresh ``epoch`` when no sample is bad (a function of the plan)."""
-        fresh = continue_position(None, epoch, len(self.units), self.world_size, self.streams)
-        return epoch_batches(self.units, self.seed, fresh, self.batch_size, shuffle=self.shuffle,
-                             drop_last=self.drop_last)
+        o = self.options
+        fresh = continue_position(None, epoch, len(self.units), o.world_size, self.streams)
+        return epoch_batches(self.units, o.seed, fresh, o.rank_batch_size, shuffle=o.shuffle, drop_last=o.drop_last)
 
     def num_batches(self, epoch: int) -> int:
         """The batches every rank iterates in ``epoch``: the longest rank's, when no sample is bad."""
@@ -157,14 +159,14 @@ class StreamLoader:
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
         """The batches of ``epoch``; with ``start_batch > 0``, from the loaded position onwards."""
         saved = self.position if start_batch > 0 else None
-        position = continue_position(saved, epoch, len(self.units), self.world_size, self.streams)
+        position = continue_position(saved, epoch, len(self.units), self.options.world_size, self.streams)
         if saved is None or saved.epoch != epoch:
             self.bad.start_epoch(epoch)
         self.bad.epoch = epoch
         self.position = position
-        streams = self._local(plan_streams(self.units, self.seed, position, shuffle=self.shuffle))
+        streams = self._local(plan_streams(self.units, self.options.seed, position, shuffle=self.options.shuffle))
         rows = [(s, w.unit, w.first) for s, stream in enumerate(streams) for w in stream]
-        local = slice(self.rank * self.streams, (self.rank + 1) * self.streams)
+        local = slice(self.options.rank * self.streams, (self.options.rank + 1) * self.streams)
         self._plan[:2 + self.streams] = torch.tensor([epoch, len(rows), *position.stream_items[local]])
         if rows:
             self._plan[2 + self.streams:2 + self.streams + 3 * len(rows)] = torch.tensor(rows).flatten()
@@ -174,10 +176,10 @@ class StreamLoader:
     def _iterate(self, position: Position) -> Iterator[Any]:
         """The streams' items in turn (stream 0, 1, …), whichever worker made them; those that
         come early wait in ``pending``. Positions are recorded as a batch is handed out."""
-        streams, offset = self.streams, self.rank * self.streams
+        streams, offset, rank = self.streams, self.options.rank * self.streams, self.options.rank
         pending: list[deque[tuple[Any, BatchInfo]]] = [deque() for _ in range(streams)]
         ended = [False] * streams
-        turn = position.next_stream[self.rank] % streams
+        turn = position.next_stream[rank] % streams
         undo = _Undo()
         for item in self._data_loader():
             if item[1].stream < 0:
@@ -192,7 +194,7 @@ class StreamLoader:
                     position.consumed[unit] = max(position.consumed[unit], end)
                 ended[turn] = info.ended
                 turn = next((s % streams for s in range(turn + 1, turn + streams + 1) if not ended[s % streams]), turn)
-                position.next_stream[self.rank] = turn
+                position.next_stream[rank] = turn
                 if info.bad:
                     undo.bad += len(info.bad)
                     self.bad.record(info.bad)
@@ -239,7 +241,7 @@ class StreamLoader:
         for batch in reversed(list(unconsumed)):
             undo = self._undo.get(id(batch))
             if undo is not None:  # not one of this loader's (an empty stand-in of another rank's turn)
-                undo.apply(position, self.rank)
+                undo.apply(position, self.options.rank)
                 bad["num_bad"] -= undo.bad
         return {**position.state_dict(), **bad}
 
@@ -250,10 +252,10 @@ class StreamLoader:
         if not states:
             return
         self.position = merge_positions([Position.from_state(s) for s in states])
-        self.bad.load_state_dict(states, self.rank, self.world_size)
+        self.bad.load_state_dict(states, self.options.rank, self.options.world_size)
 
     def _local(self, streams: list[list[Work]]) -> list[list[Work]]:
-        return streams[self.rank * self.streams:(self.rank + 1) * self.streams]
+        return streams[self.options.rank * self.streams:(self.options.rank + 1) * self.streams]
 
     def close(self) -> None:
         """Stop the worker processes (they are started again by the next ``epoch()``)."""
@@ -261,15 +263,15 @@ class StreamLoader:
 
     def _data_loader(self) -> DataLoader:
         if self._loader is None:
-            args = self._loader_args
-            workers = self.num_workers
+            o = self.options
+            workers = o.num_workers
             self._loader = DataLoader(
                 self._dataset, batch_size=None, num_workers=workers, collate_fn=identity,
-                pin_memory=self.pin_memory, persistent_workers=workers > 0,
-                prefetch_factor=args["prefetch_factor"] if workers else None,
-                multiprocessing_context=worker_context(args["start_method"]) if workers else None,
+                pin_memory=o.pin_memory, persistent_workers=workers > 0,
+                prefetch_factor=o.prefetch_factor if workers else None,
+                multiprocessing_context=worker_context(o.start_method) if workers else None,
                 # The workers' base seed comes from this generator, not from the global RNG.
-                generator=torch.Generator().manual_seed(epoch_seed(self.seed, 0) + 2),
+                generator=torch.Generator().manual_seed(epoch_seed(o.seed, 0) + 2),
             )
         return self._loader
 

@@ -56,6 +56,7 @@ class JobGroup:
         self.owned = False
         self._monitor: dist.ProcessGroup | None = None
         self._tight = False
+        self._stepped = False  # first_step_done() was called
         if rank.world_size > 1 and not dist.is_initialized():
             missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
             if missing:
@@ -83,7 +84,10 @@ class JobGroup:
 
     def first_step_done(self) -> None:
         """Switch to ``dist.timeout_s``: the slow first collectives (rendezvous, compilation) are past."""
-        if not self._tight and self.active:  # the cheap test first: this runs after every step
+        if self._stepped:  # called after every step: only the first does anything
+            return
+        self._stepped = True
+        if self.active:
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.cfg.timeout_s))
             self._tight = True
 
