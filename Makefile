@@ -23,10 +23,11 @@ $(STAMP): pyproject.toml | $(PY)
 demo: setup
 	$(VENV)/bin/keel demo
 
-# The layers of docs/architecture.md and ruff's checks come first: they take seconds.
+# The layers of docs/architecture.md, ruff's checks and its formatting come first: they take seconds.
 test: setup
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
 	$(PY) -m pytest -q -m "not slow"
 
 test-slow: setup

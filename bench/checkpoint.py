@@ -87,11 +87,20 @@ def cadence(pairs: int) -> None:
     torch.set_num_threads(1)
 
     def run(enabled: bool) -> tuple[float, int]:
-        config = tk.load_config(None, [
-            f"out_dir={root}", "name=cadence", "model.target=hand_written_loop:make_model",
-            "data.target=hand_written_loop:make_data", "data.args={num_samples: 440}", "train.batch_size=32",
-            "train.max_epochs=100", "train.log_every=50", f"checkpoint.enabled={str(enabled).lower()}",
-        ])
+        config = tk.load_config(
+            None,
+            [
+                f"out_dir={root}",
+                "name=cadence",
+                "model.target=hand_written_loop:make_model",
+                "data.target=hand_written_loop:make_data",
+                "data.args={num_samples: 440}",
+                "train.batch_size=32",
+                "train.max_epochs=100",
+                "train.log_every=50",
+                f"checkpoint.enabled={str(enabled).lower()}",
+            ],
+        )
         trainer = tk.Trainer(config, progress=False, overwrite=True)
         start = time.perf_counter()
         trainer.fit()
@@ -110,9 +119,11 @@ def cadence(pairs: int) -> None:
             ratios.append(times[True] / times[False])
     finally:
         shutil.rmtree(root)
-    print(f"cadence: 100 epochs x 11 steps, default checkpoints / none {statistics.median(ratios):.3f}   "
-          f"(goal <= 1.1; {pairs} interleaved pairs, per-pair ratios {', '.join(f'{r:.2f}' for r in ratios)}; "
-          f"{saves} checkpoints kept on disk)")
+    print(
+        f"cadence: 100 epochs x 11 steps, default checkpoints / none {statistics.median(ratios):.3f}   "
+        f"(goal <= 1.1; {pairs} interleaved pairs, per-pair ratios {', '.join(f'{r:.2f}' for r in ratios)}; "
+        f"{saves} checkpoints kept on disk)"
+    )
 
 
 def main() -> None:
@@ -124,9 +135,10 @@ def main() -> None:
     cadence(args.cadence_pairs)
     model, optimizer = make_state()
     weights_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    times: dict[str, list[float]] = {k: [] for k in
-                                     ("sync_block", "async_block", "async_total", "torch_save", "keel_save",
-                                      "torch_load", "keel_load")}
+    times: dict[str, list[float]] = {
+        k: []
+        for k in ("sync_block", "async_block", "async_total", "torch_save", "keel_save", "torch_load", "keel_load")
+    }
     root = Path(tempfile.mkdtemp(dir=args.dir))
     try:
         store = CheckpointStore(root / "ckpt", keep_last=1, save_top_k=0)
@@ -134,10 +146,14 @@ def main() -> None:
         step = 0
         for _ in range(args.rounds):
             step += 1
-            times["sync_block"].append(timed(lambda: store.save(capture_training_state(model, optimizer), step=step, epoch=0)))
+            times["sync_block"].append(
+                timed(lambda: store.save(capture_training_state(model, optimizer), step=step, epoch=0))
+            )
             step += 1
             start = time.perf_counter()
-            times["async_block"].append(timed(lambda: saver.save(capture_training_state(model, optimizer), step=step, epoch=0)))
+            times["async_block"].append(
+                timed(lambda: saver.save(capture_training_state(model, optimizer), step=step, epoch=0))
+            )
             saver.wait()
             times["async_total"].append(time.perf_counter() - start)
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -151,13 +167,25 @@ def main() -> None:
             times["torch_load"].append(timed(lambda: torch_load(root / f"state-{step}.pt")))
             times["keel_load"].append(timed(lambda: keel_load(store.path_for(step))))
         total_mb = sum(f.stat().st_size for f in store.path_for(step).iterdir()) / 2**20
-        state_mb = sum(t.numel() * t.element_size() for t in snapshot(capture_training_state(model, optimizer))["model"].values())
-        state_mb = (state_mb + sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                                   if isinstance(v, torch.Tensor))) / 2**20
+        state_mb = sum(
+            t.numel() * t.element_size() for t in snapshot(capture_training_state(model, optimizer))["model"].values()
+        )
+        state_mb = (
+            state_mb
+            + sum(
+                v.numel() * v.element_size()
+                for s in optimizer.state.values()
+                for v in s.values()
+                if isinstance(v, torch.Tensor)
+            )
+        ) / 2**20
         rss = {
-            "sync save": peak_rss_above(lambda: store.save(capture_training_state(model, optimizer), step=step + 1, epoch=0)),
-            "async save": peak_rss_above(lambda: (saver.save(capture_training_state(model, optimizer), step=step + 2,
-                                                             epoch=0), saver.wait())),
+            "sync save": peak_rss_above(
+                lambda: store.save(capture_training_state(model, optimizer), step=step + 1, epoch=0)
+            ),
+            "async save": peak_rss_above(
+                lambda: (saver.save(capture_training_state(model, optimizer), step=step + 2, epoch=0), saver.wait())
+            ),
             "load": peak_rss_above(lambda: keel_load(store.path_for(step + 2))),
             "torch.save": peak_rss_above(lambda: torch_save(state, root / f"state-{step}.pt")),
             "torch.load": peak_rss_above(lambda: torch_load(root / f"state-{step}.pt")),
@@ -165,19 +193,29 @@ def main() -> None:
     finally:
         shutil.rmtree(root)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"model weights {weights_mb:.0f} MB; full checkpoint (weights + AdamW state + RNG) {total_mb:.0f} MB; "
-          f"{args.rounds} rounds, medians")
+    print(
+        f"model weights {weights_mb:.0f} MB; full checkpoint (weights + AdamW state + RNG) {total_mb:.0f} MB; "
+        f"{args.rounds} rounds, medians"
+    )
     print(f"loop blocked, sync save        {med['sync_block'] * 1e3:8.1f} ms")
-    print(f"loop blocked, async save       {med['async_block'] * 1e3:8.1f} ms   (background write done after "
-          f"{med['async_total'] * 1e3:.0f} ms)")
+    print(
+        f"loop blocked, async save       {med['async_block'] * 1e3:8.1f} ms   (background write done after "
+        f"{med['async_total'] * 1e3:.0f} ms)"
+    )
     print(f"async / sync blocking          {med['async_block'] / med['sync_block']:8.3f}   (goal <= 0.25)")
-    print(f"save: torch.save+fsync {med['torch_save'] * 1e3:7.1f} ms | torchkeel {med['keel_save'] * 1e3:7.1f} ms "
-          f"(xxh3-128 manifest, atomic, fsynced) | ratio {med['keel_save'] / med['torch_save']:.2f}   (goal <= 1.1)")
-    print(f"load: torch.load(weights_only) {med['torch_load'] * 1e3:7.1f} ms | torchkeel {med['keel_load'] * 1e3:7.1f} ms "
-          f"(every byte hashed, every tensor read) | ratio {med['keel_load'] / med['torch_load']:.2f}   (goal <= 1.2)")
-    print(f"peak RSS above baseline, state {state_mb:.0f} MB: " + ", ".join(
-        f"{name} {peak / 2**20:.0f} MB ({peak / 2**20 / state_mb:.2f}x)" for name, peak in rss.items())
-        + "   (goal: torchkeel save and load <= 1.25x)")
+    print(
+        f"save: torch.save+fsync {med['torch_save'] * 1e3:7.1f} ms | torchkeel {med['keel_save'] * 1e3:7.1f} ms "
+        f"(xxh3-128 manifest, atomic, fsynced) | ratio {med['keel_save'] / med['torch_save']:.2f}   (goal <= 1.1)"
+    )
+    print(
+        f"load: torch.load(weights_only) {med['torch_load'] * 1e3:7.1f} ms | torchkeel {med['keel_load'] * 1e3:7.1f} ms "
+        f"(every byte hashed, every tensor read) | ratio {med['keel_load'] / med['torch_load']:.2f}   (goal <= 1.2)"
+    )
+    print(
+        f"peak RSS above baseline, state {state_mb:.0f} MB: "
+        + ", ".join(f"{name} {peak / 2**20:.0f} MB ({peak / 2**20 / state_mb:.2f}x)" for name, peak in rss.items())
+        + "   (goal: torchkeel save and load <= 1.25x)"
+    )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,9 @@ def write_table(path: Path, rows: int) -> None:
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(0)
-    table = pa.table({name: rng.normal(size=rows).astype(np.float32) for name in COLUMNS}
-                     | {"label": rng.integers(0, 10, size=rows)})
+    table = pa.table(
+        {name: rng.normal(size=rows).astype(np.float32) for name in COLUMNS} | {"label": rng.integers(0, 10, size=rows)}
+    )
     pq.write_table(table, path, row_group_size=65536)
 
 
@@ -67,7 +68,9 @@ def scanner(path: Path) -> float:
     import pyarrow.dataset as ds
 
     def batches():
-        for record_batch in ds.dataset(str(path), format="parquet").to_batches(columns=[*COLUMNS, "label"], batch_size=BATCH):
+        for record_batch in ds.dataset(str(path), format="parquet").to_batches(
+            columns=[*COLUMNS, "label"], batch_size=BATCH
+        ):
             x = np.column_stack([record_batch.column(i).to_numpy() for i in range(len(COLUMNS))])
             labels = np.array(record_batch.column(len(COLUMNS)).to_numpy(zero_copy_only=False))
             yield torch.from_numpy(x), torch.from_numpy(labels)
@@ -155,7 +158,7 @@ def main() -> None:
         ours, hand, single = [], [], []
         for round_ in range(args.rounds):
             pair = [lambda: torchkeel_parquet(path, round_), lambda: scanner(path)]
-            first, second = (pair if round_ % 2 == 0 else pair[::-1])
+            first, second = pair if round_ % 2 == 0 else pair[::-1]
             a, b = first(), second()
             ours.append(a if round_ % 2 == 0 else b)
             hand.append(b if round_ % 2 == 0 else a)
@@ -170,21 +173,24 @@ def main() -> None:
 
     print(f"\n2. CPU-bound __getitem__, {os.cpu_count()} CPUs")
     with tempfile.TemporaryDirectory() as cache:
-        choice = tk.tune_workers(lambda n: tk.EpochLoader(Busy(), 16, seed=0, num_workers=n), fingerprint="bench",
-                                 cache_dir=cache)
+        choice = tk.tune_workers(
+            lambda n: tk.EpochLoader(Busy(), 16, seed=0, num_workers=n), fingerprint="bench", cache_dir=cache
+        )
     print(choice.table())
     counts = sorted(set(candidates()) | {max(candidates()) + 1})
     sweep: dict[int, list[float]] = {n: [] for n in counts}
     for round_ in range(max(2, args.rounds // 2)):
-        for n in counts[round_ % len(counts):] + counts[:round_ % len(counts)]:
+        for n in counts[round_ % len(counts) :] + counts[: round_ % len(counts)]:
             sweep[n].append(busy_epochs(n))
     medians = {n: statistics.median(v) for n, v in sweep.items()}
     for n, value in medians.items():
         print(f"   workers={n}: {value:8.1f} samples/s")
     best = max(medians.values())
     auto = medians.get(choice.num_workers) or busy_epochs(choice.num_workers)
-    print(f"   auto chose {choice.num_workers}: {auto / best:.3f} x the best (goal >= 0.9), "
-          f"{auto / medians[0]:.2f} x workers=0 (goal >= 1.6)")
+    print(
+        f"   auto chose {choice.num_workers}: {auto / best:.3f} x the best (goal >= 0.9), "
+        f"{auto / medians[0]:.2f} x workers=0 (goal >= 1.6)"
+    )
 
     print("\n3. exactly-once/resumable EpochLoader vs plain DataLoader, MLP step time, map-style data")
     g = torch.Generator().manual_seed(0)
@@ -192,15 +198,20 @@ def main() -> None:
     loader = tk.EpochLoader(data, 64, seed=0)
     ours_t, plain_t = [], []
     for round_ in range(args.rounds * 3):
-        runs = [lambda: step_time(loader.epoch, 600),
-                lambda: step_time(lambda e: DataLoader(data, batch_size=64, shuffle=True,
-                                                       generator=torch.Generator().manual_seed(e)), 600)]
+        runs = [
+            lambda: step_time(loader.epoch, 600),
+            lambda: step_time(
+                lambda e: DataLoader(data, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(e)), 600
+            ),
+        ]
         if round_ % 2:
             runs.reverse()
         a, b = runs[0](), runs[1]()
         ours_t.append(a if round_ % 2 == 0 else b)
         plain_t.append(b if round_ % 2 == 0 else a)
-    print(f"   EpochLoader {statistics.median(ours_t) * 1e6:8.1f} us/step, DataLoader {statistics.median(plain_t) * 1e6:8.1f} us/step")
+    print(
+        f"   EpochLoader {statistics.median(ours_t) * 1e6:8.1f} us/step, DataLoader {statistics.median(plain_t) * 1e6:8.1f} us/step"
+    )
     print(f"   ratio {statistics.median(a / b for a, b in zip(ours_t, plain_t)):.3f}   (goal <= 1.05)")
 
 

@@ -44,9 +44,18 @@ from torchkeel.data.loader import EpochLoader
 
 BATCH = 64
 FIRST = 10
-SETTINGS = ["guard.enabled=true", "memory.every_steps=0", "memory.leak_check=false", "checkpoint.enabled=false",
-            "train.log_every=10", "train.clip_grad_norm=1.0", "schedule.warmup_steps=20", "optim.lr=1e-3",
-            "data.num_workers=0", "device=cpu"]
+SETTINGS = [
+    "guard.enabled=true",
+    "memory.every_steps=0",
+    "memory.leak_check=false",
+    "checkpoint.enabled=false",
+    "train.log_every=10",
+    "train.clip_grad_norm=1.0",
+    "schedule.warmup_steps=20",
+    "optim.lr=1e-3",
+    "data.num_workers=0",
+    "device=cpu",
+]
 
 
 def make_model() -> nn.Module:
@@ -86,10 +95,10 @@ def hand_loop(data: TensorDataset, steps: int) -> float:
 
 
 def trainer(data: TensorDataset, steps: int, out_dir: str) -> float:
-    config = tk.load_config(None, [f"out_dir={out_dir}", "train.max_epochs=1", f"train.batch_size={BATCH}",
-                                   *SETTINGS])
-    summary = tk.Trainer(config, model=make_model(), train_data=data, val_data=None, overwrite=True,
-                         progress=False).fit()
+    config = tk.load_config(None, [f"out_dir={out_dir}", "train.max_epochs=1", f"train.batch_size={BATCH}", *SETTINGS])
+    summary = tk.Trainer(
+        config, model=make_model(), train_data=data, val_data=None, overwrite=True, progress=False
+    ).fit()
     assert summary["steps"] == steps, summary
     if dist.get_rank() != 0:
         return 0.0
@@ -115,14 +124,15 @@ def checkpoint_rounds(rounds: int, out_dir: str) -> tuple[list[float], list[floa
     store_sharded = CheckpointStore(f"{out_dir}/sharded", keep_last=1, save_top_k=0)
     store_full = CheckpointStore(f"{out_dir}/full", keep_last=1, save_top_k=0)
     for round_ in range(rounds):
-        for kind in (["sharded", "full"] if round_ % 2 == 0 else ["full", "sharded"]):
+        for kind in ["sharded", "full"] if round_ % 2 == 0 else ["full", "sharded"]:
             dist.barrier()
             start = time.perf_counter()
             if kind == "sharded":
                 save_sharded(store_sharded, {"progress": {"step": round_}}, model, optimizer, step=round_ + 1, epoch=0)
             else:
                 model_state, optim_state = get_state_dict(
-                    model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                    model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+                )
                 if dist.get_rank() == 0:
                     store_full.save({"model": model_state, "optimizer": optim_state}, step=round_ + 1, epoch=0)
                 dist.barrier()
@@ -137,8 +147,15 @@ def main() -> None:
     parser.add_argument("--save-rounds", type=int, default=5)
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   os.path.abspath(__file__), *sys.argv[1:]]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            os.path.abspath(__file__),
+            *sys.argv[1:],
+        ]
         os.execv(sys.executable, command)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -160,15 +177,19 @@ def main() -> None:
         sharded, full = checkpoint_rounds(args.save_rounds, out_dir[0])
         dist.barrier()
     if rank == 0:
-        print(f"2 ranks (gloo, 1 thread each), {args.rounds} rounds x {args.steps} steps, MLP 64-512-512-10, "
-              f"global batch {BATCH}")
+        print(
+            f"2 ranks (gloo, 1 thread each), {args.rounds} rounds x {args.steps} steps, MLP 64-512-512-10, "
+            f"global batch {BATCH}"
+        )
         print(f"hand-written DDP loop  median step {statistics.median(hand) * 1e6:8.1f} us")
         print(f"Trainer under DDP      median step {statistics.median(ours) * 1e6:8.1f} us")
         ratio = statistics.median(o / h for o, h in zip(ours, hand))
         print(f"Trainer / hand loop    {ratio:.3f}   (goal <= 1.05)")
-        print(f"checkpoint of ~150 MB state, {args.save_rounds} rounds: sharded (DCP, both ranks) median "
-              f"{statistics.median(sharded):.3f} s, rank-0 full save median {statistics.median(full):.3f} s, "
-              f"ratio {statistics.median(s / f for s, f in zip(sharded, full)):.3f}")
+        print(
+            f"checkpoint of ~150 MB state, {args.save_rounds} rounds: sharded (DCP, both ranks) median "
+            f"{statistics.median(sharded):.3f} s, rank-0 full save median {statistics.median(full):.3f} s, "
+            f"ratio {statistics.median(s / f for s, f in zip(sharded, full)):.3f}"
+        )
     dist.destroy_process_group()
 
 

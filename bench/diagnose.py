@@ -30,8 +30,9 @@ SLACK_S = 5.0  # "plus a few seconds": interpreter, torch import and the report
 
 def plain(name: str) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, name], cwd=CORPUS, capture_output=True, timeout=300,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    subprocess.run(
+        [sys.executable, name], cwd=CORPUS, capture_output=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     return time.perf_counter() - start
 
 
@@ -53,8 +54,10 @@ def main() -> None:
             diags.append(d)
         ratio = statistics.median(per_round)
         ratios.append(ratio)
-        print(f"   {name:28s} plain {statistics.median(plains):5.2f} s  diagnose {statistics.median(diags):5.2f} s  "
-              f"ratio {ratio:4.2f}")
+        print(
+            f"   {name:28s} plain {statistics.median(plains):5.2f} s  diagnose {statistics.median(diags):5.2f} s  "
+            f"ratio {ratio:4.2f}"
+        )
     print(f"   median ratio {statistics.median(ratios):.2f}, max {max(ratios):.2f} (goal <= 3)")
     if args.skip_corpus:
         return
@@ -72,10 +75,14 @@ def main() -> None:
         within = d <= 3 * p + SLACK_S
         over += not within
         first = report["findings"][0]["id"] if report["findings"] else "-"
-        print(f"   {name:32s} {'ok ' if ok else 'BAD'} first={first:34s} plain {p:5.2f} s  diagnose {d:5.2f} s"
-              f"  {d / p:4.2f}x{'' if within else '  OVER 3x+5s'}" + ("" if ok else f"  ({why})"))
-    print(f"   faults named first with evidence: {named}/{len(faults)} ({named / len(faults):.0%}); "
-          f"false alarms: {alarms}/{len(EXPECTED) - len(faults)}; cases over 3x plain + {SLACK_S:g} s: {over}")
+        print(
+            f"   {name:32s} {'ok ' if ok else 'BAD'} first={first:34s} plain {p:5.2f} s  diagnose {d:5.2f} s"
+            f"  {d / p:4.2f}x{'' if within else '  OVER 3x+5s'}" + ("" if ok else f"  ({why})")
+        )
+    print(
+        f"   faults named first with evidence: {named}/{len(faults)} ({named / len(faults):.0%}); "
+        f"false alarms: {alarms}/{len(EXPECTED) - len(faults)}; cases over 3x plain + {SLACK_S:g} s: {over}"
+    )
 
 
 if __name__ == "__main__":

@@ -30,12 +30,16 @@ def main() -> None:
     start = time.perf_counter()
     finding, _, steps = train_for(args.seconds, keep=True, speed=1.0, clock=time.perf_counter)
     found_s = time.perf_counter() - start
-    print(f"kept step output: {'found' if finding else 'NOT found'} after {found_s:.1f} s, {steps} steps "
-          f"(goal: within 30 s){'' if finding and found_s <= 30 else '  <- goal not met'}")
+    print(
+        f"kept step output: {'found' if finding else 'NOT found'} after {found_s:.1f} s, {steps} steps "
+        f"(goal: within 30 s){'' if finding and found_s <= 30 else '  <- goal not met'}"
+    )
     start = time.perf_counter()
     finding, _, steps = train_for(args.seconds, keep=False, speed=1.0, clock=time.perf_counter)
-    print(f"clean loop: {'no finding' if finding is None else 'FALSE ALARM'} in {time.perf_counter() - start:.1f} s, "
-          f"{steps} steps")
+    print(
+        f"clean loop: {'no finding' if finding is None else 'FALSE ALARM'} in {time.perf_counter() - start:.1f} s, "
+        f"{steps} steps"
+    )
 
 
 if __name__ == "__main__":

@@ -67,9 +67,18 @@ class SmallCNN(nn.Sequential):
     memory-bound at batch 1 (it reads its 26 MB of weights per call) and cheap per image in a batch."""
 
     def __init__(self) -> None:
-        super().__init__(nn.Conv2d(3, 16, 4, stride=4), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
-                         nn.Conv2d(32, 32, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 14 * 14, 1024),
-                         nn.ReLU(), nn.Linear(1024, 10))
+        super().__init__(
+            nn.Conv2d(3, 16, 4, stride=4),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 32, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(32 * 14 * 14, 1024),
+            nn.ReLU(),
+            nn.Linear(1024, 10),
+        )
 
 
 MODELS = {"small": "SmallMLP", "wide": "BigMLP", "image": "SmallCNN", "grpc": "SmallMLP"}
@@ -131,8 +140,12 @@ def baseline_app(export_dir: str):
             out = model(x)
         return JSONResponse({"predictions": out.tolist()})
 
-    return Starlette(routes=[Route("/v1/models/bench:predict", predict, methods=["POST"]),
-                             Route("/v2/health/ready", lambda r: JSONResponse({}))])
+    return Starlette(
+        routes=[
+            Route("/v1/models/bench:predict", predict, methods=["POST"]),
+            Route("/v2/health/ready", lambda r: JSONResponse({})),
+        ]
+    )
 
 
 def image_baseline_app(export_dir: str):
@@ -164,8 +177,12 @@ def image_baseline_app(export_dir: str):
             predictions.append([{"label": LABELS[i], "score": float(p)} for p, i in zip(top.values, top.indices)])
         return JSONResponse({"predictions": predictions})
 
-    return Starlette(routes=[Route("/v1/models/bench:predict", predict, methods=["POST"]),
-                             Route("/v2/health/ready", lambda r: JSONResponse({}))])
+    return Starlette(
+        routes=[
+            Route("/v1/models/bench:predict", predict, methods=["POST"]),
+            Route("/v2/health/ready", lambda r: JSONResponse({})),
+        ]
+    )
 
 
 def free_port() -> int:
@@ -178,11 +195,15 @@ PINNED = hasattr(os, "sched_setaffinity") and {SERVER_CORE, LOAD_CORE} <= os.sch
 
 
 def launch(args: list[str], port: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": str(THREADS)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": str(THREADS),
+    }
     pin = (lambda: os.sched_setaffinity(0, {SERVER_CORE})) if PINNED else None
-    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=pin)
+    proc = subprocess.Popen(
+        [sys.executable, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=pin
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -203,31 +224,46 @@ def cpu_seconds(pid: int) -> float:
 
 def http_request(path: str, body: bytes, **headers: str) -> bytes:
     extra = "".join(f"{k.replace('_', '-')}: {v}\r\n" for k, v in headers.items())
-    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{extra}"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{extra}"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
 def v1_requests() -> list[bytes]:
-    return [http_request("/v1/models/bench:predict",
-                         json.dumps({"instances": [np.random.default_rng(i).normal(size=64).tolist()]}).encode())
-            for i in range(64)]
+    return [
+        http_request(
+            "/v1/models/bench:predict",
+            json.dumps({"instances": [np.random.default_rng(i).normal(size=64).tolist()]}).encode(),
+        )
+        for i in range(64)
+    ]
 
 
 def image_requests() -> list[bytes]:
     import base64
 
-    return [http_request("/v1/models/bench:predict",
-                         json.dumps({"instances": [{"image_bytes": {"b64": base64.b64encode(jpeg(1000 + i)).decode()}}]}).encode())
-            for i in range(64)]
+    return [
+        http_request(
+            "/v1/models/bench:predict",
+            json.dumps({"instances": [{"image_bytes": {"b64": base64.b64encode(jpeg(1000 + i)).decode()}}]}).encode(),
+        )
+        for i in range(64)
+    ]
 
 
 def v2_binary_requests() -> list[bytes]:
     out = []
     for i in range(64):
         x = np.random.default_rng(i).normal(size=(1, 64)).astype(np.float32).tobytes()
-        header = json.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
-                                         "parameters": {"binary_data_size": len(x)}}],
-                             "outputs": [{"name": "output", "parameters": {"binary_data": True}}]}).encode()
+        header = json.dumps(
+            {
+                "inputs": [
+                    {"name": "input", "shape": [1, 64], "datatype": "FP32", "parameters": {"binary_data_size": len(x)}}
+                ],
+                "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
+            }
+        ).encode()
         out.append(http_request("/v2/models/bench/infer", header + x, Inference_Header_Content_Length=str(len(header))))
     return out
 
@@ -271,8 +307,13 @@ async def _load_grpc(port: int, concurrency: int, total: int, requests: list[byt
         await asyncio.gather(*(client(i) for i in range(concurrency)))
         wall = time.perf_counter() - start
     latencies.sort()
-    return {"rps": len(latencies) / wall, "p50_ms": latencies[len(latencies) // 2] * 1e3,
-            "p99_ms": latencies[int(len(latencies) * 0.99)] * 1e3, "errors": 0, "n": len(latencies)}
+    return {
+        "rps": len(latencies) / wall,
+        "p50_ms": latencies[len(latencies) // 2] * 1e3,
+        "p99_ms": latencies[int(len(latencies) * 0.99)] * 1e3,
+        "errors": 0,
+        "n": len(latencies),
+    }
 
 
 async def _load(port: int, concurrency: int, total: int, requests: list[bytes]) -> dict[str, float]:
@@ -299,8 +340,13 @@ async def _load(port: int, concurrency: int, total: int, requests: list[bytes]) 
     await asyncio.gather(*(client(i) for i in range(concurrency)))
     wall = time.perf_counter() - start
     latencies.sort()
-    return {"rps": len(latencies) / wall, "p50_ms": latencies[len(latencies) // 2] * 1e3,
-            "p99_ms": latencies[int(len(latencies) * 0.99)] * 1e3, "errors": len(errors), "n": len(latencies)}
+    return {
+        "rps": len(latencies) / wall,
+        "p50_ms": latencies[len(latencies) // 2] * 1e3,
+        "p99_ms": latencies[int(len(latencies) * 0.99)] * 1e3,
+        "errors": len(errors),
+        "n": len(latencies),
+    }
 
 
 def rss_mb(pid: int) -> float:
@@ -314,10 +360,27 @@ def export_model(root: Path, name: str) -> Path:
     import torchkeel as tk
     from torchkeel.export import export_run
 
-    data = ["data.target=serve:make_images", "data.num_workers=0", f"data.preprocess={json.dumps(PREPROCESS)}",
-            "train.batch_size=8"] if name == "image" else ["data.target=serve:make_data"]
-    config = tk.load_config(None, [f"out_dir={root / name}", "name=bench", f"model.target=serve:{MODELS[name]}",
-                                   *data, "train.max_epochs=null", "train.max_steps=1"])
+    data = (
+        [
+            "data.target=serve:make_images",
+            "data.num_workers=0",
+            f"data.preprocess={json.dumps(PREPROCESS)}",
+            "train.batch_size=8",
+        ]
+        if name == "image"
+        else ["data.target=serve:make_data"]
+    )
+    config = tk.load_config(
+        None,
+        [
+            f"out_dir={root / name}",
+            "name=bench",
+            f"model.target=serve:{MODELS[name]}",
+            *data,
+            "train.max_epochs=null",
+            "train.max_steps=1",
+        ],
+    )
     tk.Trainer(config, progress=False).fit()
     export_dir = root / f"export-{name}"
     export_run(root / name / "bench", "torchscript", export_dir, batch_sizes=(1, 8, 64))
@@ -326,11 +389,25 @@ def export_model(root: Path, name: str) -> Path:
 
 def measure(name: str, export_dir: Path, requests: int, rounds: int) -> dict[tuple[str, int], dict[str, float]]:
     keel_port, base_port, grpc_port = free_port(), free_port(), free_port()
-    keel = launch(["-m", "torchkeel.cli.main", "serve", str(export_dir), "--port", str(keel_port),
-                   "--grpc-port", str(grpc_port if name == "grpc" else 0)], keel_port)
+    keel = launch(
+        [
+            "-m",
+            "torchkeel.cli.main",
+            "serve",
+            str(export_dir),
+            "--port",
+            str(keel_port),
+            "--grpc-port",
+            str(grpc_port if name == "grpc" else 0),
+        ],
+        keel_port,
+    )
     # (process, port, pre-encoded requests, over gRPC)
     if name == "grpc":
-        contenders = {"grpc": (keel, grpc_port, grpc_requests(), True), "rest": (keel, keel_port, v2_binary_requests(), False)}
+        contenders = {
+            "grpc": (keel, grpc_port, grpc_requests(), True),
+            "rest": (keel, keel_port, v2_binary_requests(), False),
+        }
     else:
         flag = "--image-baseline-server" if name == "image" else "--baseline-server"
         baseline = launch([str(HERE / "serve.py"), flag, str(export_dir), str(base_port)], base_port)
@@ -341,7 +418,7 @@ def measure(name: str, export_dir: Path, requests: int, rounds: int) -> dict[tup
     try:
         for concurrency in CONCURRENCY:
             for round_ in range(rounds):
-                for server in ((first, second) if round_ % 2 == 0 else (second, first)):
+                for server in (first, second) if round_ % 2 == 0 else (second, first):
                     proc, port, bodies, over_grpc = contenders[server]
                     load(port, concurrency, 64, bodies, over_grpc)  # warm-up of the connections
                     cpu = cpu_seconds(proc.pid)
@@ -355,17 +432,23 @@ def measure(name: str, export_dir: Path, requests: int, rounds: int) -> dict[tup
             proc.wait(timeout=60)
     merged = {}
     for key, rs in runs.items():
-        merged[key] = {"rps": statistics.mean(r["rps"] for r in rs), "p50_ms": statistics.median(r["p50_ms"] for r in rs),
-                       "p99_ms": max(r["p99_ms"] for r in rs), "cpu_us": statistics.mean(r["cpu_us"] for r in rs),
-                       "errors": sum(r["errors"] for r in rs)}
+        merged[key] = {
+            "rps": statistics.mean(r["rps"] for r in rs),
+            "p50_ms": statistics.median(r["p50_ms"] for r in rs),
+            "p99_ms": max(r["p99_ms"] for r in rs),
+            "cpu_us": statistics.mean(r["cpu_us"] for r in rs),
+            "errors": sum(r["errors"] for r in rs),
+        }
     failed = {key: r["errors"] for key, r in merged.items() if r["errors"]}
     if failed:
         raise SystemExit(f"[{name}] requests failed (server, concurrency → count): {failed}")
     print(f"\n[{name}] server RSS after the load: " + ", ".join(f"{s} {mb:.0f} MB" for s, mb in rss.items()))
     print(f"{'server':10s} {'conc':>4s} {'req/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} {'CPU us/req':>10s}  errors")
     for (server, concurrency), r in sorted(merged.items(), key=lambda kv: (kv[0][1], kv[0][0] != first)):
-        print(f"{server:10s} {concurrency:4d} {r['rps']:8.0f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['cpu_us']:10.0f}  "
-              f"{r['errors']}")
+        print(
+            f"{server:10s} {concurrency:4d} {r['rps']:8.0f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['cpu_us']:10.0f}  "
+            f"{r['errors']}"
+        )
     return merged
 
 
@@ -386,8 +469,11 @@ def main() -> None:
         return
     if PINNED:
         os.sched_setaffinity(0, {LOAD_CORE})
-    print(f"servers pinned to core {SERVER_CORE}, load generator to core {LOAD_CORE}" if PINNED
-          else "cores 0 and 1 are not both usable: nothing pinned")
+    print(
+        f"servers pinned to core {SERVER_CORE}, load generator to core {LOAD_CORE}"
+        if PINNED
+        else "cores 0 and 1 are not both usable: nothing pinned"
+    )
     sys.path.insert(0, str(HERE))
     root = Path(tempfile.mkdtemp(prefix="torchkeel-bench-serve-"))
     ratios = []
@@ -399,8 +485,10 @@ def main() -> None:
             goal = {("small", 64): 1.5, ("wide", 64): 4.0, ("image", 64): 2.0}.get((name, concurrency), 1.0)
             ratios.append(f"{name} concurrency {concurrency:2d}: {a} / {b} req/s {ratio:5.2f}x (goal >= {goal})")
         cpu = result[(a, 1)]["cpu_us"] / result[(b, 1)]["cpu_us"]
-        ratios.append(f"{name} concurrency  1: {a} / {b} server CPU per request {cpu:5.2f}x"
-                      + ("" if name == "grpc" else " (goal <= 1.1)"))
+        ratios.append(
+            f"{name} concurrency  1: {a} / {b} server CPU per request {cpu:5.2f}x"
+            + ("" if name == "grpc" else " (goal <= 1.1)")
+        )
     print()
     print("\n".join(ratios))
 

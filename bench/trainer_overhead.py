@@ -39,8 +39,10 @@ import torchkeel as tk
 BATCH = 64
 FIRST = 10  # timing starts after this step: set-up and the first steps' warm-up are left out
 GUARDS_OFF = ["guard.enabled=false", "memory.every_steps=0", "memory.leak_check=false", "oom.auto_split=false"]
-ECOSYSTEM = ["metrics=[{name: f1, target: 'torchmetrics.classification:MulticlassF1Score', args: {num_classes: 10}}]",
-             "logging.tensorboard=true"]
+ECOSYSTEM = [
+    "metrics=[{name: f1, target: 'torchmetrics.classification:MulticlassF1Score', args: {num_classes: 10}}]",
+    "logging.tensorboard=true",
+]
 
 
 def make_model() -> nn.Module:
@@ -80,8 +82,17 @@ def trainer(data: TensorDataset, steps: int, out_dir: str, extra: list[str], val
     """Seconds per step of Trainer.fit from step FIRST to the last, from metrics.jsonl's wall times."""
     config = tk.load_config(
         None,
-        [f"out_dir={out_dir}", "train.max_epochs=1", f"train.batch_size={BATCH}", "train.clip_grad_norm=1.0",
-         "schedule.warmup_steps=20", "optim.lr=1e-3", "train.log_every=10", "checkpoint.enabled=false", *extra],
+        [
+            f"out_dir={out_dir}",
+            "train.max_epochs=1",
+            f"train.batch_size={BATCH}",
+            "train.clip_grad_norm=1.0",
+            "schedule.warmup_steps=20",
+            "optim.lr=1e-3",
+            "train.log_every=10",
+            "checkpoint.enabled=false",
+            *extra,
+        ],
     )
     fit = tk.Trainer(config, model=make_model(), train_data=data, val_data=val, overwrite=True, progress=False)
     summary = fit.fit()

@@ -32,9 +32,7 @@ def make_data(num_samples: int = 600, num_features: int = 32, num_classes: int =
 
 
 def make_model(num_features: int = 32, hidden: int = 64, num_classes: int = 4) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(num_features, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, num_classes)
-    )
+    return nn.Sequential(nn.Linear(num_features, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, num_classes))
 
 
 def main(

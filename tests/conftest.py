@@ -53,10 +53,18 @@ def train_tiny(out_dir, steps: int = 20, *overrides: str):
     """A short real run of the example's model and data into ``out_dir/tiny``; returns the Trainer."""
     import torchkeel as tk
 
-    config = load_config(None, [
-        f"out_dir={out_dir}", "name=tiny", "model.target=hand_written_loop:make_model",
-        "data.target=hand_written_loop:make_data", "train.max_epochs=null", f"train.max_steps={steps}", *overrides,
-    ])
+    config = load_config(
+        None,
+        [
+            f"out_dir={out_dir}",
+            "name=tiny",
+            "model.target=hand_written_loop:make_model",
+            "data.target=hand_written_loop:make_data",
+            "train.max_epochs=null",
+            f"train.max_steps={steps}",
+            *overrides,
+        ],
+    )
     trainer = tk.Trainer(config, progress=False)
     trainer.fit()
     return trainer

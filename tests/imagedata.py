@@ -55,12 +55,24 @@ def make_data():
 
 def make_cnn() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 8, 3, padding=1),
-                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+    )
 
 
 def image_run_overrides() -> list[str]:
     import json
 
-    return ["model.target=imagedata:make_cnn", "data.target=imagedata:make_data", "data.num_workers=0",
-            f"data.preprocess={json.dumps(PREPROCESS)}"]
+    return [
+        "model.target=imagedata:make_cnn",
+        "data.target=imagedata:make_data",
+        "data.num_workers=0",
+        f"data.preprocess={json.dumps(PREPROCESS)}",
+    ]

@@ -41,8 +41,9 @@ class TinyLM(nn.Module):
         self.embed = nn.Embedding(vocab, dim, padding_idx=PAD)
         self.mix = nn.Sequential(nn.Linear(2 * dim, 64), nn.ReLU(), nn.Linear(64, vocab))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                labels: torch.Tensor | None = None) -> LMOutput:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> LMOutput:
         current = self.embed(input_ids) * attention_mask[..., None]
         previous = nn.functional.pad(current[:, :-1], (0, 0, 1, 0))  # position t sees t - 1 too
         logits = self.mix(torch.cat([current, previous], dim=-1))
@@ -56,9 +57,19 @@ def tiny_gpt2(n_layer: int = 1, n_embd: int = 32) -> nn.Module:
     """A transformers GPT-2 built from a config (no download, no dropout) for the same vocabulary."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=VOCAB, n_positions=64, n_layer=n_layer, n_embd=n_embd, n_head=2,
-                        bos_token_id=1, eos_token_id=1, pad_token_id=PAD,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=2,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=PAD,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -100,8 +111,12 @@ def write_parquet(root: str | Path, num_train: int = 1024, num_val: int = 128) -
     out.mkdir(parents=True, exist_ok=True)
     for split, num, seed in (("train", num_train, 1), ("val", num_val, 2)):
         rows = [s.astype(np.int64).tolist() for s in sequences(num, seed)]
-        table = pa.table({"input_ids": pa.array(rows, type=pa.list_(pa.int64())),
-                          "labels": pa.array(rows, type=pa.list_(pa.int64()))})
+        table = pa.table(
+            {
+                "input_ids": pa.array(rows, type=pa.list_(pa.int64())),
+                "labels": pa.array(rows, type=pa.list_(pa.int64())),
+            }
+        )
         pq.write_table(table, out / f"{split}.parquet", row_group_size=128)
     return out
 

@@ -26,8 +26,9 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(batch, dict):
         return {k: map_tensors(v, fn) for k, v in batch.items()}
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: map_tensors(getattr(batch, f.name), fn)
-                                             for f in dataclasses.fields(batch) if f.init})
+        return dataclasses.replace(
+            batch, **{f.name: map_tensors(getattr(batch, f.name), fn) for f in dataclasses.fields(batch) if f.init}
+        )
     return batch
 
 
@@ -68,8 +69,9 @@ def split_batch(batch: Any, size: int) -> list[Any]:
     Values that are not tensors (strings, numbers) are repeated in every piece."""
     n = num_samples(batch)
     starts = range(0, n, size)
-    return [map_tensors(batch, lambda t, s=s: t[s:s + size] if t.dim() > 0 and t.shape[0] == n else t)
-            for s in starts]
+    return [
+        map_tensors(batch, lambda t, s=s: t[s : s + size] if t.dim() > 0 and t.shape[0] == n else t) for s in starts
+    ]
 
 
 def concat(pieces: Sequence[Any]) -> Any:

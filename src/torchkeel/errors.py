@@ -65,9 +65,7 @@ class MissingExtraError(KeelError):
     exit_code = 2
 
     def __init__(self, extra: str, package: str, feature: str) -> None:
-        super().__init__(
-            f"{feature} needs the '{package}' package: pip install 'torchkeel[{extra}]'"
-        )
+        super().__init__(f"{feature} needs the '{package}' package: pip install 'torchkeel[{extra}]'")
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:

@@ -25,12 +25,18 @@ _CHUNK_BYTES = 64 * 1024 * 1024
 def write_bytes_atomic(path: str | Path, data: bytes | memoryview, hook: WriteHook | None = None) -> None:
     """Write ``data`` to ``path`` atomically and durably (see the module docstring)."""
     view = memoryview(data).cast("B")
-    write_chunks_atomic(path, (view[i: i + _CHUNK_BYTES] for i in range(0, len(view), _CHUNK_BYTES)), len(view), hook)
+    write_chunks_atomic(path, (view[i : i + _CHUNK_BYTES] for i in range(0, len(view), _CHUNK_BYTES)), len(view), hook)
 
 
-def write_chunks_atomic(path: str | Path, chunks: Iterable[bytes | memoryview], total_bytes: int,
-                        hook: WriteHook | None = None, hasher: Any = None, sync_dir: bool = True,
-                        temp_dir: str | Path | None = None) -> None:
+def write_chunks_atomic(
+    path: str | Path,
+    chunks: Iterable[bytes | memoryview],
+    total_bytes: int,
+    hook: WriteHook | None = None,
+    hasher: Any = None,
+    sync_dir: bool = True,
+    temp_dir: str | Path | None = None,
+) -> None:
     """Write the concatenation of ``chunks`` (``total_bytes`` in all) to ``path`` atomically and
     durably, without ever holding more than one chunk; ``hasher.update`` sees every byte as it goes.
 
@@ -51,7 +57,7 @@ def write_chunks_atomic(path: str | Path, chunks: Iterable[bytes | memoryview], 
                     hasher.update(chunk)
                 view = memoryview(chunk)
                 while view:  # a raw file may write less than asked
-                    view = view[f.write(view):]
+                    view = view[f.write(view) :]
                 written += len(chunk)
                 if not half_done and written * 2 >= total_bytes:
                     half_done = True

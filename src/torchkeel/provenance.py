@@ -21,7 +21,9 @@ def git_state(directory: str | Path = ".") -> dict[str, Any]:
             return {"commit": None, "dirty": None}
         status = subprocess.run(
             ["git", "-C", str(directory), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=5,
+            capture_output=True,
+            text=True,
+            timeout=5,
         )
         return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
     except (OSError, subprocess.TimeoutExpired):

@@ -18,13 +18,20 @@ EXPECTED: dict[str, dict[str, Any] | None] = json.loads((CORPUS / "expected.json
 KEEL = [sys.executable, "-m", "torchkeel.cli.main"]
 
 
-def diagnose(name: str, *extra: str, cwd: Path = CORPUS, args: tuple[str, ...] = (),
-             timeout_s: float = 180) -> tuple[dict[str, Any], int, float]:
+def diagnose(
+    name: str, *extra: str, cwd: Path = CORPUS, args: tuple[str, ...] = (), timeout_s: float = 180
+) -> tuple[dict[str, Any], int, float]:
     """Run ``keel diagnose --json`` on one script from ``cwd`` (default: the corpus folder):
     (report, exit code, seconds). The script's own output must have gone to stderr."""
     start = time.perf_counter()
-    proc = subprocess.run([*KEEL, "diagnose", "--json", *extra, "--", "python", name, *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [*KEEL, "diagnose", "--json", *extra, "--", "python", name, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     elapsed = time.perf_counter() - start
     diagnose.last_stderr = proc.stderr
     try:
@@ -37,6 +44,7 @@ def diagnose(name: str, *extra: str, cwd: Path = CORPUS, args: tuple[str, ...] =
 def diagnose_all(names: list[str], repro_for: set[str] | None = None, workers: int = 2) -> dict[str, tuple]:
     """Diagnose several scripts, two at a time; ``--no-repro`` unless the name is in ``repro_for``
     (None: the default, which checks reproducibility of short runs)."""
+
     def one(name: str) -> tuple:
         extra = () if repro_for is None or name in repro_for else ("--no-repro",)
         return diagnose(name, *extra)

@@ -48,8 +48,14 @@ json.dump({"losses": losses, "weight": repr(model[0].weight.sum().item())}, open
 
 
 def plain_run(script: Path, *args: str) -> None:
-    subprocess.run([sys.executable, str(script), *args], check=True, cwd=script.parent,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, str(script), *args],
+        check=True,
+        cwd=script.parent,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("flag", [(), ("--nan",)], ids=["healthy", "goes-nan"])
@@ -77,7 +83,8 @@ def test_the_scripts_own_error_still_happens_and_is_reported(tmp_path):
 
 
 def test_exit_status_stdout_and_stop_after_steps(tmp_path):
-    (tmp_path / "s.py").write_text(textwrap.dedent("""
+    (tmp_path / "s.py").write_text(
+        textwrap.dedent("""
         import sys, torch
         print("hello from the script")
         model = torch.nn.Linear(2, 1)
@@ -87,7 +94,8 @@ def test_exit_status_stdout_and_stop_after_steps(tmp_path):
             model(torch.randn(4, 2)).pow(2).mean().backward()
             opt.step()
         sys.exit(3)
-    """))
+    """)
+    )
     report, code, _ = diagnose("s.py", "--no-repro", cwd=tmp_path)
     assert code == 0 and report["script"]["exit_status"] == 3 and report["steps"] == 50
     assert "hello from the script" in diagnose.last_stderr
@@ -103,16 +111,24 @@ def test_timeout_stops_a_script_that_never_ends(tmp_path):
 
 
 def test_usage_errors_exit_2_without_traceback(tmp_path):
-    for argv in (["diagnose", "--", "python", "missing.py"], ["diagnose", "--", "python"],
-                 ["diagnose", "--steps", "0", "--", "python", "x.py"]):
+    for argv in (
+        ["diagnose", "--", "python", "missing.py"],
+        ["diagnose", "--", "python"],
+        ["diagnose", "--steps", "0", "--", "python", "x.py"],
+    ):
         proc = subprocess.run([*KEEL, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, argv
         assert proc.stderr.startswith("keel: error:") and "Traceback" not in proc.stderr
 
 
 def test_human_report_names_the_finding_and_the_fix():
-    proc = subprocess.run([*KEEL, "diagnose", "--no-repro", "--", "python", "double_step_accum.py"], cwd=CORPUS,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [*KEEL, "diagnose", "--no-repro", "--", "python", "double_step_accum.py"],
+        cwd=CORPUS,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "1. [error] double-step:" in proc.stdout and "fix:" in proc.stdout
 
@@ -172,17 +188,22 @@ def test_first_difference_treats_nan_as_equal():
 
 
 def test_order_puts_errors_first_then_the_root_cause():
-    f = [Finding("leaked-graph", "error", "m", {}, "x"), Finding("dataloader-bottleneck", "warning", "m", {}, "x"),
-         Finding("nonfinite-input", "error", "m", {}, "x")]
+    f = [
+        Finding("leaked-graph", "error", "m", {}, "x"),
+        Finding("dataloader-bottleneck", "warning", "m", {}, "x"),
+        Finding("nonfinite-input", "error", "m", {}, "x"),
+    ]
     assert [x.id for x in order_findings(f)] == ["nonfinite-input", "leaked-graph", "dataloader-bottleneck"]
 
 
 def test_consequences_are_dropped_and_a_bare_error_is_reported():
     facts = Facts(steps=3, backward_calls=3)
-    facts.grad_norms = [{"step": s, "optimizer": 0, "layers": {"m": v}, "total": v} for s, v in
-                        ((1, 1.0), (2, 1e3), (3, 1e7))]
-    facts.events["zero-grad-checks"] = [{"step": s, "optimizer": "SGD", "optimizer_index": 0, "param": "m.weight"}
-                                        for s in (2, 3)]
+    facts.grad_norms = [
+        {"step": s, "optimizer": 0, "layers": {"m": v}, "total": v} for s, v in ((1, 1.0), (2, 1e3), (3, 1e7))
+    ]
+    facts.events["zero-grad-checks"] = [
+        {"step": s, "optimizer": "SGD", "optimizer_index": 0, "param": "m.weight"} for s in (2, 3)
+    ]
     outcome = ScriptOutcome("s.py", [])
     assert [f.id for f in judge(facts, outcome)] == ["missing-zero-grad"]
     facts.events.clear()

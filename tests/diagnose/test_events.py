@@ -15,9 +15,18 @@ from torchkeel.diagnose.runner import run_script
 CORPUS = Path(__file__).parent / "corpus"
 # Scripts that between them record most kinds (labels, in-place, double steps, non-finite forward,
 # gradients and inputs, batch norm, eval in train mode, carried state, a loss without a graph).
-SCRIPTS = ["label_oor_bce.py", "inplace_sigmoid.py", "double_step_accum.py", "nonfinite_forward_log.py",
-           "nonfinite_grad_distance.py", "bn_batch_one.py", "eval_train_mode.py", "leaked_graph_hidden.py",
-           "grad_none_no_grad_forward.py", "nonfinite_input_dataset.py"]
+SCRIPTS = [
+    "label_oor_bce.py",
+    "inplace_sigmoid.py",
+    "double_step_accum.py",
+    "nonfinite_forward_log.py",
+    "nonfinite_grad_distance.py",
+    "bn_batch_one.py",
+    "eval_train_mode.py",
+    "leaked_graph_hidden.py",
+    "grad_none_no_grad_forward.py",
+    "nonfinite_input_dataset.py",
+]
 
 
 def test_every_recorded_event_matches_its_definition(monkeypatch):

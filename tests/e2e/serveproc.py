@@ -67,9 +67,22 @@ class Server:
         self.grpc_port = free_port() if grpc else 0
         dirs = [str(d) for d in (export_dir if isinstance(export_dir, list) else [export_dir])]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torchkeel.cli.main", "serve", *dirs, "--port", str(self.port),
-             "--grpc-port", str(self.grpc_port), *args],
-            env=keel_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "torchkeel.cli.main",
+                "serve",
+                *dirs,
+                "--port",
+                str(self.port),
+                "--grpc-port",
+                str(self.grpc_port),
+                *args,
+            ],
+            env=keel_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -25,7 +25,9 @@ def samples(num: int, seed: int = 5) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([np.arange(num, dtype=np.float32)[:, None], x], axis=1), y
 
 
-def write_parquet(root: Path, num: int = 480, files: int = 3, row_group: int = 40, null_rows: tuple[int, ...] = ()) -> str:
+def write_parquet(
+    root: Path, num: int = 480, files: int = 3, row_group: int = 40, null_rows: tuple[int, ...] = ()
+) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -45,8 +47,9 @@ def write_parquet(root: Path, num: int = 480, files: int = 3, row_group: int = 4
     return str(root / "*.parquet")
 
 
-def write_shards(root: Path, num: int = 480, shards: int = 6, corrupt: tuple[int, ...] = (),
-                 sizes: tuple[int, ...] | None = None) -> str:
+def write_shards(
+    root: Path, num: int = 480, shards: int = 6, corrupt: tuple[int, ...] = (), sizes: tuple[int, ...] | None = None
+) -> str:
     """``shards`` shards of ``num`` samples in all (or shards of the given ``sizes``); returns their pattern."""
     root.mkdir(parents=True, exist_ok=True)
     sizes = sizes or (num // shards,) * shards

@@ -49,7 +49,10 @@ def test_train_writes_metrics_config_and_summary(cfg, tmp_path):
         (["train.batchsize=8"], "unknown config key 'train.batchsize'; did you mean 'train.batch_size'?"),
         (["train.batch_size=eight"], "train.batch_size must be an integer, got 'eight' (str)"),
         (["model.target=nowhere:Net"], "model.target='nowhere:Net': cannot import module 'nowhere'"),
-        (["model.target=builtins:list"], "model.target='builtins:list' returned list; it must return a torch.nn.Module"),
+        (
+            ["model.target=builtins:list"],
+            "model.target='builtins:list' returned list; it must return a torch.nn.Module",
+        ),
     ],
 )
 def test_config_errors_exit_2_with_one_line(cfg, tmp_path, args, message):
@@ -87,8 +90,15 @@ def test_version(tmp_path):
 
 def test_demo_reaches_95_percent_and_runs_again(tmp_path):
     for epochs in ("1", "12"):  # `keel demo` can be run again and again (a short first run)
-        result = keel("demo", "--out-dir", str(tmp_path / "runs"), "--no-progress", f"train.max_epochs={epochs}",
-                      cwd=tmp_path, timeout=300)
+        result = keel(
+            "demo",
+            "--out-dir",
+            str(tmp_path / "runs"),
+            "--no-progress",
+            f"train.max_epochs={epochs}",
+            cwd=tmp_path,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "runs" / "demo" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["val_accuracy"] >= 0.95
@@ -113,8 +123,10 @@ def test_resume_from_a_corrupt_checkpoint_exits_3_with_one_line(cfg, tmp_path):
     result = keel("train", str(cfg), "--resume", str(checkpoint), cwd=tmp_path)
     assert result.returncode == 3
     lines = result.stderr.strip().splitlines()
-    assert lines == [f"keel: error: checkpoint file '{model_file}' has {model_file.stat().st_size} bytes, "
-                     f"the manifest says {model_file.stat().st_size + 1} (truncated?)"]
+    assert lines == [
+        f"keel: error: checkpoint file '{model_file}' has {model_file.stat().st_size} bytes, "
+        f"the manifest says {model_file.stat().st_size + 1} (truncated?)"
+    ]
 
 
 def test_export_and_triton_repo_commands(cfg, tmp_path):
@@ -129,8 +141,17 @@ def test_export_and_triton_repo_commands(cfg, tmp_path):
 
 
 def test_export_parity_failure_exits_4(cfg, tmp_path):
-    assert keel("train", str(cfg), "model.target=models:HardcodedBatch", "train.max_epochs=null", "train.max_steps=2",
-                cwd=tmp_path, ).returncode == 0
+    assert (
+        keel(
+            "train",
+            str(cfg),
+            "model.target=models:HardcodedBatch",
+            "train.max_epochs=null",
+            "train.max_steps=2",
+            cwd=tmp_path,
+        ).returncode
+        == 0
+    )
     result = keel("export", "runs/tiny", "--format", "torchscript", cwd=tmp_path)
     assert result.returncode == 4
     assert "parity FAILED on output 'output' at batch size 1" in result.stderr
@@ -158,10 +179,14 @@ def test_init_from_a_malicious_pickle_is_refused(cfg, tmp_path):
 def test_overrides_after_flags_are_parsed_as_overrides(capsys):
     from torchkeel.cli.main import parse_args
 
-    args = parse_args(["train", "cfg.yaml", "--overwrite", "train.max_epochs=null", "--no-progress", "train.max_steps=4"])
+    args = parse_args(
+        ["train", "cfg.yaml", "--overwrite", "train.max_epochs=null", "--no-progress", "train.max_steps=4"]
+    )
     assert args.overrides == ["train.max_epochs=null", "train.max_steps=4"] and args.overwrite and args.no_progress
-    for argv, message in ((["train", "cfg.yaml", "--overwrite", "--bogus"], "unrecognized arguments: --bogus"),
-                          (["doctor", "train.max_steps=4"], "unrecognized arguments: train.max_steps=4")):
+    for argv, message in (
+        (["train", "cfg.yaml", "--overwrite", "--bogus"], "unrecognized arguments: --bogus"),
+        (["doctor", "train.max_steps=4"], "unrecognized arguments: train.max_steps=4"),
+    ):
         with pytest.raises(SystemExit) as exited:
             parse_args(argv)
         assert exited.value.code == 2 and message in capsys.readouterr().err
@@ -171,8 +196,9 @@ def test_overrides_after_flags_are_parsed_as_overrides(capsys):
 def test_overrides_after_flags(cfg, tmp_path):
     first = keel("train", str(cfg), "--no-progress", "train.max_epochs=null", "train.max_steps=3", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
-    again = keel("train", str(cfg), "--overwrite", "train.max_epochs=null", "--no-progress", "train.max_steps=4",
-                 cwd=tmp_path)
+    again = keel(
+        "train", str(cfg), "--overwrite", "train.max_epochs=null", "--no-progress", "train.max_steps=4", cwd=tmp_path
+    )
     assert again.returncode == 0, again.stderr
     summary = json.loads((tmp_path / "runs" / "tiny" / "summary.json").read_text())
     assert summary["steps"] == 4
@@ -218,8 +244,9 @@ def test_a_failing_overwrite_rerun_puts_the_previous_run_back(cfg, tmp_path):
     assert found is not None and problems == [] and found.step == 15
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
     assert not (tmp_path / "runs" / ".tiny.previous").exists()
-    ok = keel("train", str(cfg), "--overwrite", "train.max_epochs=null", "train.max_steps=2", "--no-progress",
-              cwd=tmp_path)
+    ok = keel(
+        "train", str(cfg), "--overwrite", "train.max_epochs=null", "train.max_steps=2", "--no-progress", cwd=tmp_path
+    )
     assert ok.returncode == 0 and not (tmp_path / "runs" / ".tiny.previous").exists()
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
 
@@ -246,21 +273,44 @@ def test_export_image_flags_become_a_preprocess_spec():
 
     parser = argparse.ArgumentParser()
     export_cli.add_arguments(parser)
-    args = parser.parse_args(["run", "--format", "onnx", "--image-mode", "RGB", "--resize", "256", "--crop", "224,200",
-                              "--mean", "0.5,0.4,0.3", "--std", "0.2,0.2,0.2"])
-    assert export_cli._preprocess(args) == {"mode": "RGB", "resize": [256], "crop": [224, 200],
-                                            "mean": [0.5, 0.4, 0.3], "std": [0.2, 0.2, 0.2]}
+    args = parser.parse_args(
+        [
+            "run",
+            "--format",
+            "onnx",
+            "--image-mode",
+            "RGB",
+            "--resize",
+            "256",
+            "--crop",
+            "224,200",
+            "--mean",
+            "0.5,0.4,0.3",
+            "--std",
+            "0.2,0.2,0.2",
+        ]
+    )
+    assert export_cli._preprocess(args) == {
+        "mode": "RGB",
+        "resize": [256],
+        "crop": [224, 200],
+        "mean": [0.5, 0.4, 0.3],
+        "std": [0.2, 0.2, 0.2],
+    }
     with pytest.raises(ConfigError, match="--resize need --image-mode RGB or L"):
         export_cli._preprocess(parser.parse_args(["run", "--format", "onnx", "--resize", "224"]))
     with pytest.raises(ConfigError, match="--mean must be comma-separated floats"):
         export_cli._preprocess(parser.parse_args(["run", "--format", "onnx", "--image-mode", "L", "--mean", "a"]))
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["train.batch_size=eight"], "train.batch_size must be an integer, got 'eight' (str)"),
-    (["model.target=nowhere:Net"], "model.target='nowhere:Net': cannot import module 'nowhere'"),
-    (["model.args={width: 3}"], "model.args.width is not an argument of hand_written_loop:make_model"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train.batch_size=eight"], "train.batch_size must be an integer, got 'eight' (str)"),
+        (["model.target=nowhere:Net"], "model.target='nowhere:Net': cannot import module 'nowhere'"),
+        (["model.args={width: 3}"], "model.args.width is not an argument of hand_written_loop:make_model"),
+    ],
+)
 def test_a_config_error_under_nproc_is_said_once_before_any_rank_starts(cfg, tmp_path, args, message):
     result = keel("train", str(cfg), *args, "--nproc", "2", cwd=tmp_path)
     assert result.returncode == 2
@@ -275,8 +325,10 @@ def test_keel_train_chooses_the_thread_count_and_says_so(cfg, tmp_path):
     usable = usable_cpus(quota=cgroup_cpus())
     result = keel("train", str(cfg), "train.max_epochs=null", "train.max_steps=2", cwd=tmp_path, OMP_NUM_THREADS="")
     assert result.returncode == 0, result.stderr
-    assert f"keel: torch threads: {usable} per process ({usable} usable CPUs; set OMP_NUM_THREADS to choose)" \
+    assert (
+        f"keel: torch threads: {usable} per process ({usable} usable CPUs; set OMP_NUM_THREADS to choose)"
         in result.stderr
+    )
     # Every other test here sets OMP_NUM_THREADS=1 (keelproc), and prints no such line: the user chose.
 
 

@@ -25,8 +25,16 @@ def data_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["parquet", "webdataset", "sequences"])
 def test_example_config_trains(data_dir, name):
-    result = run_keel("train", str(EXAMPLES / f"{name}.yaml"), "--no-progress", "train.max_epochs=1",
-                      f"out_dir={data_dir / 'runs'}", cwd=data_dir, PYTHONPATH=str(EXAMPLES), timeout=300)
+    result = run_keel(
+        "train",
+        str(EXAMPLES / f"{name}.yaml"),
+        "--no-progress",
+        "train.max_epochs=1",
+        f"out_dir={data_dir / 'runs'}",
+        cwd=data_dir,
+        PYTHONPATH=str(EXAMPLES),
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads(next((data_dir / "runs").glob(f"{name}-example/summary.json")).read_text())
     assert summary["status"] == "completed" and summary["samples"] == 4096
@@ -35,8 +43,17 @@ def test_example_config_trains(data_dir, name):
 
 
 def test_data_bench_prints_the_worker_table(data_dir):
-    result = run_keel("data-bench", str(EXAMPLES / "parquet.yaml"), "--trial-s", "0.2", "--max-workers", "1",
-                      cwd=data_dir, PYTHONPATH=str(EXAMPLES), timeout=120)
+    result = run_keel(
+        "data-bench",
+        str(EXAMPLES / "parquet.yaml"),
+        "--trial-s",
+        "0.2",
+        "--max-workers",
+        "1",
+        cwd=data_dir,
+        PYTHONPATH=str(EXAMPLES),
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["workers", "samples/s", "RSS", "MiB", "startup", "s", "vs", "best"]
@@ -48,10 +65,13 @@ def test_data_bench_prints_the_worker_table(data_dir):
 TOKENS = ROOT / "examples" / "tokens"
 
 
-@pytest.mark.parametrize("name", [
-    "tokens",
-    pytest.param("tokens-parquet", marks=pytest.mark.slow),  # the Parquet × dict journey runs in the default suite
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tokens",
+        pytest.param("tokens-parquet", marks=pytest.mark.slow),  # the Parquet × dict journey runs in the default suite
+    ],
+)
 def test_the_tokens_example_trains_exports_and_learns(tmp_path, name):
     """A strict transformers-shaped model on padded dict batches, from map-style data and from
     Parquet list columns (data.columns), as documented in docs/data.md."""
@@ -61,8 +81,16 @@ def test_the_tokens_example_trains_exports_and_learns(tmp_path, name):
     finally:
         sys.path.remove(str(TOKENS))
     tokens.write_parquet(tmp_path / "data")
-    result = run_keel("train", str(TOKENS / f"{name}.yaml"), "--no-progress", "train.max_epochs=2",
-                      f"out_dir={tmp_path / 'runs'}", cwd=tmp_path, PYTHONPATH=str(TOKENS), timeout=300)
+    result = run_keel(
+        "train",
+        str(TOKENS / f"{name}.yaml"),
+        "--no-progress",
+        "train.max_epochs=2",
+        f"out_dir={tmp_path / 'runs'}",
+        cwd=tmp_path,
+        PYTHONPATH=str(TOKENS),
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     run = tmp_path / "runs" / f"{name}-example"
     summary = json.loads((run / "summary.json").read_text())

@@ -106,7 +106,7 @@ def references(tmp_path_factory):
             run = Run(tmp_path_factory.mktemp(f"reference{epochs}"), epochs=epochs)
             result = run.run(resume=False)
             assert result.returncode == 0, result.stderr
-            (position, indices), = run.segment_indices()
+            ((position, indices),) = run.segment_indices()
             assert position == 0 and len(indices) == epochs * 480
             cache[epochs] = run.final_weights(), indices
         return cache[epochs]
@@ -143,9 +143,13 @@ KILL_POINTS = [
 DEFAULT_POINTS = ("model.safetensors:mid_write", "state.json:after_replace", "after_manifest")
 
 
-@pytest.mark.parametrize(("point", "newest_valid"), [
-    pytest.param(point, newest, id=point, marks=() if point in DEFAULT_POINTS else pytest.mark.slow)
-    for point, newest in KILL_POINTS])
+@pytest.mark.parametrize(
+    ("point", "newest_valid"),
+    [
+        pytest.param(point, newest, id=point, marks=() if point in DEFAULT_POINTS else pytest.mark.slow)
+        for point, newest in KILL_POINTS
+    ],
+)
 def test_kill_during_a_checkpoint_write(tmp_path, reference, point, newest_valid):
     run = Run(tmp_path)
     killed = run.run(resume=False, TORCHKEEL_TEST_FAULTS=f"kill:{point}#3")  # the third save: step 12
@@ -160,11 +164,14 @@ def test_kill_during_a_checkpoint_write(tmp_path, reference, point, newest_valid
     assert_same_as_reference(run, reference)
 
 
-@pytest.mark.parametrize(("signum", "exit_code"), [
-    (signal.SIGTERM, 143),
-    # SIGINT takes the same path: in process in test_trainer_checkpoints, its exit code in test_cli
-    pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    ("signum", "exit_code"),
+    [
+        (signal.SIGTERM, 143),
+        # SIGINT takes the same path: in process in test_trainer_checkpoints, its exit code in test_cli
+        pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow),
+    ],
+)
 def test_preemption_saves_and_exits_with_128_plus_signal(tmp_path, reference, signum, exit_code):
     run = Run(tmp_path, delay=0.002, every=100)
     proc = run.start(resume=False)

@@ -53,8 +53,9 @@ def test_kserve_v1_predict(server, exported):
     status, body, _ = server.request("POST", "/v1/models/tiny:predict", json.dumps({"instances": x.tolist()}))
     assert status == 200
     np.testing.assert_allclose(np.array(json.loads(body)["predictions"]), eager_rows(exported[1], x), atol=1e-5)
-    status, body, _ = server.request("POST", "/v1/models/tiny:predict",
-                                     json.dumps({"instances": x.tolist(), "parameters": {"top_k": 2}}))
+    status, body, _ = server.request(
+        "POST", "/v1/models/tiny:predict", json.dumps({"instances": x.tolist(), "parameters": {"top_k": 2}})
+    )
     top = json.loads(body)["predictions"]
     assert status == 200 and len(top) == 2 and len(top[0]["labels"]) == 2
     assert top[0]["labels"][0] == str(int(eager_rows(exported[1], x)[0].argmax()))
@@ -110,35 +111,100 @@ BAD_INPUTS = [
     ("nan values", "/v2/models/tiny/infer", v2(GOOD[:31] + [float("nan")]), {}, 400, "NaN/Inf"),
     ("too many samples", "/v2/models/tiny/infer", v2([0.0] * 32 * 65, shape=(65, 32)), {}, 400, "between 1 and 64"),
     ("zero samples", "/v2/models/tiny/infer", v2([], shape=(0, 32)), {}, 400, "between 1 and 64"),
-    ("unknown output", "/v2/models/tiny/infer", v2(GOOD, outputs=[{"name": "logits"}]), {}, 400, "outputs[0].name 'logits'"),
-    ("binary size mismatch", "/v2/models/tiny/infer",
-     json.dumps({"inputs": [{"name": "input", "shape": [1, 32], "datatype": "FP32",
-                             "parameters": {"binary_data_size": 128}}]}), {"Inference-Header-Content-Length": "X"},
-     400, "must be an integer"),
-    ("bad header length", "/v2/models/tiny/infer", v2(GOOD), {"Inference-Header-Content-Length": "999999"}, 400,
-     "outside the body"),
+    (
+        "unknown output",
+        "/v2/models/tiny/infer",
+        v2(GOOD, outputs=[{"name": "logits"}]),
+        {},
+        400,
+        "outputs[0].name 'logits'",
+    ),
+    (
+        "binary size mismatch",
+        "/v2/models/tiny/infer",
+        json.dumps(
+            {
+                "inputs": [
+                    {"name": "input", "shape": [1, 32], "datatype": "FP32", "parameters": {"binary_data_size": 128}}
+                ]
+            }
+        ),
+        {"Inference-Header-Content-Length": "X"},
+        400,
+        "must be an integer",
+    ),
+    (
+        "bad header length",
+        "/v2/models/tiny/infer",
+        v2(GOOD),
+        {"Inference-Header-Content-Length": "999999"},
+        400,
+        "outside the body",
+    ),
     ("unknown model", "/v2/models/nope/infer", v2(GOOD), {}, 404, "unknown model 'nope'"),
     ("unknown version", "/v2/models/tiny/versions/7/infer", v2(GOOD), {}, 404, "no version '7'"),
-    ("nested 5000 deep", "/v2/models/tiny/infer", '{"inputs": ' + "[" * 5000 + "]" * 5000 + "}", {}, 400,
-     "nested too deeply"),
-    ("v1 nested 5000 deep", "/v1/models/tiny:predict", '{"instances": ' + "[" * 5000 + "]" * 5000 + "}", {}, 400,
-     "nested too deeply"),
+    (
+        "nested 5000 deep",
+        "/v2/models/tiny/infer",
+        '{"inputs": ' + "[" * 5000 + "]" * 5000 + "}",
+        {},
+        400,
+        "nested too deeply",
+    ),
+    (
+        "v1 nested 5000 deep",
+        "/v1/models/tiny:predict",
+        '{"instances": ' + "[" * 5000 + "]" * 5000 + "}",
+        {},
+        400,
+        "nested too deeply",
+    ),
     ("digits past the limit", "/v2/models/tiny/infer", '{"id": ' + "9" * 5000 + "}", {}, 400, "not valid JSON"),
-    ("inputs parameters a string", "/v2/models/tiny/infer",
-     json.dumps({"inputs": [{"name": "input", "shape": [1, 32], "datatype": "FP32", "data": GOOD,
-                             "parameters": "binary_data_size"}]}), {}, 400, "inputs[0].parameters' must be an object"),
-    ("unhashable input name", "/v2/models/tiny/infer",
-     json.dumps({"inputs": [{"name": ["input"], "shape": [1, 32], "datatype": "FP32", "data": GOOD}]}), {}, 400,
-     "is not an input of the model"),
+    (
+        "inputs parameters a string",
+        "/v2/models/tiny/infer",
+        json.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": "input",
+                        "shape": [1, 32],
+                        "datatype": "FP32",
+                        "data": GOOD,
+                        "parameters": "binary_data_size",
+                    }
+                ]
+            }
+        ),
+        {},
+        400,
+        "inputs[0].parameters' must be an object",
+    ),
+    (
+        "unhashable input name",
+        "/v2/models/tiny/infer",
+        json.dumps({"inputs": [{"name": ["input"], "shape": [1, 32], "datatype": "FP32", "data": GOOD}]}),
+        {},
+        400,
+        "is not an input of the model",
+    ),
     ("v1 no instances", "/v1/models/tiny:predict", json.dumps({"rows": []}), {}, 400, "'instances' must be"),
     ("v1 ragged", "/v1/models/tiny:predict", json.dumps({"instances": [[0.0] * 32, [0.0] * 3]}), {}, 400, "ragged"),
-    ("v1 bad top_k", "/v1/models/tiny:predict", json.dumps({"instances": [GOOD], "parameters": {"top_k": 99}}), {}, 400,
-     "top_k must be an integer from 1 to 4"),
+    (
+        "v1 bad top_k",
+        "/v1/models/tiny:predict",
+        json.dumps({"instances": [GOOD], "parameters": {"top_k": 99}}),
+        {},
+        400,
+        "top_k must be an integer from 1 to 4",
+    ),
     ("v1 unknown verb", "/v1/models/tiny:explain", json.dumps({"instances": [GOOD]}), {}, 404, "no route POST"),
 ]
 
 
-@pytest.mark.parametrize(("kind", "path", "body", "headers", "status", "message"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+@pytest.mark.parametrize(
+    ("kind", "path", "body", "headers", "status", "message"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS]
+)
 def test_bad_input_is_a_4xx_that_names_the_problem(server, kind, path, body, headers, status, message):
     got, payload, _ = server.request("POST", path, body, headers)
     assert got == status, payload
@@ -147,10 +213,12 @@ def test_bad_input_is_a_4xx_that_names_the_problem(server, kind, path, body, hea
 
 
 def test_binary_input_with_the_wrong_byte_count(server):
-    header = json.dumps({"inputs": [{"name": "input", "shape": [1, 32], "datatype": "FP32",
-                                     "parameters": {"binary_data_size": 64}}]}).encode()
-    status, payload, _ = server.request("POST", "/v2/models/tiny/infer", header + b"\0" * 64,
-                                        {"Inference-Header-Content-Length": str(len(header))})
+    header = json.dumps(
+        {"inputs": [{"name": "input", "shape": [1, 32], "datatype": "FP32", "parameters": {"binary_data_size": 64}}]}
+    ).encode()
+    status, payload, _ = server.request(
+        "POST", "/v2/models/tiny/infer", header + b"\0" * 64, {"Inference-Header-Content-Length": str(len(header))}
+    )
     assert status == 400 and "64 binary bytes for 32 FP32 values (need 128)" in json.loads(payload)["error"]
 
 
@@ -183,6 +251,7 @@ def test_overload_gives_503_and_memory_settles(exported):
     # The model thread and a batching wait, so that a burst of 64 clients overfills a queue of 2.
     srv = Server(exported[0], "--max-queue", "2", "--max-queue-delay-ms", "20", "--inline-max-ms", "0")
     try:
+
         def burst() -> list[int]:
             statuses: list[int] = []
             body = v2(GOOD)
@@ -230,8 +299,9 @@ def test_sigterm_answers_everything_in_flight_over_rest_and_grpc(exported):
         answers.append(channel.infer("tiny", [tensor], client_timeout=60).as_numpy("output"))
         channel.close()
 
-    threads = [threading.Thread(target=client) for _ in range(16)] + \
-        [threading.Thread(target=grpc_client, args=(channel,)) for channel in channels]
+    threads = [threading.Thread(target=client) for _ in range(16)] + [
+        threading.Thread(target=grpc_client, args=(channel,)) for channel in channels
+    ]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
@@ -279,15 +349,25 @@ def test_metrics_parse_with_prometheus_own_parser_and_every_family_is_typed(serv
     text = server.request("GET", "/metrics")[1].decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert {name for name, f in families.items() if f.type == "untyped"} == set()
-    for name in ("nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
-                 "nv_inference_exec_count", "nv_inference_request_duration_us"):
+    for name in (
+        "nv_inference_request_success",
+        "nv_inference_request_failure",
+        "nv_inference_count",
+        "nv_inference_exec_count",
+        "nv_inference_request_duration_us",
+    ):
         assert families[name].type == "counter"
         assert f"# TYPE {name} counter" in text and f"\n{name}{{" in text  # Triton's names, no _total
     success = [s for s in families["nv_inference_request_success"].samples if s.name.endswith("_total")]
     assert success and success[0].value >= 1 and success[0].labels == {"model": "tiny", "version": "1"}
     assert len(families["nv_inference_request_failure"].samples) == 4  # one per reason, from the start
-    for name in ("torchkeel_drift_alert", "torchkeel_drift_window_samples", "torchkeel_input_drift_score",
-                 "nv_inference_pending_request_count", "torchkeel_inflight_requests"):
+    for name in (
+        "torchkeel_drift_alert",
+        "torchkeel_drift_window_samples",
+        "torchkeel_input_drift_score",
+        "nv_inference_pending_request_count",
+        "torchkeel_inflight_requests",
+    ):
         assert families[name].type == "gauge"
     assert families["torchkeel_request_latency_seconds"].type == "histogram"
     assert families["torchkeel_drift_window_samples"].samples[0].value >= 1

@@ -24,10 +24,23 @@ METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
 INFER = ["/v2/models/tiny/infer", "/v2/models/tiny/versions/1/infer", "/v1/models/tiny:predict"]
 IMAGE_INFER = ["/v1/models/colours:predict", "/v2/models/colours/infer"]
 PATHS = [
-    *INFER, "/v2/models/tiny",
-    "/v2/models/tiny/ready", "/v2/health/live", "/v2/health/ready", "/v2", "/metrics", "/v1/models/tiny",
-    "/v2/models/nope/infer", "/v2/models/tiny/versions/9/infer", "/v1/models/tiny:explain", "/", "/v3/x",
-    "/v2/models//infer", "/v2/models/tiny/infer/extra", "/v1/models/%00:predict", "/v2/models/t%C3%AFny/infer",
+    *INFER,
+    "/v2/models/tiny",
+    "/v2/models/tiny/ready",
+    "/v2/health/live",
+    "/v2/health/ready",
+    "/v2",
+    "/metrics",
+    "/v1/models/tiny",
+    "/v2/models/nope/infer",
+    "/v2/models/tiny/versions/9/infer",
+    "/v1/models/tiny:explain",
+    "/",
+    "/v3/x",
+    "/v2/models//infer",
+    "/v2/models/tiny/infer/extra",
+    "/v1/models/%00:predict",
+    "/v2/models/t%C3%AFny/infer",
 ]
 
 
@@ -35,13 +48,19 @@ def valid_body(rng: random.Random, path: str) -> tuple[bytes, dict[str, str]]:
     n = rng.randint(1, 4)
     rows = np.random.default_rng(rng.randrange(2**32)).normal(size=(n, 32)).astype(np.float32)
     if "/v1/" in path:
-        doc = {"instances": rows.tolist(), **({"parameters": {"top_k": rng.choice([1, 2, 0, "2", None])}}
-                                              if rng.random() < 0.3 else {})}
+        doc = {
+            "instances": rows.tolist(),
+            **({"parameters": {"top_k": rng.choice([1, 2, 0, "2", None])}} if rng.random() < 0.3 else {}),
+        }
         return json.dumps(doc).encode(), {}
     tensor = {"name": "input", "shape": [n, 32], "datatype": "FP32"}
     if rng.random() < 0.5:
-        header = json.dumps({"inputs": [{**tensor, "parameters": {"binary_data_size": rows.nbytes}}],
-                             "parameters": {"binary_data_output": rng.random() < 0.5}}).encode()
+        header = json.dumps(
+            {
+                "inputs": [{**tensor, "parameters": {"binary_data_size": rows.nbytes}}],
+                "parameters": {"binary_data_output": rng.random() < 0.5},
+            }
+        ).encode()
         length = rng.choice([len(header), len(header), rng.randint(-5, len(header) + rows.nbytes + 5), "x"])
         return header + rows.tobytes(), {"Inference-Header-Content-Length": str(length)}
     return json.dumps({"inputs": [{**tensor, "data": rows.reshape(-1).tolist()}], "id": "r"}).encode(), {}
@@ -91,10 +110,22 @@ def valid_image_body(rng: random.Random, path: str) -> tuple[bytes, dict[str, st
         raw = b"".join(len(b).to_bytes(4, "little") + b for b in blobs)
         if rng.random() < 0.2:
             raw = raw[: rng.randrange(len(raw) + 1)]
-        header = json.dumps({"inputs": [{"name": "image", "shape": [len(blobs)], "datatype": "BYTES",
-                                         "parameters": {"binary_data_size": len(raw)}}]}).encode()
+        header = json.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": "image",
+                        "shape": [len(blobs)],
+                        "datatype": "BYTES",
+                        "parameters": {"binary_data_size": len(raw)},
+                    }
+                ]
+            }
+        ).encode()
         return header + raw, {"Inference-Header-Content-Length": str(len(header))}
-    return json.dumps({"inputs": [{"name": "image", "shape": [len(blobs)], "datatype": "BYTES", "data": texts}]}).encode(), {}
+    return json.dumps(
+        {"inputs": [{"name": "image", "shape": [len(blobs)], "datatype": "BYTES", "data": texts}]}
+    ).encode(), {}
 
 
 def mutate(rng: random.Random, body: bytes) -> bytes:

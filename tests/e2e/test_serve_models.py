@@ -69,6 +69,7 @@ def v1(server, model, instances, **parameters):
 
 # ---- several models -------------------------------------------------------------------------
 
+
 def test_the_index_lists_each_model_with_its_state_and_a_broken_one_does_not_stop_the_others(server):
     status, body, _ = server.request("POST", "/v2/repository/index", "{}")
     index = {row["name"]: row for row in json.loads(body)}
@@ -77,7 +78,9 @@ def test_the_index_lists_each_model_with_its_state_and_a_broken_one_does_not_sto
     assert index["broken"]["state"] == "UNAVAILABLE" and "RuntimeError" in index["broken"]["reason"]
     assert server.request("GET", "/v2/health/ready")[0] == 200
     status, body, _ = server.request("POST", "/v1/models/broken:predict", json.dumps({"instances": [[0.0] * 32]}))
-    assert status == 503 and "model 'broken' is unavailable: it failed to load (RuntimeError" in json.loads(body)["error"]
+    assert (
+        status == 503 and "model 'broken' is unavailable: it failed to load (RuntimeError" in json.loads(body)["error"]
+    )
     status, body, _ = server.request("GET", "/v2/models/nope")
     assert status == 404 and "['colours', 'tiny']" in json.loads(body)["error"]
     assert json.loads(server.request("GET", "/v1/models")[1]) == {"models": ["colours", "tiny"]}
@@ -111,6 +114,7 @@ def test_a_name_served_twice_and_a_directory_without_exports_are_reported(export
 
 
 # ---- images in, labels out ------------------------------------------------------------------
+
 
 def test_the_server_preprocesses_an_image_exactly_as_training_did(image_exported):
     """No train/serve skew: the training loader's tensor and the server's, from the same encoded image."""
@@ -161,8 +165,9 @@ def test_images_are_preprocessed_off_the_event_loop_and_batched_like_any_request
         expected = image_exported[1](torch.from_numpy(training_tensors(image_exported, range(8)))).numpy()
     np.testing.assert_allclose(np.concatenate(answers), expected, atol=1e-5)
     text = parts.metrics.render().decode()
-    executions = float(next(line for line in text.splitlines()
-                            if line.startswith("nv_inference_exec_count{")).rsplit(" ", 1)[1])
+    executions = float(
+        next(line for line in text.splitlines() if line.startswith("nv_inference_exec_count{")).rsplit(" ", 1)[1]
+    )
     assert executions < 8  # the eight single-image requests shared forwards
 
 
@@ -222,8 +227,9 @@ def test_an_image_model_also_takes_the_preprocessed_tensor(server, image_exporte
     x = training_tensors(image_exported, [0, 1])
     body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 3, 16, 16], "data": x.reshape(-1).tolist()}]}
     status, payload, _ = server.request("POST", "/v2/models/colours/infer", json.dumps(body))
-    np.testing.assert_allclose(np.reshape(json.loads(payload)["outputs"][0]["data"], (2, 3)),
-                               eager_rows(image_exported[1], x), atol=1e-5)
+    np.testing.assert_allclose(
+        np.reshape(json.loads(payload)["outputs"][0]["data"], (2, 3)), eager_rows(image_exported[1], x), atol=1e-5
+    )
     assert status == 200
 
 
@@ -242,15 +248,25 @@ def _ico() -> bytes:
 GOOD_IMAGE = encode(image_pixels(0, 7))
 
 
-@pytest.mark.parametrize("instance,message", [
-    ({"image_bytes": {"b64": b64(b"\x89PNG\r\n\x1a\n garbage")}}, "instances[1].image_bytes: not a decodable image"),
-    ({"image_bytes": {"b64": b64(_ico())}}, "instances[1].image_bytes: ICO images are not accepted"),
-    ({"image_bytes": {"b64": b64(_bomb())}}, "instances[1].image_bytes: the image is 9000×9000 = 81,000,000 pixels, over the limit"),
-    ({"image_bytes": {"b64": b64(GOOD_IMAGE[:200])}}, "instances[1].image_bytes: the PNG image cannot be decoded"),
-    ({"image_bytes": {"b64": "***"}}, "instances[1].image_bytes.b64 is not valid base64"),
-    ({"image_bytes": "abc"}, 'instances[1].image_bytes must be {"image_bytes": {"b64"'),
-    ([0.0, 1.0], 'instances[1] must be {"image_bytes": {"b64"'),
-], ids=["garbage", "ico", "bomb", "truncated", "base64", "no-b64", "not-an-object"])
+@pytest.mark.parametrize(
+    "instance,message",
+    [
+        (
+            {"image_bytes": {"b64": b64(b"\x89PNG\r\n\x1a\n garbage")}},
+            "instances[1].image_bytes: not a decodable image",
+        ),
+        ({"image_bytes": {"b64": b64(_ico())}}, "instances[1].image_bytes: ICO images are not accepted"),
+        (
+            {"image_bytes": {"b64": b64(_bomb())}},
+            "instances[1].image_bytes: the image is 9000×9000 = 81,000,000 pixels, over the limit",
+        ),
+        ({"image_bytes": {"b64": b64(GOOD_IMAGE[:200])}}, "instances[1].image_bytes: the PNG image cannot be decoded"),
+        ({"image_bytes": {"b64": "***"}}, "instances[1].image_bytes.b64 is not valid base64"),
+        ({"image_bytes": "abc"}, 'instances[1].image_bytes must be {"image_bytes": {"b64"'),
+        ([0.0, 1.0], 'instances[1] must be {"image_bytes": {"b64"'),
+    ],
+    ids=["garbage", "ico", "bomb", "truncated", "base64", "no-b64", "not-an-object"],
+)
 def test_a_bad_image_is_a_400_naming_the_instance_and_the_server_stays_up(server, instance, message):
     status, answer = v1(server, "colours", [{"image_bytes": {"b64": b64(GOOD_IMAGE)}}, instance])
     assert status == 400 and message in answer["error"], answer
@@ -279,6 +295,7 @@ def test_tensor_models_say_they_take_no_images(server):
 
 
 # ---- gRPC -----------------------------------------------------------------------------------
+
 
 def test_grpc_metadata_and_readiness(server):
     client = tritongrpc.InferenceServerClient(server.grpc_url)
@@ -320,7 +337,9 @@ def test_grpc_errors_are_status_codes_naming_the_field(server):
     assert version.status() == "StatusCode.NOT_FOUND" and "no version '7'" in version.message()
     broken = grpc_error(lambda: client.infer("broken", [tensor((1, 32))]))
     assert broken.status() == "StatusCode.UNAVAILABLE" and "failed to load" in broken.message()
-    output = grpc_error(lambda: client.infer("tiny", [tensor((1, 32))], outputs=[tritongrpc.InferRequestedOutput("logits")]))
+    output = grpc_error(
+        lambda: client.infer("tiny", [tensor((1, 32))], outputs=[tritongrpc.InferRequestedOutput("logits")])
+    )
     assert "outputs[0].name 'logits' is not an output" in output.message()
     big = grpc_error(lambda: client.infer("tiny", [tensor((64, 32)), tensor((1, 32))]))
     assert "is given twice" in big.message()
@@ -360,9 +379,11 @@ def test_grpc_message_over_the_body_limit_is_resource_exhausted(server):
     from torchkeel.serve.grpc import pb
 
     channel = grpc.insecure_channel(server.grpc_url)
-    call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
-                               request_serializer=lambda m: m.SerializeToString(),
-                               response_deserializer=pb.ModelInferResponse.FromString)
+    call = channel.unary_unary(
+        "/inference.GRPCInferenceService/ModelInfer",
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=pb.ModelInferResponse.FromString,
+    )
     request = pb.ModelInferRequest(model_name="tiny", raw_input_contents=[b"\0" * (2**20 + 10)])
     with pytest.raises(grpc.RpcError) as caught:
         call(request, timeout=30)

@@ -37,7 +37,9 @@ def served(tmp_path_factory):
 
 def batch(lengths, seed=0):
     """Padded input_ids and attention_mask of sequences of the given lengths."""
-    samples = [{"input_ids": torch.from_numpy(s[:n].astype(np.int64))} for s, n in zip(sequences(len(lengths), seed), lengths)]
+    samples = [
+        {"input_ids": torch.from_numpy(s[:n].astype(np.int64))} for s, n in zip(sequences(len(lengths), seed), lengths)
+    ]
     padded = PadCollate()(samples)
     return padded["input_ids"].numpy(), padded["attention_mask"].numpy()
 
@@ -55,8 +57,10 @@ def test_tritonclient_sends_named_inputs_over_http_and_grpc(served):
         metadata = client.get_model_metadata("tokens")
         names = [i["name"] for i in metadata["inputs"]] if module is tritonhttp else [i.name for i in metadata.inputs]
         assert names == ["input_ids", "attention_mask"]
-        inputs = [module.InferInput("input_ids", list(ids.shape), "INT64"),
-                  module.InferInput("attention_mask", list(mask.shape), "INT64")]
+        inputs = [
+            module.InferInput("input_ids", list(ids.shape), "INT64"),
+            module.InferInput("attention_mask", list(mask.shape), "INT64"),
+        ]
         inputs[0].set_data_from_numpy(ids)
         inputs[1].set_data_from_numpy(mask)
         logits = client.infer("tokens", inputs).as_numpy("logits")
@@ -73,24 +77,61 @@ def test_v1_instances_are_objects_of_the_inputs(served):
     np.testing.assert_allclose(np.asarray(json.loads(payload)["predictions"]), expected(eager, ids, mask), atol=1e-5)
 
 
-@pytest.mark.parametrize(("path", "body", "message"), [
-    ("/v1/models/tokens:predict", {"instances": [{"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1]},
-                                                 {"input_ids": [1, 2], "attention_mask": [1, 1]}]},
-     "instances[1].input_ids has shape [2], instances[0].input_ids [3]"),
-    ("/v1/models/tokens:predict", {"instances": [{"input_ids": [1, 2, 3]}]}, "instances[0] lacks ['attention_mask']"),
-    ("/v1/models/tokens:predict", {"instances": [{"input_ids": [1, 2], "attention_mask": [1, 1], "labels": [1, 2]}]},
-     "instances[0] has no such inputs ['labels']"),
-    ("/v1/models/tokens:predict", {"instances": [{"input_ids": [1, 99], "attention_mask": [1, 1]}]},
-     "instances[*].input_ids holds 99, outside [0, 31]"),
-    ("/v2/models/tokens/infer", {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 3], "data": [1, 2, 3]},
-                                            {"name": "attention_mask", "datatype": "INT64", "shape": [1, 2], "data": [1, 1]}]},
-     "inputs disagree on 'length': 'input_ids' has 3, 'attention_mask' has 2"),
-    ("/v2/models/tokens/infer", {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 2], "data": [-1, 2]},
-                                            {"name": "attention_mask", "datatype": "INT64", "shape": [1, 2], "data": [1, 1]}]},
-     "inputs[0] 'input_ids' holds -1, outside [0, 31]"),
-    ("/v2/models/tokens/infer", {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 2], "data": [1, 2]}]},
-     "'inputs' lacks ['attention_mask']"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        (
+            "/v1/models/tokens:predict",
+            {
+                "instances": [
+                    {"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1]},
+                    {"input_ids": [1, 2], "attention_mask": [1, 1]},
+                ]
+            },
+            "instances[1].input_ids has shape [2], instances[0].input_ids [3]",
+        ),
+        (
+            "/v1/models/tokens:predict",
+            {"instances": [{"input_ids": [1, 2, 3]}]},
+            "instances[0] lacks ['attention_mask']",
+        ),
+        (
+            "/v1/models/tokens:predict",
+            {"instances": [{"input_ids": [1, 2], "attention_mask": [1, 1], "labels": [1, 2]}]},
+            "instances[0] has no such inputs ['labels']",
+        ),
+        (
+            "/v1/models/tokens:predict",
+            {"instances": [{"input_ids": [1, 99], "attention_mask": [1, 1]}]},
+            "instances[*].input_ids holds 99, outside [0, 31]",
+        ),
+        (
+            "/v2/models/tokens/infer",
+            {
+                "inputs": [
+                    {"name": "input_ids", "datatype": "INT64", "shape": [1, 3], "data": [1, 2, 3]},
+                    {"name": "attention_mask", "datatype": "INT64", "shape": [1, 2], "data": [1, 1]},
+                ]
+            },
+            "inputs disagree on 'length': 'input_ids' has 3, 'attention_mask' has 2",
+        ),
+        (
+            "/v2/models/tokens/infer",
+            {
+                "inputs": [
+                    {"name": "input_ids", "datatype": "INT64", "shape": [1, 2], "data": [-1, 2]},
+                    {"name": "attention_mask", "datatype": "INT64", "shape": [1, 2], "data": [1, 1]},
+                ]
+            },
+            "inputs[0] 'input_ids' holds -1, outside [0, 31]",
+        ),
+        (
+            "/v2/models/tokens/infer",
+            {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 2], "data": [1, 2]}]},
+            "'inputs' lacks ['attention_mask']",
+        ),
+    ],
+)
 def test_client_mistakes_are_400s_that_name_the_field(served, path, body, message):
     server, _ = served
     status, payload, _ = server.request("POST", path, json.dumps(body))
@@ -101,7 +142,10 @@ def test_client_mistakes_are_400s_that_name_the_field(served, path, body, messag
 def test_out_of_range_ids_over_grpc_are_invalid_argument(served):
     server, _ = served
     client = tritongrpc.InferenceServerClient(server.grpc_url)
-    inputs = [tritongrpc.InferInput("input_ids", [1, 2], "INT64"), tritongrpc.InferInput("attention_mask", [1, 2], "INT64")]
+    inputs = [
+        tritongrpc.InferInput("input_ids", [1, 2], "INT64"),
+        tritongrpc.InferInput("attention_mask", [1, 2], "INT64"),
+    ]
     inputs[0].set_data_from_numpy(np.array([[3, 1000]], dtype=np.int64))
     inputs[1].set_data_from_numpy(np.ones((1, 2), dtype=np.int64))
     with pytest.raises(InferenceServerException, match="1000, outside"):
@@ -115,9 +159,22 @@ def test_concurrent_requests_of_different_lengths_each_get_their_rows(served):
     def client(i: int) -> None:
         try:
             ids, mask = batch([3 + i % 5], seed=100 + i)
-            body = {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": list(ids.shape), "data": ids.flatten().tolist()},
-                               {"name": "attention_mask", "datatype": "INT64", "shape": list(mask.shape),
-                                "data": mask.flatten().tolist()}]}
+            body = {
+                "inputs": [
+                    {
+                        "name": "input_ids",
+                        "datatype": "INT64",
+                        "shape": list(ids.shape),
+                        "data": ids.flatten().tolist(),
+                    },
+                    {
+                        "name": "attention_mask",
+                        "datatype": "INT64",
+                        "shape": list(mask.shape),
+                        "data": mask.flatten().tolist(),
+                    },
+                ]
+            }
             for _ in range(3):
                 status, payload, _ = server.request("POST", "/v2/models/tokens/infer", json.dumps(body))
                 assert status == 200, payload

@@ -23,9 +23,15 @@ train: {{max_epochs: 2, batch_size: 16, accumulate: 1, log_every: 1}}
 checkpoint: {{every_steps: 5, keep_last: 2}}
 """
 FORMATS = {
-    "parquet": lambda root: dict(format="parquet", train=streamdata.write_parquet(root), target="label",
-                                 input="[id, " + ", ".join(f"f{j}" for j in range(streamdata.NUM_FEATURES)) + "]"),
-    "webdataset": lambda root: dict(format="webdataset", train=streamdata.write_shards(root), input="npy", target="cls"),
+    "parquet": lambda root: dict(
+        format="parquet",
+        train=streamdata.write_parquet(root),
+        target="label",
+        input="[id, " + ", ".join(f"f{j}" for j in range(streamdata.NUM_FEATURES)) + "]",
+    ),
+    "webdataset": lambda root: dict(
+        format="webdataset", train=streamdata.write_shards(root), input="npy", target="cls"
+    ),
 }
 
 
@@ -48,10 +54,10 @@ def stream_references(tmp_path_factory):
             run = StreamRun(tmp_path_factory.mktemp(f"ref-{fmt}"), fmt)
             result = run.run(resume=False, **run.env)
             assert result.returncode == 0, result.stderr
-            (position, ids), = run.segment_indices()
+            ((position, ids),) = run.segment_indices()
             assert position == 0 and len(ids) == 2 * 480
             for epoch in range(2):  # exactly once per epoch, in an order that changes
-                assert sorted(ids[epoch * 480:(epoch + 1) * 480]) == list(range(480))
+                assert sorted(ids[epoch * 480 : (epoch + 1) * 480]) == list(range(480))
             assert ids[:480] != ids[480:]
             cache[fmt] = run.final_weights(), ids
         return cache[fmt]
@@ -78,8 +84,11 @@ def test_sigkill_mid_epoch_and_resume_auto(tmp_path, stream_references, fmt):
         deadline = time.monotonic() + 60
         # The first segment lives past its first checkpoint, so that a resume starts mid-epoch
         # however slowly the process started; the later kills land anywhere after a step.
-        while (not run.stepped_since_resume() or (kills == 0 and newest_step(run) <= saved)) \
-                and proc.poll() is None and time.monotonic() < deadline:
+        while (
+            (not run.stepped_since_resume() or (kills == 0 and newest_step(run) <= saved))
+            and proc.poll() is None
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         time.sleep(rng.uniform(0.05, 0.25))
         if proc.poll() is not None:
@@ -112,8 +121,8 @@ def test_a_resume_with_another_worker_count_continues_bitwise(tmp_path, stream_r
     assert resumed.returncode == 0, resumed.stderr
     (_, first), (position, rest) = run.segment_indices()
     assert 0 < position < 480, "the kill did not land mid-epoch"
-    epoch = first[:position] + rest[:480 - position]
+    epoch = first[:position] + rest[: 480 - position]
     assert sorted(epoch) == list(range(480)), "the rest of the epoch repeated or skipped samples"
-    assert sorted(rest[480 - position:]) == list(range(480))  # the next epoch, whole
+    assert sorted(rest[480 - position :]) == list(range(480))  # the next epoch, whole
     assert "config differs from the checkpoint's: data.num_workers: 2 -> 1" in resumed.stderr
     assert_same_as_reference(run, reference)

@@ -21,8 +21,17 @@ def test_fp16_step_uses_a_grad_scaler_and_reports_true_norms():
     model = nn.Linear(16, 4).to(CUDA)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     group = [(torch.randn(8, 16), torch.randint(0, 4, (8,)))]
-    result = tk.train_step(model, opt, group, nn.functional.cross_entropy, params=list(model.parameters()),
-                           precision=precision, device=CUDA, clip_grad_norm_max=1.0, check_finite=True)
+    result = tk.train_step(
+        model,
+        opt,
+        group,
+        nn.functional.cross_entropy,
+        params=list(model.parameters()),
+        precision=precision,
+        device=CUDA,
+        clip_grad_norm_max=1.0,
+        check_finite=True,
+    )
     assert result.status in ("ok", "overflow") and result.grad_norm_value is not None
 
 

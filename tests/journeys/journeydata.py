@@ -86,9 +86,14 @@ def map_tokens(root: str) -> tuple[MapTokens, MapTokens]:
 def write(source: str, batch: str, root: Path) -> tuple[dict[str, Any], list[str]]:
     """Write the data; return the config's ``data`` section and the names the bad samples get."""
     root.mkdir(parents=True, exist_ok=True)
-    writer = {("map", "pair"): _map_pairs, ("map", "dict"): _map_tokens, ("parquet", "pair"): _parquet_pairs,
-              ("parquet", "dict"): _parquet_tokens, ("webdataset", "pair"): _shard_pairs,
-              ("webdataset", "dict"): _shard_tokens}[(source, batch)]
+    writer = {
+        ("map", "pair"): _map_pairs,
+        ("map", "dict"): _map_tokens,
+        ("parquet", "pair"): _parquet_pairs,
+        ("parquet", "dict"): _parquet_tokens,
+        ("webdataset", "pair"): _shard_pairs,
+        ("webdataset", "dict"): _shard_tokens,
+    }[(source, batch)]
     data, bad = writer(root)
     if batch == "dict":
         data["collate"] = "pad"
@@ -123,11 +128,21 @@ def _parquet_pairs(root: Path) -> tuple[dict[str, Any], list[str]]:
             labels = [None if split == "train" and i == 5 else int(y[i]) for i in rows]
             path = root / split / f"part-{f}.parquet"
             path.parent.mkdir(parents=True, exist_ok=True)
-            pq.write_table(pa.table({"x": pa.array(values, type=pa.list_(pa.float32())),
-                                     "label": pa.array(labels, type=pa.int64())}), path, row_group_size=128)
+            pq.write_table(
+                pa.table(
+                    {"x": pa.array(values, type=pa.list_(pa.float32())), "label": pa.array(labels, type=pa.int64())}
+                ),
+                path,
+                row_group_size=128,
+            )
             names += [f"{path} row {i - f * per_file}" for i in BAD if split == "train" and i in rows]
-    data = {"format": "parquet", "train": str(root / "train" / "*.parquet"), "val": str(root / "val" / "*.parquet"),
-            "input": "x", "target": "label"}
+    data = {
+        "format": "parquet",
+        "train": str(root / "train" / "*.parquet"),
+        "val": str(root / "val" / "*.parquet"),
+        "input": "x",
+        "target": "label",
+    }
     return data, names
 
 
@@ -146,11 +161,23 @@ def _parquet_tokens(root: Path) -> tuple[dict[str, Any], list[str]]:
             labels = [None if split == "train" and i == 9 else seqs[i].tolist() for i in rows]
             path = root / split / f"part-{f}.parquet"
             path.parent.mkdir(parents=True, exist_ok=True)
-            pq.write_table(pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int64())),
-                                     "labels": pa.array(labels, type=pa.list_(pa.int64()))}), path, row_group_size=128)
+            pq.write_table(
+                pa.table(
+                    {
+                        "input_ids": pa.array(ids, type=pa.list_(pa.int64())),
+                        "labels": pa.array(labels, type=pa.list_(pa.int64())),
+                    }
+                ),
+                path,
+                row_group_size=128,
+            )
             names += [f"{path} row {i - f * per_file}" for i in BAD if split == "train" and i in rows]
-    data = {"format": "parquet", "train": str(root / "train" / "*.parquet"), "val": str(root / "val" / "*.parquet"),
-            "columns": ["input_ids", "labels"]}
+    data = {
+        "format": "parquet",
+        "train": str(root / "train" / "*.parquet"),
+        "val": str(root / "val" / "*.parquet"),
+        "columns": ["input_ids", "labels"],
+    }
     return data, names
 
 
@@ -174,10 +201,16 @@ def _shards(root: Path, members: Any, keys: dict[str, Any]) -> tuple[dict[str, A
     for split, num, shards in (("train", NUM_TRAIN, 8), ("val", NUM_VAL, 1)):
         per_shard = num // shards
         for s in range(shards):
-            _tar(root / f"{split}-{s:06d}.tar", [m for i in range(s * per_shard, (s + 1) * per_shard)
-                                                 for m in members(split, i)])
-    data = {"format": "webdataset", "train": str(root / "train-{000000..000007}.tar"),
-            "val": str(root / "val-000000.tar"), **keys}
+            _tar(
+                root / f"{split}-{s:06d}.tar",
+                [m for i in range(s * per_shard, (s + 1) * per_shard) for m in members(split, i)],
+            )
+    data = {
+        "format": "webdataset",
+        "train": str(root / "train-{000000..000007}.tar"),
+        "val": str(root / "val-000000.tar"),
+        **keys,
+    }
     return data, [f"{root / 'train-000000.tar'} key {i:06d}" for i in BAD]
 
 

@@ -63,7 +63,9 @@ class TinyLM(nn.Module):
         self.embed = nn.Embedding(VOCAB, dim, padding_idx=0)
         self.mix = nn.Sequential(nn.Linear(2 * dim, 48), nn.Tanh(), nn.Linear(48, VOCAB))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor | None = None) -> Output:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> Output:
         if self.training:
             record((input_ids[:, 0] - 1) * ID_BASE + input_ids[:, 1] - 1)
         current = self.embed(input_ids) * attention_mask[..., None]

@@ -49,8 +49,12 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).parent
 EPOCHS, BATCH = 2, 32
 SHORT = {("parquet", "dict", 1), ("webdataset", "pair", 2)}
-JOURNEYS = [(source, batch, ranks) for source in ("map", "parquet", "webdataset") for batch in ("pair", "dict")
-            for ranks in (1, 2)]
+JOURNEYS = [
+    (source, batch, ranks)
+    for source in ("map", "parquet", "webdataset")
+    for batch in ("pair", "dict")
+    for ranks in (1, 2)
+]
 
 
 class Journey:
@@ -58,12 +62,17 @@ class Journey:
         self.root, self.source, self.batch, self.ranks = root, source, batch, ranks
         data, self.bad_names = journeydata.write(source, batch, root / "data")
         config = {
-            "name": "first", "seed": 7,
+            "name": "first",
+            "seed": 7,
             "model": {"target": "journeymodels:mlp" if batch == "pair" else "journeymodels:tiny_lm"},
             "data": data,
             "optim": {"lr": 3e-3},
-            "train": {"max_epochs": EPOCHS, "batch_size": BATCH, "log_every": 8,
-                      "accumulate": 1 if batch == "pair" else 2},
+            "train": {
+                "max_epochs": EPOCHS,
+                "batch_size": BATCH,
+                "log_every": 8,
+                "accumulate": 1 if batch == "pair" else 2,
+            },
             "checkpoint": {"every_steps": 10},
             **({"loss": {"count_key": "labels", "shift_labels": True}} if batch == "dict" else {}),
         }
@@ -77,12 +86,27 @@ class Journey:
 
     def command(self, name: str, *args: str) -> list[str]:
         nproc = ["--nproc", str(self.ranks)] if self.ranks > 1 else []
-        return [sys.executable, "-m", "torchkeel.cli.main", "train", "cfg.yaml", f"name={name}", "--no-progress",
-                *nproc, *args]
+        return [
+            sys.executable,
+            "-m",
+            "torchkeel.cli.main",
+            "train",
+            "cfg.yaml",
+            f"name={name}",
+            "--no-progress",
+            *nproc,
+            *args,
+        ]
 
     def train(self, name: str, cache: str, *args: str, **extra: str) -> subprocess.CompletedProcess:
-        result = subprocess.run(self.command(name, *args), cwd=self.root, env=self.env(cache, **extra),
-                                capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            self.command(name, *args),
+            cwd=self.root,
+            env=self.env(cache, **extra),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         return result
 
@@ -97,8 +121,14 @@ class Journey:
     def kill_mid_epoch_and_resume(self, name: str, cache: str) -> dict:
         """SIGKILL the whole job once a checkpoint of the first epoch is on disk and the run has
         gone on; then ``--resume auto`` to the end."""
-        proc = subprocess.Popen(self.command(name), cwd=self.root, env=self.env(cache, JOURNEY_DELAY="0.03"),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            self.command(name),
+            cwd=self.root,
+            env=self.env(cache, JOURNEY_DELAY="0.03"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         store = self.run_dir(name) / "checkpoints"
         deadline = time.monotonic() + 300
         try:
@@ -129,9 +159,24 @@ class Journey:
         for fmt in ("onnx", "torchscript"):
             out = self.root / f"export-{fmt}"
             if fmt in serve:  # keel export, as a user runs it
-                result = subprocess.run([sys.executable, "-m", "torchkeel.cli.main", "export", str(self.run_dir(name)),
-                                         "--format", fmt, "--out", str(out)], cwd=self.root, env=self.env("cache"),
-                                        capture_output=True, text=True, timeout=300)
+                result = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "torchkeel.cli.main",
+                        "export",
+                        str(self.run_dir(name)),
+                        "--format",
+                        fmt,
+                        "--out",
+                        str(out),
+                    ],
+                    cwd=self.root,
+                    env=self.env("cache"),
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
                 assert result.returncode == 0, result.stderr[-3000:]
             else:  # the function keel export calls, in this process
                 export_run(self.run_dir(name), fmt, out)
@@ -146,7 +191,9 @@ class Journey:
                 assert np.abs(answer - expected.numpy()).max() <= 1e-5
                 if self.batch == "dict":
                     instances = [{k: v[i].tolist() for k, v in inputs.items()} for i in range(len(expected))]
-                    predictions = np.asarray(server.post(f"/v1/models/{name}:predict", {"instances": instances})["predictions"])
+                    predictions = np.asarray(
+                        server.post(f"/v1/models/{name}:predict", {"instances": instances})["predictions"]
+                    )
                     assert np.abs(predictions - expected.numpy()).max() <= 1e-5
 
     def requests(self) -> dict[str, torch.Tensor]:
@@ -161,7 +208,7 @@ class Journey:
         ids = [int(line) for line in ids_log.read_text().split()]
         good = sorted(set(range(journeydata.NUM_TRAIN)) - set(journeydata.BAD))
         assert len(ids) == EPOCHS * self.num_good
-        epochs = [ids[e * self.num_good:(e + 1) * self.num_good] for e in range(EPOCHS)]
+        epochs = [ids[e * self.num_good : (e + 1) * self.num_good] for e in range(EPOCHS)]
         for epoch in epochs:
             assert sorted(epoch) == good, "an epoch did not train on every good sample exactly once"
         assert epochs[0] != epochs[1]
@@ -185,9 +232,23 @@ class Served:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        self.proc = subprocess.Popen([sys.executable, "-m", "torchkeel.cli.main", "serve", str(export), "--port",
-                                      str(self.port), "--grpc-port", "0"], env=env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torchkeel.cli.main",
+                "serve",
+                str(export),
+                "--port",
+                str(self.port),
+                "--grpc-port",
+                "0",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def __enter__(self) -> "Served":
         import urllib.request
@@ -210,15 +271,22 @@ class Served:
     def post(self, path: str, body: dict) -> dict:
         import urllib.request
 
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=30) as response:
             return json.loads(response.read())
 
     def v2(self, model: str, inputs: dict[str, torch.Tensor]) -> np.ndarray:
         kinds = {torch.float32: "FP32", torch.int64: "INT64"}
-        body = {"inputs": [{"name": k, "datatype": kinds[v.dtype], "shape": list(v.shape), "data": v.flatten().tolist()}
-                           for k, v in inputs.items()]}
+        body = {
+            "inputs": [
+                {"name": k, "datatype": kinds[v.dtype], "shape": list(v.shape), "data": v.flatten().tolist()}
+                for k, v in inputs.items()
+            ]
+        }
         output = self.post(f"/v2/models/{model}/infer", body)["outputs"][0]
         return np.asarray(output["data"], dtype=np.float32).reshape(output["shape"])
 
@@ -246,8 +314,10 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-@pytest.mark.parametrize("journey", [pytest.param(j, marks=() if j in SHORT else pytest.mark.slow,
-                                                  id=f"{j[0]}-{j[1]}-{j[2]}rank") for j in JOURNEYS])
+@pytest.mark.parametrize(
+    "journey",
+    [pytest.param(j, marks=() if j in SHORT else pytest.mark.slow, id=f"{j[0]}-{j[1]}-{j[2]}rank") for j in JOURNEYS],
+)
 def test_a_journey(tmp_path, journey):
     is_short = journey in SHORT
     run = Journey(tmp_path, *journey)

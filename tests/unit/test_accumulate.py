@@ -29,8 +29,13 @@ def train(model, optimizer, batch_size, accumulate, epochs=2):
     for epoch in range(epochs):
         for group in tk.iter_groups(loader.epoch(epoch), accumulate):
             tk.train_step(
-                model, optimizer, group, nn.functional.cross_entropy, params=params,
-                precision=tk.Precision(), device=torch.device("cpu"),
+                model,
+                optimizer,
+                group,
+                nn.functional.cross_entropy,
+                params=params,
+                precision=tk.Precision(),
+                device=torch.device("cpu"),
             )
     return len(steps)
 

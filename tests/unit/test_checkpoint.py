@@ -118,6 +118,7 @@ def test_changed_model_lists_missing_unexpected_and_mismatched(tmp_path):
 
 # --- corruption table -------------------------------------------------------------------------
 
+
 def _truncate(n):
     return lambda b: b[:n] if n >= 0 else b[: len(b) + n]
 
@@ -145,7 +146,11 @@ def _header_points_past_end(b):
     name = next(k for k in header if k != "__metadata__")
     header[name]["data_offsets"] = [0, 10**9]
     text = json.dumps(header).encode().ljust(size)
-    return b[:8] + text[:size] + b[8 + size :] if len(text) == size else struct.pack("<Q", len(text)) + text + b[8 + size :]
+    return (
+        b[:8] + text[:size] + b[8 + size :]
+        if len(text) == size
+        else struct.pack("<Q", len(text)) + text + b[8 + size :]
+    )
 
 
 CASES = [
@@ -197,8 +202,16 @@ def test_corrupt_file_is_named_and_skipped(two_checkpoints, file, name, corrupt,
         ("missing", lambda p: p.unlink(), "manifest.json is missing"),
         ("empty", lambda p: p.write_text(""), "is unreadable"),
         ("not-json", lambda p: p.write_bytes(b"\x00\xff{"), "is unreadable"),
-        ("wrong-version", lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "format_version": 9})), "not a torchkeel manifest of format 1 or 2"),
-        ("no-files", lambda p: p.write_text(json.dumps({k: v for k, v in json.loads(p.read_text()).items() if k != "files"})), "lacks its step or file list"),
+        (
+            "wrong-version",
+            lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "format_version": 9})),
+            "not a torchkeel manifest of format 1 or 2",
+        ),
+        (
+            "no-files",
+            lambda p: p.write_text(json.dumps({k: v for k, v in json.loads(p.read_text()).items() if k != "files"})),
+            "lacks its step or file list",
+        ),
         ("wrong-hash", lambda p: p.write_text(p.read_text().replace('"xxh3_128": "', '"xxh3_128": "0', 1)), "xxh3_128"),
         ("wrong-size", lambda p: p.write_text(json.dumps(_resize(json.loads(p.read_text())))), "the manifest says"),
         ("list", lambda p: p.write_text("[1, 2]"), "not a torchkeel manifest"),
@@ -285,10 +298,16 @@ def test_format_2_files_are_plain_safetensors_of_every_dtype(tmp_path):
     import safetensors.torch
 
     weights = {
-        "f32": torch.randn(3, 4), "bf16": torch.randn(5).to(torch.bfloat16), "f16": torch.randn(2, 2).half(),
-        "i8": torch.tensor([-3, 7], dtype=torch.int8), "bool": torch.tensor([True, False, True]),
-        "scalar": torch.tensor(2.5, dtype=torch.float64), "empty": torch.zeros(0, 3), "u8": torch.arange(4, dtype=torch.uint8),
-        "strided": torch.arange(12.0).reshape(3, 4).t(), "i64": torch.tensor([2**40]),
+        "f32": torch.randn(3, 4),
+        "bf16": torch.randn(5).to(torch.bfloat16),
+        "f16": torch.randn(2, 2).half(),
+        "i8": torch.tensor([-3, 7], dtype=torch.int8),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 3),
+        "u8": torch.arange(4, dtype=torch.uint8),
+        "strided": torch.arange(12.0).reshape(3, 4).t(),
+        "i64": torch.tensor([2**40]),
     }
     path = ck.CheckpointStore(tmp_path).save({"model": weights}, step=1, epoch=0)
     manifest = json.loads((path / "manifest.json").read_text())
@@ -298,7 +317,9 @@ def test_format_2_files_are_plain_safetensors_of_every_dtype(tmp_path):
         for name, tensor in weights.items():
             assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
     with pytest.raises(TypeError, match="tensor 'c' of dtype torch.complex64"):
-        ck.CheckpointStore(tmp_path / "bad").save({"model": {"c": torch.zeros(2, dtype=torch.complex64)}}, step=1, epoch=0)
+        ck.CheckpointStore(tmp_path / "bad").save(
+            {"model": {"c": torch.zeros(2, dtype=torch.complex64)}}, step=1, epoch=0
+        )
 
 
 def test_saves_and_loads_stream_with_bounded_memory(tmp_path):
@@ -318,20 +339,25 @@ def test_saves_and_loads_stream_with_bounded_memory(tmp_path):
 
     def load_and_touch():
         found = ck.read_checkpoint(store.path_for(2))
-        assert [float(t.sum()) for t in found.state["model"].values()] == [float(t.sum()) for t in state["model"].values()]
+        assert [float(t.sum()) for t in found.state["model"].values()] == [
+            float(t.sum()) for t in state["model"].values()
+        ]
         return found
 
     load_peak, found = peak_rss_during(load_and_touch)
     for name, tensor in state["model"].items():
         assert torch.equal(found.state["model"][name], tensor)
-    print(f"state {state_bytes / 2**20:.0f} MB; peak RSS above start: sync save {sync_peak / 2**20:.0f} MB, "
-          f"async save {async_peak / 2**20:.0f} MB, load {load_peak / 2**20:.0f} MB")
+    print(
+        f"state {state_bytes / 2**20:.0f} MB; peak RSS above start: sync save {sync_peak / 2**20:.0f} MB, "
+        f"async save {async_peak / 2**20:.0f} MB, load {load_peak / 2**20:.0f} MB"
+    )
     assert sync_peak <= 0.10 * state_bytes, (sync_peak, state_bytes)
     assert async_peak <= 1.25 * state_bytes, (async_peak, state_bytes)
     assert load_peak <= 1.25 * state_bytes, (load_peak, state_bytes)
 
 
 # --- foreign weights --------------------------------------------------------------------------
+
 
 class _Exploit:
     def __init__(self, marker):

@@ -81,8 +81,9 @@ def test_a_graph_break_is_an_incident_naming_the_line_and_the_compile_time_is_lo
 
 
 def test_fullgraph_turns_the_break_into_an_error_naming_it(tiny_config):
-    config = tiny_config("compile={enabled: true, backend: eager, fullgraph: true}", "train.max_steps=2",
-                         "train.max_epochs=null")
+    config = tiny_config(
+        "compile={enabled: true, backend: eager, fullgraph: true}", "train.max_steps=2", "train.max_epochs=null"
+    )
     with pytest.raises(CompileError, match=rf"graph breaks at .*test_compile.py:{BRANCH_LINE}"):
         tk.Trainer(config, model=Branchy(), progress=False).fit()
 
@@ -98,9 +99,10 @@ def test_compile_settings_and_the_boolean_short_form(tiny_config):
 def test_a_fallback_is_reported_not_warned_when_a_reporter_is_given():
     events = []
     model = nn.Linear(4, 2)
-    wrapped = tk.CompiledOrEager(model, backend=failing_backend, report=lambda kind, message, details:
-                                 events.append((kind, message, details)))
+    wrapped = tk.CompiledOrEager(
+        model, backend=failing_backend, report=lambda kind, message, details: events.append((kind, message, details))
+    )
     x = torch.randn(3, 4)
     torch.testing.assert_close(wrapped(x), model(x))
-    (kind, message, details), = [e for e in events if e[0] == "compile"]
+    ((kind, message, details),) = [e for e in events if e[0] == "compile"]
     assert "backend exploded" in message and details == {"fallback": "eager", "error": "BackendCompilerFailed"}

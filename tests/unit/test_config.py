@@ -97,14 +97,20 @@ def test_import_errors_name_the_key():
         resolve_target("no_such_mod:f", "model.target")
     with pytest.raises(ConfigError, match=r"module 'torch.nn' has no attribute 'Linearr'"):
         resolve_target("torch.nn:Linearr", "model.target")
-    with pytest.raises(ConfigError, match=r"model.args.in_featurez is not an argument of torch.nn:Linear; did you mean 'in_features'"):
+    with pytest.raises(
+        ConfigError, match=r"model.args.in_featurez is not an argument of torch.nn:Linear; did you mean 'in_features'"
+    ):
         build_target("torch.nn:Linear", {"in_featurez": 2, "out_features": 2}, "model")
-    with pytest.raises(ConfigError, match=r"model.args do not fit torch.nn:Linear.*missing a required argument: 'out_features'"):
+    with pytest.raises(
+        ConfigError, match=r"model.args do not fit torch.nn:Linear.*missing a required argument: 'out_features'"
+    ):
         build_target("torch.nn:Linear", {"in_features": 2}, "model")
 
 
 def test_callables_that_return_the_wrong_thing():
-    with pytest.raises(ConfigError, match=r"model.target='builtins:dict' returned dict; it must return a torch.nn.Module"):
+    with pytest.raises(
+        ConfigError, match=r"model.target='builtins:dict' returned dict; it must return a torch.nn.Module"
+    ):
         build_model(ModelConfig(target="builtins:dict"))
     with pytest.raises(ConfigError, match=r"data.target='builtins:dict' returned dict; it must return a pair"):
         build_datasets(DataConfig(target="builtins:dict"))
@@ -112,7 +118,9 @@ def test_callables_that_return_the_wrong_thing():
         build_datasets(DataConfig(target="test_config:_ints"))
     with pytest.raises(ConfigError, match=r"loss.target='builtins:int' returned int"):
         build_loss(LossConfig(target="builtins:int"))
-    assert isinstance(build_model(ModelConfig(target="torch.nn:Linear", args={"in_features": 2, "out_features": 3})), torch.nn.Linear)
+    assert isinstance(
+        build_model(ModelConfig(target="torch.nn:Linear", args={"in_features": 2, "out_features": 3})), torch.nn.Linear
+    )
 
 
 def _ints():

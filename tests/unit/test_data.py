@@ -215,7 +215,10 @@ def test_pad_collate_pads_labels_with_ignore_index_and_keeps_the_users_own_mask(
     assert batch["attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     own = PadCollate(pad_value={"input_ids": 7})(hf_samples([3, 1], with_mask=True))
     assert set(own) == {"input_ids", "labels", "attention_mask"}  # not attention_mask_mask & co
-    assert own["input_ids"].tolist() == [[1, 2, 3], [1, 7, 7]] and own["labels"].tolist() == [[1, 2, 3], [1, -100, -100]]
+    assert own["input_ids"].tolist() == [[1, 2, 3], [1, 7, 7]] and own["labels"].tolist() == [
+        [1, 2, 3],
+        [1, -100, -100],
+    ]
     assert own["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     chosen = PadCollate(pad_value={"labels": -1, "input_ids": 5})(hf_samples([1, 2]))
     assert chosen["labels"].tolist() == [[1, -1], [1, 2]] and chosen["input_ids"].tolist() == [[1, 5], [1, 2]]
@@ -248,8 +251,9 @@ def test_parquet_bucketing_by_a_list_column(tmp_path):
     pq.write_table(pa.table({"seq": seqs, "label": np.arange(400) % 3}), tmp_path / "s.parquet", row_group_size=200)
 
     def padding(bucket_by):
-        source = ParquetSource(str(tmp_path / "s.parquet"), input="seq", target="label", bucket_by=bucket_by,
-                               bucket_window=100)
+        source = ParquetSource(
+            str(tmp_path / "s.parquet"), input="seq", target="label", bucket_by=bucket_by, bucket_window=100
+        )
         loader = StreamLoader(source, 20, seed=1, collate_fn=PadCollate(), as_samples=True)
         batches = list(loader.epoch(0))
         assert sum(len(b[1]) for b in batches) == 400
@@ -273,7 +277,7 @@ def test_a_corrupt_sample_in_a_shard_is_skipped_and_named(tmp_path):
     loader = StreamLoader(source, 16, seed=0, num_workers=2, max_bad_fraction=0.01)
     seen = [i for batch in loader.epoch(0) for i in ids(batch)]
     assert sorted(seen) == sorted(set(range(480)) - {85})
-    (where, error), = loader.new_bad
+    ((where, error),) = loader.new_bad
     assert where == f"{tmp_path}/train-000001.tar key 000085" and error.startswith("npy: ValueError")
 
 
@@ -302,17 +306,29 @@ def test_a_map_style_item_that_raises_is_skipped_and_named():
     loader = EpochLoader(Flaky(), 8, seed=0, num_workers=2, max_bad_fraction=0.1)
     seen = sorted(int(v) for x, _ in loader.epoch(0) for v in x[:, 0])
     assert seen == sorted(set(range(40)) - {3, 17})
-    assert sorted(loader.new_bad) == [("dataset index 17", "OSError: cannot read image 17.jpg"),
-                                      ("dataset index 3", "OSError: cannot read image 3.jpg")]
+    assert sorted(loader.new_bad) == [
+        ("dataset index 17", "OSError: cannot read image 17.jpg"),
+        ("dataset index 3", "OSError: cannot read image 3.jpg"),
+    ]
     with pytest.raises(DataError, match="dataset index"):
         list(EpochLoader(Flaky(), 8, seed=0).epoch(0))  # the default 0.001 allows none of 40
 
 
 def test_the_trainer_records_bad_samples_as_incidents_and_continues(tmp_path):
-    config = tk.load_config(None, [f"out_dir={tmp_path}", "model.target=streamdata:make_model", "data.format=parquet",
-                                   f"data.train={streamdata.write_parquet(tmp_path / 'd', null_rows=(11,))}",
-                                   f"data.input=[{', '.join(COLUMNS)}]", "data.target=label",
-                                   "data.max_bad_fraction=0.01", "data.num_workers=0", "train.batch_size=32"])
+    config = tk.load_config(
+        None,
+        [
+            f"out_dir={tmp_path}",
+            "model.target=streamdata:make_model",
+            "data.format=parquet",
+            f"data.train={streamdata.write_parquet(tmp_path / 'd', null_rows=(11,))}",
+            f"data.input=[{', '.join(COLUMNS)}]",
+            "data.target=label",
+            "data.max_bad_fraction=0.01",
+            "data.num_workers=0",
+            "train.batch_size=32",
+        ],
+    )
     summary = tk.Trainer(config, progress=False).fit()
     assert summary["status"] == "completed" and summary["incidents"] == {"bad_sample": 1}
     rows = tk.read_metrics(tmp_path / "run" / "incidents.jsonl")
@@ -328,7 +344,9 @@ class Mislabeled(Dataset):
 
 
 def test_a_label_out_of_range_is_named_with_the_value_the_classes_and_the_sample(tmp_path):
-    config = tk.load_config(None, [f"out_dir={tmp_path}", "data.num_workers=0", "train.batch_size=8", "data.shuffle=false"])
+    config = tk.load_config(
+        None, [f"out_dir={tmp_path}", "data.num_workers=0", "train.batch_size=8", "data.shuffle=false"]
+    )
     trainer = tk.Trainer(config, model=streamdata.make_model(), train_data=Mislabeled(), progress=False)
     with pytest.raises(DataError) as caught:
         trainer.fit()
@@ -364,13 +382,16 @@ def trial(workers: int, samples_per_s: float) -> Trial:
     return Trial(workers, samples_per_s, rss_bytes=2**28, startup_s=0.1)
 
 
-@pytest.mark.parametrize("rates, chosen", [
-    ([9000, 5000, 4000], 0),        # a trivial dataset: workers only add IPC
-    ([300, 560, 1000], 2),          # CPU-bound samples: more workers, more throughput
-    ([300, 960, 1000], 1),          # within 5 % of the best: the fewer workers win
-    ([300, 1000, 990], 1),
-    ([0, 0, 0], 0),                 # nothing loaded: 0, and training names the bad data
-])
+@pytest.mark.parametrize(
+    "rates, chosen",
+    [
+        ([9000, 5000, 4000], 0),  # a trivial dataset: workers only add IPC
+        ([300, 560, 1000], 2),  # CPU-bound samples: more workers, more throughput
+        ([300, 960, 1000], 1),  # within 5 % of the best: the fewer workers win
+        ([300, 1000, 990], 1),
+        ([0, 0, 0], 0),  # nothing loaded: 0, and training names the bad data
+    ],
+)
 def test_the_choice_is_the_fewest_workers_within_5_percent_of_the_best(rates, chosen):
     result = choose([trial(n, rate) for n, rate in enumerate(rates)])
     assert result.num_workers == chosen and result.reason
@@ -390,8 +411,9 @@ def test_the_trial_times_every_candidate_caches_its_choice_and_reuses_it(tmp_pat
     assert made == [0, 1, 2] and [t.num_workers for t in picked.trials] == [0, 1, 2]
     assert all(t.samples_per_s > 0 and t.rss_bytes > 0 for t in picked.trials)
     assert picked.num_workers == choose(picked.trials).num_workers and not picked.cached
-    cached = tune_workers(lambda n: pytest.fail("the cached choice must not run a trial"), fingerprint="data",
-                          cache_dir=tmp_path, limit=2)
+    cached = tune_workers(
+        lambda n: pytest.fail("the cached choice must not run a trial"), fingerprint="data", cache_dir=tmp_path, limit=2
+    )
     assert cached.cached and cached.num_workers == picked.num_workers
     fresh = tune_workers(make, fingerprint="other data", cache_dir=tmp_path, limit=1, trial_s=0.05)
     assert not fresh.cached and made[3:] == [0, 1]
@@ -405,8 +427,13 @@ def test_a_trial_that_crashes_on_bad_data_leaves_the_error_to_training(tmp_path)
         def __getitem__(self, i):
             return torch.ones(3 if i % 2 else 4), torch.tensor(0)  # half and half: no majority to keep
 
-    picked = tune_workers(lambda n: EpochLoader(Crashes(), 8, num_workers=n), fingerprint="crash",
-                          cache_dir=tmp_path, limit=1, trial_s=0.05)
+    picked = tune_workers(
+        lambda n: EpochLoader(Crashes(), 8, num_workers=n),
+        fingerprint="crash",
+        cache_dir=tmp_path,
+        limit=1,
+        trial_s=0.05,
+    )
     assert picked.num_workers == 0 and "no batch loaded" in picked.reason
     with pytest.raises(DataError, match="set data.collate=pad"):
         list(EpochLoader(Crashes(), 8).epoch(0))
@@ -431,12 +458,20 @@ class Slow(Dataset):
 
 @pytest.mark.parametrize("work", [80_000, 0])
 def test_the_input_bound_incident_on_a_slow_dataset_and_none_on_a_fast_one(tmp_path, work):
-    config = tk.load_config(None, [f"out_dir={tmp_path}", "data.num_workers=0", "train.batch_size=8",
-                                   "train.max_steps=60", "memory.leak_check=false"])
+    config = tk.load_config(
+        None,
+        [
+            f"out_dir={tmp_path}",
+            "data.num_workers=0",
+            "train.batch_size=8",
+            "train.max_steps=60",
+            "memory.leak_check=false",
+        ],
+    )
     summary = tk.Trainer(config, model=streamdata.make_model(), train_data=Slow(work), progress=False).fit()
     if work:
         assert summary["incidents"].get("input_bound") == 1
-        row, = [r for r in tk.read_metrics(tmp_path / "run" / "incidents.jsonl") if r["kind"] == "input_bound"]
+        (row,) = [r for r in tk.read_metrics(tmp_path / "run" / "incidents.jsonl") if r["kind"] == "input_bound"]
         assert row["wait_fraction"] > 0.5 and "num_workers" in row["message"]
     else:
         assert "input_bound" not in summary["incidents"]
@@ -476,10 +511,13 @@ def test_workers_start_with_forkserver_once_cuda_is_initialized(monkeypatch):
 def test_streaming_sources_as_train_data_and_val_data_in_the_python_api(tmp_path):
     train = make_source("webdataset", tmp_path / "train")
     val = make_source("webdataset", tmp_path / "val", num=96, shards=2)
-    config = tk.load_config(None, [f"out_dir={tmp_path}", "data.num_workers=0", "train.batch_size=32",
-                                   "train.max_epochs=2"])
+    config = tk.load_config(
+        None, [f"out_dir={tmp_path}", "data.num_workers=0", "train.batch_size=32", "train.max_epochs=2"]
+    )
     summary = tk.Trainer(config, model=streamdata.make_model(), train_data=train, val_data=val, progress=False).fit()
-    assert summary["status"] == "completed" and summary["samples"] == 960 and summary["steps"] == 36  # 6 shards of 80: 3 batches each, 2 epochs
+    assert (
+        summary["status"] == "completed" and summary["samples"] == 960 and summary["steps"] == 36
+    )  # 6 shards of 80: 3 batches each, 2 epochs
     assert 0 <= summary["val_accuracy"] <= 1
 
 
@@ -487,8 +525,11 @@ def test_streaming_sources_as_train_data_and_val_data_in_the_python_api(tmp_path
 def test_shuffle_off_reads_in_file_order(tmp_path, kind):
     loader = StreamLoader(make_source(kind, tmp_path), 16, seed=0, shuffle=False, streams=1)
     assert [i for batch in loader.epoch(3) for i in ids(batch)] == list(range(480))
-    several = [i for batch in StreamLoader(make_source(kind, tmp_path), 16, seed=0, shuffle=False,
-                                           streams=4).epoch(3) for i in ids(batch)]
+    several = [
+        i
+        for batch in StreamLoader(make_source(kind, tmp_path), 16, seed=0, shuffle=False, streams=4).epoch(3)
+        for i in ids(batch)
+    ]
     assert sorted(several) == list(range(480)) and several[:16] == list(range(16))  # each unit in file order
 
 
@@ -499,7 +540,9 @@ def test_the_auto_choice_goes_to_metrics_jsonl_and_a_second_run_reuses_it(tiny_c
         rows += [r for r in tk.read_metrics(tmp_path / "runs" / name / "metrics.jsonl") if r["kind"] == "data_workers"]
     first, second = rows
     assert first["num_workers"] == second["num_workers"] and first["reason"]
-    assert second["cached"] and [t["num_workers"] for t in second["trials"]] == [t["num_workers"] for t in first["trials"]]
+    assert second["cached"] and [t["num_workers"] for t in second["trials"]] == [
+        t["num_workers"] for t in first["trials"]
+    ]
     assert all(t["samples_per_s"] > 0 and t["rss_bytes"] > 0 for t in first["trials"])
 
 
@@ -524,18 +567,37 @@ def test_a_null_label_and_a_row_of_the_wrong_length_are_bad_samples_named_by_fil
     x, y = streamdata.samples(640)
     rows = [x[i].tolist()[: 8 if i == 33 else None] for i in range(640)]
     labels = [None if i == 17 else int(y[i]) for i in range(640)]
-    pq.write_table(pa.table({"x": pa.array(rows, type=pa.list_(pa.float32())), "label": pa.array(labels, type=pa.int64())}),
-                   tmp_path / "data.parquet", row_group_size=128)
-    config = tk.load_config(None, [f"out_dir={tmp_path}", "data.format=parquet", f"data.train={tmp_path}/data.parquet",
-                                   "data.input=x", "data.target=label", "data.max_bad_fraction=0.01", "train.max_epochs=2",
-                                   "train.batch_size=32"])
+    pq.write_table(
+        pa.table({"x": pa.array(rows, type=pa.list_(pa.float32())), "label": pa.array(labels, type=pa.int64())}),
+        tmp_path / "data.parquet",
+        row_group_size=128,
+    )
+    config = tk.load_config(
+        None,
+        [
+            f"out_dir={tmp_path}",
+            "data.format=parquet",
+            f"data.train={tmp_path}/data.parquet",
+            "data.input=x",
+            "data.target=label",
+            "data.max_bad_fraction=0.01",
+            "train.max_epochs=2",
+            "train.batch_size=32",
+        ],
+    )
     summary = tk.Trainer(config, model=streamdata.make_model(), progress=False).fit()
     assert summary["status"] == "completed" and summary["samples"] == 2 * 638
     met = [r for r in tk.read_metrics(tmp_path / "run" / "incidents.jsonl") if r["kind"] == "bad_sample"]
-    assert sorted((r["where"], r["error"]) for r in met) == sorted([
-        (f"{tmp_path}/data.parquet row 17", "a null value in column 'label'"),
-        (f"{tmp_path}/data.parquet row 33", "column 'x' holds 8 values in this row, 9 in the others of its row group"),
-    ] * 2)
+    assert sorted((r["where"], r["error"]) for r in met) == sorted(
+        [
+            (f"{tmp_path}/data.parquet row 17", "a null value in column 'label'"),
+            (
+                f"{tmp_path}/data.parquet row 33",
+                "column 'x' holds 8 values in this row, 9 in the others of its row group",
+            ),
+        ]
+        * 2
+    )
     err = capsys.readouterr().err
     assert err.count("skipped a bad sample") == 2 and "4 bad_sample (2 distinct, each printed once)" in err
 
@@ -551,8 +613,13 @@ def test_a_sample_unlike_the_rest_of_its_batch_is_named_not_padded():
         samples = tokens[:where] + [{"input_ids": torch.arange(4)}] + tokens[where:]
         batch, bad, keep = collate_or_split(PadCollate(), samples, name)
         assert set(batch) == {"input_ids", "labels", "attention_mask"} and batch["labels"].shape[0] == 4
-        assert bad == [(f"sample {where}", "its keys ['input_ids'] differ from the other samples' "
-                                           "['input_ids', 'labels'] in its batch; fix or remove it")]
+        assert bad == [
+            (
+                f"sample {where}",
+                "its keys ['input_ids'] differ from the other samples' "
+                "['input_ids', 'labels'] in its batch; fix or remove it",
+            )
+        ]
     vectors = [torch.ones(8)] * 5 + [torch.ones(7)]
     batch, bad, keep = collate_or_split(DefaultCollate(), vectors, name)
     assert batch.shape == (5, 8) and list(keep) == [0, 1, 2, 3, 4]

@@ -14,14 +14,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def config_keys(cls=KeelConfig, prefix=""):
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.type) or (isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)):
+        if dataclasses.is_dataclass(f.type) or (
+            isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)
+        ):
             yield from config_keys(f.default_factory, f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.metadata.get('key', f.name)}"
 
 
 def test_every_config_key_is_in_docs_config_md():
-    documented = set(re.findall(r"^\| `([a-z_.]+)` \|", (ROOT / "docs" / "config.md").read_text().split("## Run files")[0], re.M))
+    documented = set(
+        re.findall(r"^\| `([a-z_.]+)` \|", (ROOT / "docs" / "config.md").read_text().split("## Run files")[0], re.M)
+    )
     keys = set(config_keys())
     assert len(keys) > 25
     assert keys - documented == set(), "undocumented keys"

@@ -26,9 +26,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def facts(**changes) -> Facts:
-    base = Facts(python_version="3.11.7", torch_version="2.13.0+cu128", torchkeel_version="0.1.0", torch_cuda="12.8",
-                 cuda_available=True, driver_version="570.86.10", shm_bytes=16 * 2**30, start_method="fork",
-                 cpu_count=16, cpu_affinity=16, workers=8, batch_size=64)
+    base = Facts(
+        python_version="3.11.7",
+        torch_version="2.13.0+cu128",
+        torchkeel_version="0.1.0",
+        torch_cuda="12.8",
+        cuda_available=True,
+        driver_version="570.86.10",
+        shm_bytes=16 * 2**30,
+        start_method="fork",
+        cpu_count=16,
+        cpu_affinity=16,
+        workers=8,
+        batch_size=64,
+    )
     for key, value in changes.items():
         setattr(base, key, value)
     return base
@@ -51,7 +62,9 @@ def test_two_cuda_runtimes_warn_naming_both_paths():
     finding = check_library_conflicts(facts(visible_libs={"cudart": [conda, system]}, loaded_libs={"cudart": [conda]}))
     assert finding.status == "warn" and conda in finding.evidence and system in finding.evidence
     assert "one CUDA runtime" in finding.fix
-    assert check_library_conflicts(facts(visible_libs={"cudart": [conda]}, loaded_libs={"cudart": [conda]})).status == "ok"
+    assert (
+        check_library_conflicts(facts(visible_libs={"cudart": [conda]}, loaded_libs={"cudart": [conda]})).status == "ok"
+    )
     pip_in_conda = check_library_conflicts(facts(conda_prefix="/opt/conda/envs/x", torch_from_pip=True))
     assert pip_in_conda.status == "warn" and "installed by pip inside the conda environment" in pip_in_conda.evidence
 
@@ -72,8 +85,15 @@ def test_unsafe_torch_versions_warn():
 
 def test_spawn_warns_and_run_dir_space():
     assert check_start_method(facts(start_method="spawn")).status == "warn"
-    short = check_run_dir(facts(run_dir="/x", run_dir_free_bytes=10, run_dir_writable=True, checkpoint_bytes=100,
-                                same_filesystem_as_tmp=True))
+    short = check_run_dir(
+        facts(
+            run_dir="/x",
+            run_dir_free_bytes=10,
+            run_dir_writable=True,
+            checkpoint_bytes=100,
+            same_filesystem_as_tmp=True,
+        )
+    )
     assert short.status == "fail" and "not enough" in short.evidence
     locked = check_run_dir(facts(run_dir="/x", run_dir_free_bytes=10**12, run_dir_writable=False))
     assert locked.status == "fail"
@@ -91,8 +111,12 @@ def test_this_machine(tmp_path):
 
 
 def test_cli_json_validates_against_the_documented_schema(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "torchkeel.cli.main", "doctor", "--json", "--run-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "torchkeel.cli.main", "doctor", "--json", "--run-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     jsonschema.validate(report, json.loads((ROOT / "docs" / "doctor.schema.json").read_text()))
@@ -123,8 +147,11 @@ def test_nccl_variables_are_explained_and_an_unreachable_master_fails():
         port = server.getsockname()[1]
     reachable, error = _reachable("127.0.0.1", str(port), timeout_s=1)
     assert reachable is False and error
-    finding = check_distributed_env(facts(env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-                                          master_reachable=reachable, master_error=error))
+    finding = check_distributed_env(
+        facts(
+            env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, master_reachable=reachable, master_error=error
+        )
+    )
     assert finding.status == "fail" and "not reachable" in finding.evidence
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

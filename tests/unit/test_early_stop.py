@@ -33,9 +33,17 @@ def test_rule_counts_validations_without_improvement():
 
 
 def test_stops_at_the_expected_validation_and_keeps_the_best(tiny_config):
-    config = tiny_config(SCRIPT, "train.max_epochs=10", "train.val_every=2", "train.early_stop.patience=3",
-                         "train.early_stop.min_delta=0.01", "checkpoint.monitor=val_score", "checkpoint.mode=max",
-                         "checkpoint.keep_last=1", "checkpoint.every_s=0")
+    config = tiny_config(
+        SCRIPT,
+        "train.max_epochs=10",
+        "train.val_every=2",
+        "train.early_stop.patience=3",
+        "train.early_stop.min_delta=0.01",
+        "checkpoint.monitor=val_score",
+        "checkpoint.mode=max",
+        "checkpoint.keep_last=1",
+        "checkpoint.every_s=0",
+    )
     trainer = tk.Trainer(config, progress=False)
     summary = trainer.fit()
     assert summary["status"] == "stopped_early" and summary["steps"] == 12
@@ -53,8 +61,9 @@ def test_patience_zero_is_off_and_errors_name_the_key(tiny_config):
     with pytest.raises(ConfigError, match="train.early_stop.patience"):
         tiny_config("train.early_stop.patience=-1").validate()
     with pytest.raises(ConfigError, match="train.early_stop.monitor"):
-        tk.Trainer(tiny_config("name=other", "train.early_stop.patience=2", "train.early_stop.monitor=val_f1"),
-                   progress=False).fit()
+        tk.Trainer(
+            tiny_config("name=other", "train.early_stop.patience=2", "train.early_stop.monitor=val_f1"), progress=False
+        ).fit()
 
 
 CONFIG = """
@@ -82,14 +91,17 @@ def test_a_kill_before_the_stop_resumes_to_the_same_stop(tmp_path):
     # Killed 2 steps before the stop: the last checkpoint (every 3 steps) is after a validation
     # that did not improve, so the resumed run must carry the patience counter to stop in time.
     kill_at = whole["steps"] - 2
-    killed = run_keel("train", "cfg.yaml", "--no-progress", cwd=tmp_path / "killed",
-                      TORCHKEEL_TEST_STEP_FAULTS=f"kill:{kill_at}")
+    killed = run_keel(
+        "train", "cfg.yaml", "--no-progress", cwd=tmp_path / "killed", TORCHKEEL_TEST_STEP_FAULTS=f"kill:{kill_at}"
+    )
     assert killed.returncode != 0
     resumed = run_keel("train", "cfg.yaml", "--no-progress", "--resume", "auto", cwd=tmp_path / "killed")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     again = json.loads((tmp_path / "killed" / "runs" / "es" / "summary.json").read_text())
     for key in ("status", "steps", "best_step", "best", "reason", "val_loss"):
         assert again[key] == whole[key], key
-    rows = [json.loads(line) for line in (tmp_path / "killed" / "runs" / "es" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "killed" / "runs" / "es" / "metrics.jsonl").read_text().splitlines()
+    ]
     resumed_at = [r["step"] for r in rows if r["kind"] == "resume"]
     assert resumed_at and whole["best_step"] < resumed_at[0] < whole["steps"]

@@ -21,8 +21,11 @@ def hand_ema(history, decay, start=0):
     for step, weights in history:
         if step < start:
             continue
-        ema = {k: v.clone() for k, v in weights.items()} if ema is None else \
-            {k: decay * ema[k] + (1 - decay) * weights[k] for k in ema}
+        ema = (
+            {k: v.clone() for k, v in weights.items()}
+            if ema is None
+            else {k: decay * ema[k] + (1 - decay) * weights[k] for k in ema}
+        )
     return ema
 
 
@@ -44,9 +47,15 @@ def test_component_matches_the_hand_formula_from_a_hand_written_loop():
 
 
 def test_trainer_ema_equals_the_hand_computation_and_validation_uses_it(tiny_config):
-    config = tiny_config("train.ema={decay: 0.9, start_step: 3}", "train.max_steps=8", "train.max_epochs=null",
-                         "checkpoint.every_steps=1", "checkpoint.keep_last=100", "checkpoint.every_s=0",
-                         "checkpoint.async=false")
+    config = tiny_config(
+        "train.ema={decay: 0.9, start_step: 3}",
+        "train.max_steps=8",
+        "train.max_epochs=null",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep_last=100",
+        "checkpoint.every_s=0",
+        "checkpoint.async=false",
+    )
     trainer = tk.Trainer(config, progress=False)
     summary = trainer.fit()
     store = CheckpointStore(trainer.run_dir / "checkpoints")
@@ -58,7 +67,9 @@ def test_trainer_ema_equals_the_hand_computation_and_validation_uses_it(tiny_con
         torch.testing.assert_close(v, expected[k], rtol=1e-6, atol=1e-7)
     # The final validation ran on the averaged weights, not on the trained ones.
     val_set = trainer.val_loader
-    with_ema = tk.evaluate(trainer.ema.module, val_set.epoch(0), nn.functional.cross_entropy, device=torch.device("cpu"))
+    with_ema = tk.evaluate(
+        trainer.ema.module, val_set.epoch(0), nn.functional.cross_entropy, device=torch.device("cpu")
+    )
     raw = tk.evaluate(trainer.model, val_set.epoch(0), nn.functional.cross_entropy, device=torch.device("cpu"))
     assert summary["val_loss"] == with_ema["val_loss"] != raw["val_loss"]
     meta = export_run(trainer.run_dir, "torchscript", trainer.run_dir / "export")
@@ -86,8 +97,12 @@ def test_the_average_survives_a_kill_and_resume_bitwise(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "cfg.yaml").write_text(CONFIG)
     assert run_keel("train", "cfg.yaml", "--no-progress", cwd=tmp_path / "whole").returncode == 0
-    assert run_keel("train", "cfg.yaml", "--no-progress", cwd=tmp_path / "killed",
-                    TORCHKEEL_TEST_STEP_FAULTS="kill:13").returncode != 0
+    assert (
+        run_keel(
+            "train", "cfg.yaml", "--no-progress", cwd=tmp_path / "killed", TORCHKEEL_TEST_STEP_FAULTS="kill:13"
+        ).returncode
+        != 0
+    )
     resumed = run_keel("train", "cfg.yaml", "--no-progress", "--resume", "auto", cwd=tmp_path / "killed")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     ends = []
@@ -97,16 +112,24 @@ def test_the_average_survives_a_kill_and_resume_bitwise(tmp_path):
     assert ends[0].step == ends[1].step == 24
     for key, value in ends[0].state["ema"].items():
         assert torch.equal(value, ends[1].state["ema"][key]), key
-    rows = [json.loads(line) for line in (tmp_path / "killed" / "runs" / "ema" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "killed" / "runs" / "ema" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in rows if r["kind"] == "resume"] == [10]
 
 
 def test_a_skipped_step_is_not_averaged_in(tiny_config):
     from test_guards import NaNOnSteps
 
-    config = tiny_config("train.ema={decay: 0.5}", "train.max_steps=6", "train.max_epochs=null",
-                         "checkpoint.every_steps=1", "checkpoint.keep_last=100", "checkpoint.every_s=0",
-                         "checkpoint.async=false")
+    config = tiny_config(
+        "train.ema={decay: 0.5}",
+        "train.max_steps=6",
+        "train.max_epochs=null",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep_last=100",
+        "checkpoint.every_s=0",
+        "checkpoint.async=false",
+    )
     trainer = tk.Trainer(config, model=NaNOnSteps([4]), progress=False)
     summary = trainer.fit()
     assert summary["incidents"] == {"nonfinite": 1}

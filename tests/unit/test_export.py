@@ -48,10 +48,17 @@ def test_export_from_a_checkpoint_directory(run_dir, tmp_path):
 
 
 def test_a_trace_that_hard_codes_the_batch_size_is_rejected(tmp_path):
-    config = tk.load_config(None, [
-        f"out_dir={tmp_path}", "name=hard", "model.target=models:HardcodedBatch",
-        "data.target=hand_written_loop:make_data", "train.max_epochs=null", "train.max_steps=2",
-    ])
+    config = tk.load_config(
+        None,
+        [
+            f"out_dir={tmp_path}",
+            "name=hard",
+            "model.target=models:HardcodedBatch",
+            "data.target=hand_written_loop:make_data",
+            "train.max_epochs=null",
+            "train.max_steps=2",
+        ],
+    )
     tk.Trainer(config, progress=False).fit()
     with pytest.raises(ParityError, match="parity FAILED on output 'output' at batch size 1"):
         export_run(tmp_path / "hard", "torchscript", tmp_path / "out")
@@ -61,10 +68,13 @@ def test_a_trace_that_hard_codes_the_batch_size_is_rejected(tmp_path):
         write_triton_repo(tmp_path / "out", tmp_path / "repo")
 
 
-@pytest.mark.parametrize(("fmt", "platform", "names"), [
-    ("onnx", "onnxruntime_onnx", ("input", "output")),
-    ("torchscript", "pytorch_libtorch", ("input__0", "output__0")),
-])
+@pytest.mark.parametrize(
+    ("fmt", "platform", "names"),
+    [
+        ("onnx", "onnxruntime_onnx", ("input", "output")),
+        ("torchscript", "pytorch_libtorch", ("input__0", "output__0")),
+    ],
+)
 def test_triton_repository_parses_into_model_config(run_dir, tmp_path, fmt, platform, names):
     export_run(run_dir, fmt, tmp_path / "export")
     model_dir = write_triton_repo(tmp_path / "export", tmp_path / "repo", max_batch_size=32)
@@ -95,12 +105,37 @@ def stream_runs(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("stream-export")
     runs = {}
-    for fmt, data in (("parquet", ["data.format=parquet", f"data.train={streamdata.write_parquet(out / 'pq')}",
-                                   "data.input=[id, f0, f1, f2, f3, f4, f5, f6, f7]", "data.target=label"]),
-                      ("webdataset", ["data.format=webdataset", f"data.train={streamdata.write_shards(out / 'wds')}",
-                                      "data.input=npy", "data.target=cls"])):
-        config = tk.load_config(None, [f"out_dir={out}", f"name={fmt}", "model.target=streamdata:make_model",
-                                       "data.num_workers=0", "train.max_epochs=1", *data])
+    for fmt, data in (
+        (
+            "parquet",
+            [
+                "data.format=parquet",
+                f"data.train={streamdata.write_parquet(out / 'pq')}",
+                "data.input=[id, f0, f1, f2, f3, f4, f5, f6, f7]",
+                "data.target=label",
+            ],
+        ),
+        (
+            "webdataset",
+            [
+                "data.format=webdataset",
+                f"data.train={streamdata.write_shards(out / 'wds')}",
+                "data.input=npy",
+                "data.target=cls",
+            ],
+        ),
+    ):
+        config = tk.load_config(
+            None,
+            [
+                f"out_dir={out}",
+                f"name={fmt}",
+                "model.target=streamdata:make_model",
+                "data.num_workers=0",
+                "train.max_epochs=1",
+                *data,
+            ],
+        )
         tk.Trainer(config, progress=False).fit()
         runs[fmt] = out / fmt
     return runs
@@ -126,8 +161,13 @@ def token_run(tmp_path_factory):
 def test_a_dict_batch_model_exports_with_named_inputs_and_dynamic_lengths(token_run, tmp_path, fmt):
     meta = export_run(token_run, fmt, tmp_path)
     ids, mask = meta["inputs"]
-    assert ids == {"name": "input_ids", "datatype": "INT64", "shape": [-1, -1], "dims": ["batch", "length"],
-                   "range": [0, 31]}  # the embedding's rows
+    assert ids == {
+        "name": "input_ids",
+        "datatype": "INT64",
+        "shape": [-1, -1],
+        "dims": ["batch", "length"],
+        "range": [0, 31],
+    }  # the embedding's rows
     assert mask == {"name": "attention_mask", "datatype": "INT64", "shape": [-1, -1], "dims": ["batch", "length"]}
     assert meta["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, -1, 32]}]
     lengths = {r["shapes"]["input_ids"][1] for r in meta["parity"]["results"] if "shapes" in r}
@@ -143,7 +183,11 @@ class RecurrentLM(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed, self.rnn, self.head = torch.nn.Embedding(32, 8), torch.nn.GRU(8, 8, batch_first=True), torch.nn.Linear(8, 32)
+        self.embed, self.rnn, self.head = (
+            torch.nn.Embedding(32, 8),
+            torch.nn.GRU(8, 8, batch_first=True),
+            torch.nn.Linear(8, 32),
+        )
 
     def forward(self, input_ids, attention_mask, labels=None):
         logits = self.head(self.rnn(self.embed(input_ids) * attention_mask[..., None])[0])

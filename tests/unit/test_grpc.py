@@ -23,14 +23,30 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 def test_the_descriptor_set_is_what_the_proto_compiles_to(tmp_path):
     out = tmp_path / "predict_v2.binpb"
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{SRC}", f"--descriptor_set_out={out}",
-                    str(SRC / "torchkeel" / "serve" / "proto" / "predict_v2.proto")], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{SRC}",
+            f"--descriptor_set_out={out}",
+            str(SRC / "torchkeel" / "serve" / "proto" / "predict_v2.proto"),
+        ],
+        check=True,
+    )
     assert out.read_bytes() == DESCRIPTOR_SET.read_bytes(), "regenerate predict_v2.binpb (see predict_v2.proto)"
 
 
 def _fields(descriptor) -> dict:
-    return {f.name: (f.number, f.type, f.is_repeated if hasattr(f, "is_repeated") else f.label,
-                     f.message_type.full_name if f.message_type else None) for f in descriptor.fields}
+    return {
+        f.name: (
+            f.number,
+            f.type,
+            f.is_repeated if hasattr(f, "is_repeated") else f.label,
+            f.message_type.full_name if f.message_type else None,
+        )
+        for f in descriptor.fields
+    }
 
 
 def _all(descriptor):
@@ -47,7 +63,9 @@ def test_every_message_and_method_matches_tritons_definition_on_the_wire():
             theirs = triton_pb2.DESCRIPTOR.pool.FindMessageTypeByName(ours.full_name)
             mine, triton = _fields(ours), _fields(theirs)
             for field, shape in mine.items():
-                assert triton.get(field) == shape, f"{ours.full_name}.{field}: ours {shape}, Triton's {triton.get(field)}"
+                assert triton.get(field) == shape, (
+                    f"{ours.full_name}.{field}: ours {shape}, Triton's {triton.get(field)}"
+                )
                 checked += 1
     ours_service = pb.ModelInferRequest.DESCRIPTOR.file.services_by_name["GRPCInferenceService"]
     theirs_service = triton_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
@@ -55,7 +73,9 @@ def test_every_message_and_method_matches_tritons_definition_on_the_wire():
     for method in ours_service.methods:
         triton = theirs_service.methods_by_name[method.name]
         assert (method.input_type.full_name, method.output_type.full_name) == (
-            triton.input_type.full_name, triton.output_type.full_name)
+            triton.input_type.full_name,
+            triton.output_type.full_name,
+        )
     assert checked > 50 and len(ours_service.methods) == 6
 
 
@@ -65,11 +85,22 @@ def _model(datatype: str, shape: list[int], image: bool = False):
 
 
 def _convert(triton_request, model, max_batch_size: int = 64):
-    return infer_request(pb.ModelInferRequest.FromString(triton_request.SerializeToString()), model, max_batch_size, False)
+    return infer_request(
+        pb.ModelInferRequest.FromString(triton_request.SerializeToString()), model, max_batch_size, False
+    )
 
 
-DATATYPES = [("BOOL", np.bool_), ("INT8", np.int8), ("INT16", np.int16), ("INT32", np.int32), ("INT64", np.int64),
-             ("UINT8", np.uint8), ("FP16", np.float16), ("FP32", np.float32), ("FP64", np.float64)]
+DATATYPES = [
+    ("BOOL", np.bool_),
+    ("INT8", np.int8),
+    ("INT16", np.int16),
+    ("INT32", np.int32),
+    ("INT64", np.int64),
+    ("UINT8", np.uint8),
+    ("FP16", np.float16),
+    ("FP32", np.float32),
+    ("FP64", np.float64),
+]
 
 
 @pytest.mark.parametrize("datatype,dtype", DATATYPES, ids=[d for d, _ in DATATYPES])
@@ -83,12 +114,19 @@ def test_raw_inputs_from_tritonclient_convert_in_every_datatype(datatype, dtype)
     np.testing.assert_array_equal(parsed.inputs["input"], x)
 
 
-@pytest.mark.parametrize("datatype,field,values,dtype", [
-    ("BOOL", "bool_contents", [True, False], np.bool_), ("INT8", "int_contents", [-128, 127], np.int8),
-    ("INT32", "int_contents", [-5, 7], np.int32), ("INT64", "int64_contents", [-2**40, 3], np.int64),
-    ("UINT8", "uint_contents", [0, 255], np.uint8), ("FP32", "fp32_contents", [0.5, -1.25], np.float32),
-    ("FP64", "fp64_contents", [1e-300, 2.0], np.float64), ("BYTES", "bytes_contents", [b"a", b"\x00\xff"], object),
-])
+@pytest.mark.parametrize(
+    "datatype,field,values,dtype",
+    [
+        ("BOOL", "bool_contents", [True, False], np.bool_),
+        ("INT8", "int_contents", [-128, 127], np.int8),
+        ("INT32", "int_contents", [-5, 7], np.int32),
+        ("INT64", "int64_contents", [-(2**40), 3], np.int64),
+        ("UINT8", "uint_contents", [0, 255], np.uint8),
+        ("FP32", "fp32_contents", [0.5, -1.25], np.float32),
+        ("FP64", "fp64_contents", [1e-300, 2.0], np.float64),
+        ("BYTES", "bytes_contents", [b"a", b"\x00\xff"], object),
+    ],
+)
 def test_typed_contents_convert(datatype, field, values, dtype):
     request = triton_pb2.ModelInferRequest(model_name="m")
     tensor = request.inputs.add(name="input", datatype=datatype, shape=[2] if datatype == "BYTES" else [1, 2])
@@ -98,21 +136,40 @@ def test_typed_contents_convert(datatype, field, values, dtype):
     assert array.dtype == dtype and array.reshape(-1).tolist() == values
 
 
-@pytest.mark.parametrize("build,message", [
-    (lambda r: r.inputs.add(name="input", datatype="INT8", shape=[1, 2]).contents.int_contents.extend([1, 300]),
-     "inputs[0].contents.int_contents holds values outside the range of INT8"),
-    (lambda r: r.inputs.add(name="input", datatype="INT8", shape=[2, 2]).contents.int_contents.extend([1, 2]),
-     "inputs[0].contents.int_contents has 2 values; the shape needs 4"),
-    (lambda r: r.inputs.add(name="input", datatype="INT8", shape=[1, 2]),
-     "inputs[0] has neither contents nor raw_input_contents"),
-    (lambda r: (r.inputs.add(name="input", datatype="INT8", shape=[1, 2]), r.raw_input_contents.extend([b"\0", b"\0"])),
-     "raw_input_contents has 2 entries for 1 inputs"),
-    (lambda r: (r.inputs.add(name="input", datatype="INT8", shape=[1, 2]), r.raw_input_contents.append(b"\0")),
-     "inputs[0]: 1 binary bytes for 2 INT8 values"),
-    (lambda r: r.inputs.add(name="input", datatype="INT8", shape=[65, 2]),
-     "inputs[0].shape[0] is 65; send between 1 and 64 samples"),
-    (lambda r: None, "'inputs' must be a non-empty list"),
-], ids=["range", "count", "no-data", "raw-entries", "raw-size", "batch", "no-inputs"])
+@pytest.mark.parametrize(
+    "build,message",
+    [
+        (
+            lambda r: r.inputs.add(name="input", datatype="INT8", shape=[1, 2]).contents.int_contents.extend([1, 300]),
+            "inputs[0].contents.int_contents holds values outside the range of INT8",
+        ),
+        (
+            lambda r: r.inputs.add(name="input", datatype="INT8", shape=[2, 2]).contents.int_contents.extend([1, 2]),
+            "inputs[0].contents.int_contents has 2 values; the shape needs 4",
+        ),
+        (
+            lambda r: r.inputs.add(name="input", datatype="INT8", shape=[1, 2]),
+            "inputs[0] has neither contents nor raw_input_contents",
+        ),
+        (
+            lambda r: (
+                r.inputs.add(name="input", datatype="INT8", shape=[1, 2]),
+                r.raw_input_contents.extend([b"\0", b"\0"]),
+            ),
+            "raw_input_contents has 2 entries for 1 inputs",
+        ),
+        (
+            lambda r: (r.inputs.add(name="input", datatype="INT8", shape=[1, 2]), r.raw_input_contents.append(b"\0")),
+            "inputs[0]: 1 binary bytes for 2 INT8 values",
+        ),
+        (
+            lambda r: r.inputs.add(name="input", datatype="INT8", shape=[65, 2]),
+            "inputs[0].shape[0] is 65; send between 1 and 64 samples",
+        ),
+        (lambda r: None, "'inputs' must be a non-empty list"),
+    ],
+    ids=["range", "count", "no-data", "raw-entries", "raw-size", "batch", "no-inputs"],
+)
 def test_bad_requests_name_the_field(build, message):
     request = triton_pb2.ModelInferRequest(model_name="m")
     build(request)
@@ -144,4 +201,7 @@ def test_responses_read_back_with_tritonclient_including_classifications():
     assert result.get_response().id == "abc" and result.get_response().model_name == "m"
     labelled = infer_response(model, request, {"output": classification(logits, ["a", "b", "c"], 2)})
     result = tritongrpc.InferResult(triton_pb2.ModelInferResponse.FromString(labelled.SerializeToString()))
-    assert result.as_numpy("output").tolist() == [[b"2.000000:1:b", b"0.100000:0:a"], [b"3.000000:0:a", b"1.000000:2:c"]]
+    assert result.as_numpy("output").tolist() == [
+        [b"2.000000:1:b", b"0.100000:0:a"],
+        [b"3.000000:0:a", b"1.000000:2:c"],
+    ]

@@ -29,6 +29,7 @@ def incidents(tmp_path, name="tiny"):
 
 # --- skip semantics ------------------------------------------------------------------------------
 
+
 def test_a_nonfinite_step_changes_nothing_bit_for_bit():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -36,8 +37,9 @@ def test_a_nonfinite_step_changes_nothing_bit_for_bit():
     opt = torch.optim.AdamW(params, lr=1e-2)
     sched = tk.build_scheduler(opt, warmup_steps=2, total_steps=10)
     good = [(torch.randn(6, 4), torch.randint(0, 3, (6,)))]
-    step = dict(params=params, precision=tk.Precision(), device=CPU, clip_grad_norm_max=1.0, scheduler=sched,
-                check_finite=True)
+    step = dict(
+        params=params, precision=tk.Precision(), device=CPU, clip_grad_norm_max=1.0, scheduler=sched, check_finite=True
+    )
     for _ in range(2):
         assert tk.train_step(model, opt, good, nn.functional.cross_entropy, **step).status == "ok"
     before = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), sched.state_dict().copy())
@@ -69,6 +71,7 @@ def test_guard_escalation():
 
 
 # --- NaN injection in the Trainer ----------------------------------------------------------------
+
 
 class NaNOnSteps(nn.Module):
     """The example's model; on the n-th distinct training batch, n in ``bad``, it returns NaN/Inf.
@@ -112,11 +115,21 @@ def regression_data(n=256, features=16):
 
 def diverging(tmp_path, lr, name):
     train, val = regression_data()
-    config = tk.load_config(None, [
-        f"out_dir={tmp_path / 'runs'}", f"name={name}", "optim.name=sgd", f"optim.lr={lr}", "train.clip_grad_norm=null",
-        "train.max_epochs=null", "train.max_steps=150", "train.batch_size=16", "guard.snapshot_every=5",
-        "loss.target=torch.nn:MSELoss",
-    ])
+    config = tk.load_config(
+        None,
+        [
+            f"out_dir={tmp_path / 'runs'}",
+            f"name={name}",
+            "optim.name=sgd",
+            f"optim.lr={lr}",
+            "train.clip_grad_norm=null",
+            "train.max_epochs=null",
+            "train.max_steps=150",
+            "train.batch_size=16",
+            "guard.snapshot_every=5",
+            "loss.target=torch.nn:MSELoss",
+        ],
+    )
     torch.manual_seed(0)
     return tk.Trainer(config, model=nn.Linear(16, 1), train_data=train, val_data=val, progress=False)
 
@@ -173,6 +186,7 @@ def test_raise_policy_stops_at_the_first_nonfinite_step(tiny_config):
 
 # --- diagnosis ---------------------------------------------------------------------------------------
 
+
 class LogHead(nn.Module):
     def forward(self, x):
         return torch.log(x - x)  # log(0) = -inf: the planted bug
@@ -220,6 +234,7 @@ def test_diagnosis_reports_the_samples_that_carry_nan():
 
 # --- OOM ---------------------------------------------------------------------------------------------
 
+
 def no_dropout_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
@@ -234,7 +249,7 @@ def test_oom_split_trains_to_the_same_parameters(tiny_config, tmp_path):
     summary = split.fit()
     assert summary["status"] == "completed" and summary["incidents"] == {"oom_split": 1}
     assert injector.num_raised == 2  # 64 failed, 32 failed, 16 fit; then 16 from the start
-    row, = [r for r in incidents(tmp_path, "split") if r["kind"] == "oom_split"]
+    (row,) = [r for r in incidents(tmp_path, "split") if r["kind"] == "oom_split"]
     assert row["micro_batch_size"] == 16 and row["step"] == 1 and "micro-batches of 16 samples" in row["message"]
     for (name, a), b in zip(plain.model.named_parameters(), split.model.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
@@ -245,8 +260,17 @@ def test_a_single_sample_that_does_not_fit_is_a_clear_error():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = [(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))]
     with pytest.raises(SampleTooLarge, match="a single sample does not fit in memory on cpu \\(process RSS"):
-        tk.train_step(model, opt, batch, nn.functional.cross_entropy, params=list(model.parameters()),
-                      precision=tk.Precision(), device=CPU, split_on_oom=True, before_forward=OomInjector(0))
+        tk.train_step(
+            model,
+            opt,
+            batch,
+            nn.functional.cross_entropy,
+            params=list(model.parameters()),
+            precision=tk.Precision(),
+            device=CPU,
+            split_on_oom=True,
+            before_forward=OomInjector(0),
+        )
 
 
 def test_other_errors_pass_through_unchanged():
@@ -257,12 +281,21 @@ def test_other_errors_pass_through_unchanged():
         raise RuntimeError("CUDA error: device-side assert triggered")
 
     with pytest.raises(RuntimeError, match="device-side assert"):
-        tk.train_step(model, opt, [(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))], nn.functional.cross_entropy,
-                      params=list(model.parameters()), precision=tk.Precision(), device=CPU, split_on_oom=True,
-                      before_forward=broken)
+        tk.train_step(
+            model,
+            opt,
+            [(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))],
+            nn.functional.cross_entropy,
+            params=list(model.parameters()),
+            precision=tk.Precision(),
+            device=CPU,
+            split_on_oom=True,
+            before_forward=broken,
+        )
 
 
 # --- memory and leaks -------------------------------------------------------------------------------
+
 
 class FakeProbe:
     def __init__(self, rss=2**30, cuda=None):
@@ -277,12 +310,19 @@ class FakeProbe:
 
 def test_memory_monitor_on_a_fake_cuda_machine():
     GiB = 2**30
-    probe = FakeProbe(rss=3 * GiB, cuda={"allocated": 6 * GiB, "reserved": 19 * GiB // 2, "peak_allocated": 9 * GiB,
-                                         "total": 10 * GiB})
+    probe = FakeProbe(
+        rss=3 * GiB,
+        cuda={"allocated": 6 * GiB, "reserved": 19 * GiB // 2, "peak_allocated": 9 * GiB, "total": 10 * GiB},
+    )
     monitor = MemoryMonitor(torch.device("cuda"), warn_rss_gb=2.0, probe=probe)
     stats, warnings = monitor.sample()
-    assert stats.row() == {"rss_bytes": 3 * GiB, "cuda_allocated_bytes": 6 * GiB, "cuda_reserved_bytes": 19 * GiB // 2,
-                           "cuda_peak_allocated_bytes": 9 * GiB, "fragmentation": round(1 - 6 / 9.5, 4)}
+    assert stats.row() == {
+        "rss_bytes": 3 * GiB,
+        "cuda_allocated_bytes": 6 * GiB,
+        "cuda_reserved_bytes": 19 * GiB // 2,
+        "cuda_peak_allocated_bytes": 9 * GiB,
+        "fragmentation": round(1 - 6 / 9.5, 4),
+    }
     assert len(warnings) == 2
     assert "RSS 3.00 GiB is above memory.warn_rss_gb=2.0" in warnings[0]
     assert "CUDA reserved memory is 95% of the device (fragmentation 37%)" in warnings[1]
@@ -318,7 +358,7 @@ def run_loop(leaky, steps=60):
 
 
 def test_leak_detector_catches_accumulated_loss_tensors_and_is_quiet_otherwise():
-    (step, finding), = run_loop(leaky=True)
+    ((step, finding),) = run_loop(leaky=True)
     assert step == 20 and finding["signal"] == "graph_nodes"
     assert finding["graph_nodes_per_step"] >= 5
     top = finding["top_groups"]
@@ -328,8 +368,9 @@ def test_leak_detector_catches_accumulated_loss_tensors_and_is_quiet_otherwise()
 
 def test_leak_detector_uses_cuda_allocated_bytes_when_on_cuda():
     probe = FakeProbe(cuda={"allocated": 0, "reserved": 0, "peak_allocated": 0, "total": 1})
-    detector = LeakDetector(every_steps=1, warmup_steps=0, window=3, max_overhead=float("inf"),
-                            device=torch.device("cuda"), probe=probe)
+    detector = LeakDetector(
+        every_steps=1, warmup_steps=0, window=3, max_overhead=float("inf"), device=torch.device("cuda"), probe=probe
+    )
     found = []
     for step in range(6):
         probe.stats["allocated"] = 1000 * step
@@ -346,8 +387,16 @@ def test_censuses_are_spaced_to_cost_at_most_their_share_of_time():
             now[0] += 5.0
             return None
 
-    detector = LeakDetector(every_steps=1, warmup_steps=0, window=3, max_overhead=0.1, first_cost_s=5.0,
-                            signal_every_steps=0, probe=SlowCensus(), clock=lambda: now[0])
+    detector = LeakDetector(
+        every_steps=1,
+        warmup_steps=0,
+        window=3,
+        max_overhead=0.1,
+        first_cost_s=5.0,
+        signal_every_steps=0,
+        probe=SlowCensus(),
+        clock=lambda: now[0],
+    )
     census_steps = []
     for step in range(200):
         now[0] += 1.0  # each step "takes" 1 s
@@ -382,8 +431,13 @@ class LeakyLoss(nn.Module):
 
 @pytest.mark.parametrize("leaky", [True, False])
 def test_trainer_reports_a_leak_and_memory_rows(tiny_config, tmp_path, leaky):
-    config = tiny_config("memory.every_steps=10", "memory.leak_every_steps=4", "memory.leak_warmup_steps=4",
-                         "memory.leak_window=3", "memory.leak_max_overhead=1000")
+    config = tiny_config(
+        "memory.every_steps=10",
+        "memory.leak_every_steps=4",
+        "memory.leak_warmup_steps=4",
+        "memory.leak_window=3",
+        "memory.leak_max_overhead=1000",
+    )
     summary = tk.Trainer(config, loss_fn=LeakyLoss(leaky), progress=False).fit()
     leaks = [r for r in incidents(tmp_path) if r["kind"] == "leak"]
     assert len(leaks) == (1 if leaky else 0)

@@ -103,16 +103,19 @@ def test_an_image_smaller_than_the_crop_is_refused():
         ImagePreprocess.from_spec({"mode": "RGB", "crop": 16}).array(encode(image_pixels(0, 0, (10, 10))))
 
 
-@pytest.mark.parametrize("spec,message", [
-    ({"mode": "CMYK"}, "preprocess.mode must be RGB or L"),
-    ({"mode": "RGB", "mean": [0.5, 0.5]}, "preprocess.mean has 2 values; mode RGB has 3 channel"),
-    ({"mode": "L", "std": [0.0]}, "preprocess.std must be positive"),
-    ({"mode": "RGB", "resize": [1, 2, 3]}, r"preprocess.resize must be a positive integer or \[height, width\]"),
-    ({"mode": "RGB", "crop": -4}, "preprocess.crop must be a positive integer"),
-    ({"mode": "RGB", "scale": 0}, "preprocess.scale must be a positive number"),
-    ({"mode": "RGB", "interpolation": "lanczos"}, "preprocess.interpolation must be one of"),
-    ({"mode": "RGB", "rotate": 90}, r"preprocess has unknown key\(s\) \['rotate'\]"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ({"mode": "CMYK"}, "preprocess.mode must be RGB or L"),
+        ({"mode": "RGB", "mean": [0.5, 0.5]}, "preprocess.mean has 2 values; mode RGB has 3 channel"),
+        ({"mode": "L", "std": [0.0]}, "preprocess.std must be positive"),
+        ({"mode": "RGB", "resize": [1, 2, 3]}, r"preprocess.resize must be a positive integer or \[height, width\]"),
+        ({"mode": "RGB", "crop": -4}, "preprocess.crop must be a positive integer"),
+        ({"mode": "RGB", "scale": 0}, "preprocess.scale must be a positive number"),
+        ({"mode": "RGB", "interpolation": "lanczos"}, "preprocess.interpolation must be one of"),
+        ({"mode": "RGB", "rotate": 90}, r"preprocess has unknown key\(s\) \['rotate'\]"),
+    ],
+)
 def test_spec_errors_name_the_key(spec, message):
     with pytest.raises(ConfigError, match=message):
         ImagePreprocess.from_spec(spec)
@@ -136,13 +139,20 @@ def test_random_bytes_are_decoded_or_refused_with_an_image_error(data):
 
 
 def test_training_pipeline_and_export_use_the_declared_preprocess(tmp_path):
-    config = load_config(None, ["model.target=imagedata:make_cnn", "data.target=imagedata:make_data",
-                                f"data.preprocess={json.dumps(PREPROCESS)}"])
+    config = load_config(
+        None,
+        [
+            "model.target=imagedata:make_cnn",
+            "data.target=imagedata:make_data",
+            f"data.preprocess={json.dumps(PREPROCESS)}",
+        ],
+    )
     train, val = transformed_datasets(config.data)
     raw = EncodedImages(96, 0)
     x, y = train[5]
-    np.testing.assert_allclose(x.numpy(), by_hand(raw[5][0], "RGB", 20, (16, 16), PREPROCESS["mean"], PREPROCESS["std"]),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        x.numpy(), by_hand(raw[5][0], "RGB", 20, (16, 16), PREPROCESS["mean"], PREPROCESS["std"]), atol=1e-6
+    )
     assert y == raw[5][1]
 
     train_tiny(tmp_path, 6, *image_run_overrides())
@@ -150,8 +160,14 @@ def test_training_pipeline_and_export_use_the_declared_preprocess(tmp_path):
     assert meta["preprocess"] == ImagePreprocess.from_spec(PREPROCESS).to_spec()
     assert meta["labels"] == ["red", "green", "blue"] and meta["inputs"][0]["shape"] == [-1, 3, 16, 16]
     assert meta["reference"]["layout"] == "channels" and len(meta["reference"]["features"]) == 3  # preprocessed tensors
-    with pytest.raises(ConfigError, match=r"--preprocess makes images of shape \[1, 16, 16\], but the model takes \[3, 16, 16\]"):
-        export_run(tmp_path / "tiny", "torchscript", tmp_path / "bad", preprocess={**PREPROCESS, "mode": "L", "mean": [0.5],
-                                                                                   "std": [0.2]})
+    with pytest.raises(
+        ConfigError, match=r"--preprocess makes images of shape \[1, 16, 16\], but the model takes \[3, 16, 16\]"
+    ):
+        export_run(
+            tmp_path / "tiny",
+            "torchscript",
+            tmp_path / "bad",
+            preprocess={**PREPROCESS, "mode": "L", "mean": [0.5], "std": [0.2]},
+        )
     with pytest.raises(ConfigError, match="--labels gives 2 labels, but the model has"):
         export_run(tmp_path / "tiny", "torchscript", tmp_path / "bad", labels=["a", "b"])

@@ -37,8 +37,9 @@ class KeepsOutputs(nn.Module):
         return out
 
 
-def train_for(seconds: float, keep: bool, speed: float,
-              clock: Callable[[], float] = time.process_time) -> tuple[dict | None, float, int]:
+def train_for(
+    seconds: float, keep: bool, speed: float, clock: Callable[[], float] = time.process_time
+) -> tuple[dict | None, float, int]:
     """A hand-written loop with the Trainer's default detector on a clock ``speed`` times
     ``clock`` (this process's CPU time); stops at a finding or after ``seconds`` of that clock."""
     torch.manual_seed(0)
@@ -48,8 +49,13 @@ def train_for(seconds: float, keep: bool, speed: float,
     def clock() -> float:
         return base() * speed
 
-    detector = LeakDetector(every_steps=mem.leak_every_steps, warmup_steps=mem.leak_warmup_steps,
-                            window=mem.leak_window, max_overhead=mem.leak_max_overhead, clock=clock)
+    detector = LeakDetector(
+        every_steps=mem.leak_every_steps,
+        warmup_steps=mem.leak_warmup_steps,
+        window=mem.leak_window,
+        max_overhead=mem.leak_max_overhead,
+        clock=clock,
+    )
     model = KeepsOutputs(keep)
     train, _ = make_data()
     loader = torch.utils.data.DataLoader(train, batch_size=16, shuffle=True)

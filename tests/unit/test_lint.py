@@ -29,7 +29,9 @@ data = [(torch.randn(4, 2), torch.randn(4, 1))] * 3
 
 # code: (bad source, good source) — the good one is the fix the rule suggests.
 CASES = {
-    "TK101": (LOOP + """
+    "TK101": (
+        LOOP
+        + """
 total = 0
 for x, y in data:
     opt.zero_grad()
@@ -37,7 +39,9 @@ for x, y in data:
     loss.backward()
     opt.step()
     total += loss
-""", LOOP + """
+""",
+        LOOP
+        + """
 total = 0
 for x, y in data:
     opt.zero_grad()
@@ -45,85 +49,110 @@ for x, y in data:
     loss.backward()
     opt.step()
     total += loss.item()
-"""),
-    "TK102": ("""
+""",
+    ),
+    "TK102": (
+        """
 import torch
 class M(torch.nn.Module):
     def forward(self, x):
         scale = x.abs().max().item()
         return x / scale
-""", """
+""",
+        """
 import torch
 class M(torch.nn.Module):
     def forward(self, x):
         return x / x.abs().max()
-"""),
-    "TK103": ("""
+""",
+    ),
+    "TK103": (
+        """
 import torch
 class M(torch.nn.Module):
     def forward(self, x):
         return x + torch.zeros(x.shape[0], 1)
-""", """
+""",
+        """
 import torch
 class M(torch.nn.Module):
     def forward(self, x):
         return x + torch.zeros(x.shape[0], 1, device=x.device)
-"""),
-    "TK104": ("""
+""",
+    ),
+    "TK104": (
+        """
 import torch
 class M(torch.nn.Module):
     def forward(self, x):
         h = torch.sigmoid(x)
         h *= 2
         return h
-""", """
+""",
+        """
 import torch
 class M(torch.nn.Module):
     def forward(self, x):
         h = torch.sigmoid(x)
         h = h * 2
         return h
-"""),
-    "TK105": ("""
+""",
+    ),
+    "TK105": (
+        """
 from torch.utils.data import DataLoader
 loader = DataLoader(list(range(10)), num_workers=2)
 for batch in loader:
     pass
-""", """
+""",
+        """
 from torch.utils.data import DataLoader
 def main():
     for batch in DataLoader(list(range(10)), num_workers=2):
         pass
 if __name__ == "__main__":
     main()
-"""),
-    "TK106": (LOOP + """
+""",
+    ),
+    "TK106": (
+        LOOP
+        + """
 for i, (x, y) in enumerate(data):
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     if i % 2 == 0:
         opt.step()
         opt.zero_grad()
-""", LOOP + """
+""",
+        LOOP
+        + """
 for i, (x, y) in enumerate(data):
     torch.nn.functional.mse_loss(model(x), y).backward()
     if i % 2 == 0:
         opt.step()
         opt.zero_grad()
-"""),
-    "TK107": (LOOP + """
+""",
+    ),
+    "TK107": (
+        LOOP
+        + """
 for x, y in data:
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     opt.step()
-""", LOOP + """
+""",
+        LOOP
+        + """
 for x, y in data:
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-"""),
-    "TK108": (LOOP + """
+""",
+    ),
+    "TK108": (
+        LOOP
+        + """
 scaler = torch.amp.GradScaler()
 for x, y in data:
     opt.zero_grad()
@@ -132,7 +161,9 @@ for x, y in data:
         scaler.scale(loss).backward()
     scaler.step(opt)
     scaler.update()
-""", LOOP + """
+""",
+        LOOP
+        + """
 scaler = torch.amp.GradScaler()
 for x, y in data:
     opt.zero_grad()
@@ -141,8 +172,11 @@ for x, y in data:
     scaler.scale(loss).backward()
     scaler.step(opt)
     scaler.update()
-"""),
-    "TK109": (LOOP + """
+""",
+    ),
+    "TK109": (
+        LOOP
+        + """
 scaler = torch.amp.GradScaler()
 for x, y in data:
     opt.zero_grad()
@@ -150,7 +184,9 @@ for x, y in data:
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     scaler.step(opt)
     scaler.update()
-""", LOOP + """
+""",
+        LOOP
+        + """
 scaler = torch.amp.GradScaler()
 for x, y in data:
     opt.zero_grad()
@@ -159,15 +195,20 @@ for x, y in data:
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     scaler.step(opt)
     scaler.update()
-"""),
-    "TK110": (LOOP + """
+""",
+    ),
+    "TK110": (
+        LOOP
+        + """
 for x, y in data:
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
 with torch.no_grad():
     val = model(data[0][0])
-""", LOOP + """
+""",
+        LOOP
+        + """
 for x, y in data:
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
@@ -175,8 +216,10 @@ for x, y in data:
 model.eval()
 with torch.no_grad():
     val = model(data[0][0])
-"""),
-    "TK111": ("""
+""",
+    ),
+    "TK111": (
+        """
 import torch
 def validate(model, loader):
     model.eval()
@@ -184,7 +227,8 @@ def validate(model, loader):
     for x in loader:
         total += model(x).sum().item()
     return total
-""", """
+""",
+        """
 import torch
 def validate(model, loader):
     model.eval()
@@ -193,72 +237,92 @@ def validate(model, loader):
         for x in loader:
             total += model(x).sum().item()
     return total
-"""),
-    "TK112": ("""
+""",
+    ),
+    "TK112": (
+        """
 import torch
 model = torch.nn.Dropout(0.5)
 model.eval
-""", """
+""",
+        """
 import torch
 model = torch.nn.Dropout(0.5)
 model.eval()
-"""),
-    "TK113": ("""
+""",
+    ),
+    "TK113": (
+        """
 import torch
 import torch.nn.functional as F
 logits = torch.randn(4, 3, requires_grad=True)
 loss = F.cross_entropy(F.softmax(logits, dim=1), torch.tensor([0, 1, 2, 0]))
-""", """
+""",
+        """
 import torch
 import torch.nn.functional as F
 logits = torch.randn(4, 3, requires_grad=True)
 loss = F.cross_entropy(logits, torch.tensor([0, 1, 2, 0]))
-"""),
-    "TK114": ("""
+""",
+    ),
+    "TK114": (
+        """
 import torch
 state = torch.load("model.pt")
-""", """
+""",
+        """
 import torch
 state = torch.load("model.pt", weights_only=True)
-"""),
-    "TK115": ("""
+""",
+    ),
+    "TK115": (
+        """
 import torch
 model = torch.nn.Linear(2, 1)
 torch.save(model, "model.pt")
-""", """
+""",
+        """
 import torch
 model = torch.nn.Linear(2, 1)
 torch.save(model.state_dict(), "model.pt.tmp")
 import os
 os.replace("model.pt.tmp", "model.pt")
-"""),
-    "TK116": ("""
+""",
+    ),
+    "TK116": (
+        """
 import torch
 def save(state, path):
     torch.save(state, path)
-""", """
+""",
+        """
 import os
 import torch
 def save(state, path):
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
-"""),
-    "TK117": ("""
+""",
+    ),
+    "TK117": (
+        """
 import os
 import torch
 import torch.distributed as dist
 def setup():
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-""", """
+""",
+        """
 import os
 import torch
 import torch.distributed as dist
 def setup():
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
-"""),
-    "TK118": ("""
+""",
+    ),
+    "TK118": (
+        """
 from torch.utils.data import DataLoader, DistributedSampler
 def train(dataset, epochs):
     sampler = DistributedSampler(dataset)
@@ -266,7 +330,8 @@ def train(dataset, epochs):
     for epoch in range(epochs):
         for batch in loader:
             pass
-""", """
+""",
+        """
 from torch.utils.data import DataLoader, DistributedSampler
 def train(dataset, epochs):
     sampler = DistributedSampler(dataset)
@@ -275,100 +340,131 @@ def train(dataset, epochs):
         sampler.set_epoch(epoch)
         for batch in loader:
             pass
-"""),
-    "TK119": (LOOP + """
+""",
+    ),
+    "TK119": (
+        LOOP
+        + """
 scheduler = torch.optim.lr_scheduler.StepLR(opt, 10)
 for x, y in data:
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     scheduler.step()
     opt.step()
-""", LOOP + """
+""",
+        LOOP
+        + """
 scheduler = torch.optim.lr_scheduler.StepLR(opt, 10)
 for x, y in data:
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     scheduler.step()
-"""),
-    "TK120": ("""
+""",
+    ),
+    "TK120": (
+        """
 import numpy as np
 import torch
 class Noisy(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return torch.tensor(np.random.rand(3))
-""", """
+""",
+        """
 import torch
 class Noisy(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return torch.rand(3)
-"""),
-    "TK121": ("""
+""",
+    ),
+    "TK121": (
+        """
 import torch
 class Data(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return torch.ones(3).cuda()
-""", """
+""",
+        """
 import torch
 class Data(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return torch.ones(3)
-"""),
-    "TK122": ("""
+""",
+    ),
+    "TK122": (
+        """
 import torch
 model = torch.nn.Linear(2, 1)
 out = model.forward(torch.randn(1, 2))
-""", """
+""",
+        """
 import torch
 class Child(torch.nn.Linear):
     def forward(self, x):
         return super().forward(x) * 2
 model = Child(2, 1)
 out = model(torch.randn(1, 2))
-"""),
-    "TK123": ("""
+""",
+    ),
+    "TK123": (
+        """
 words = "a b c a".split()
 vocab = {w: i for i, w in enumerate(set(words))}
-""", """
+""",
+        """
 words = "a b c a".split()
 vocab = {w: i for i, w in enumerate(sorted(set(words)))}
-"""),
-    "TK124": ("""
+""",
+    ),
+    "TK124": (
+        """
 from torch.utils.data import DataLoader
 def main():
     return DataLoader(list(range(4)), num_workers=2, collate_fn=lambda b: b)
-""", """
+""",
+        """
 from torch.utils.data import DataLoader
 def collate(batch):
     return batch
 def main():
     return DataLoader(list(range(4)), num_workers=2, collate_fn=collate)
-"""),
-    "TK125": (LOOP + """
+""",
+    ),
+    "TK125": (
+        LOOP
+        + """
 for x, y in data:
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     opt.zero_grad()
     opt.step()
-""", LOOP + """
+""",
+        LOOP
+        + """
 for x, y in data:
     opt.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     opt.step()
-"""),
-    "TK126": (LOOP + """
+""",
+    ),
+    "TK126": (
+        LOOP
+        + """
 for x, y in data:
     opt.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.step()
-""", LOOP + """
+""",
+        LOOP
+        + """
 for x, y in data:
     opt.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     opt.step()
-"""),
+""",
+    ),
 }
 
 
@@ -449,15 +545,45 @@ def test_pre_commit_hook_runs_keel_lint(tmp_path):
     repo.mkdir()
     (repo / "train.py").write_text(textwrap.dedent(CASES["TK106"][0]))
     (repo / "ok.py").write_text(textwrap.dedent(CASES["TK106"][1]))
-    env = {**os.environ, "PRE_COMMIT_HOME": str(tmp_path / "cache"),
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    env = {
+        **os.environ,
+        "PRE_COMMIT_HOME": str(tmp_path / "cache"),
+        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+    }
     git = ["git", "-c", "user.email=t@example.invalid", "-c", "user.name=t"]
     subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
     subprocess.run([*git, "add", "."], cwd=repo, check=True)
-    run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "pre-commit"), "try-repo", str(ROOT), "keel-lint",
-                          "--files", "train.py", "ok.py"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            os.path.join(os.path.dirname(sys.executable), "pre-commit"),
+            "try-repo",
+            str(ROOT),
+            "keel-lint",
+            "--files",
+            "train.py",
+            "ok.py",
+        ],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 1, run.stdout + run.stderr
     assert "train.py" in run.stdout and "TK106" in run.stdout
-    run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "pre-commit"), "try-repo", str(ROOT), "keel-lint",
-                          "--files", "ok.py"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            os.path.join(os.path.dirname(sys.executable), "pre-commit"),
+            "try-repo",
+            str(ROOT),
+            "keel-lint",
+            "--files",
+            "ok.py",
+        ],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr

@@ -26,8 +26,15 @@ def test_tensorboard_holds_every_scalar_at_its_step(tiny_config):
     trainer.fit()
     events = EventAccumulator(str(trainer.run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
-    for kind, key in (("train", "loss"), ("train", "lr"), ("train", "grad_norm"), ("train", "samples_per_s"),
-                      ("val", "val_loss"), ("val", "val_accuracy"), ("memory", "rss_bytes")):
+    for kind, key in (
+        ("train", "loss"),
+        ("train", "lr"),
+        ("train", "grad_norm"),
+        ("train", "samples_per_s"),
+        ("val", "val_loss"),
+        ("val", "val_accuracy"),
+        ("memory", "rss_bytes"),
+    ):
         expected = [(r["step"], r[key]) for r in rows_of(trainer.run_dir, kind)]
         got = [(e.step, e.value) for e in events.Scalars(f"{kind}/{key}")]
         assert [s for s, _ in got] == [s for s, _ in expected] and expected, key

@@ -20,8 +20,12 @@ from torchkeel.train.step import train_step
 
 F1 = "{name: f1, target: 'torchmetrics.classification:MulticlassF1Score', args: {num_classes: 4}}"
 # Two features for four classes: the classes overlap, so F1 stays well below 1 and moves.
-HARD = ["data.args={num_features: 2}", "model.args={num_features: 2}", "model.target=hand_written_loop:make_model",
-        "data.target=hand_written_loop:make_data"]
+HARD = [
+    "data.args={num_features: 2}",
+    "model.args={num_features: 2}",
+    "model.target=hand_written_loop:make_model",
+    "data.target=hand_written_loop:make_data",
+]
 
 
 def val_rows(run_dir):
@@ -48,9 +52,18 @@ def test_f1_equals_sklearn_on_the_same_predictions(tiny_config):
 
 
 def test_checkpoint_monitor_keeps_the_best_f1(tiny_config):
-    config = tiny_config(*HARD, f"metrics=[{F1}]", "train.max_epochs=4", "train.val_every=5",
-                         "checkpoint.every_steps=5", "checkpoint.monitor=val_f1", "checkpoint.mode=max",
-                         "checkpoint.keep_last=1", "checkpoint.save_top_k=1", "optim.lr=0.05")
+    config = tiny_config(
+        *HARD,
+        f"metrics=[{F1}]",
+        "train.max_epochs=4",
+        "train.val_every=5",
+        "checkpoint.every_steps=5",
+        "checkpoint.monitor=val_f1",
+        "checkpoint.mode=max",
+        "checkpoint.keep_last=1",
+        "checkpoint.save_top_k=1",
+        "optim.lr=0.05",
+    )
     trainer = tk.Trainer(config, progress=False)
     trainer.fit()
     by_step = {r["step"]: r["val_f1"] for r in val_rows(trainer.run_dir) if r["step"] % 5 == 0}
@@ -69,13 +82,19 @@ def test_metric_set_computes_and_resets():
     assert metrics.compute() == {"val_acc": 1.0}
 
 
-@pytest.mark.parametrize("entry, key", [
-    ("{name: 'val f1', target: 'torchmetrics:Accuracy'}", "metrics[0].name"),
-    ("{name: f1}", "metrics[0].target"),
-    ("{name: loss, target: 'torchmetrics:Accuracy'}", "metrics[0].name"),
-    ("{name: f1, target: 'torchmetrics.classification:MulticlassF1Score', args: {num_klasses: 4}}", "metrics[0].args"),
-    ("{name: f1, target: 'torch.nn:Linear', args: {in_features: 2, out_features: 2}}", "metrics[0].target"),
-])
+@pytest.mark.parametrize(
+    "entry, key",
+    [
+        ("{name: 'val f1', target: 'torchmetrics:Accuracy'}", "metrics[0].name"),
+        ("{name: f1}", "metrics[0].target"),
+        ("{name: loss, target: 'torchmetrics:Accuracy'}", "metrics[0].name"),
+        (
+            "{name: f1, target: 'torchmetrics.classification:MulticlassF1Score', args: {num_klasses: 4}}",
+            "metrics[0].args",
+        ),
+        ("{name: f1, target: 'torch.nn:Linear', args: {in_features: 2, out_features: 2}}", "metrics[0].target"),
+    ],
+)
 def test_metric_config_errors_name_the_key(tiny_config, entry, key):
     with pytest.raises(ConfigError) as err:
         tk.Trainer(tiny_config(f"metrics=[{entry}]"), progress=False)
@@ -88,10 +107,14 @@ def test_without_metrics_classification_keeps_val_accuracy(tiny_config):
 
 
 def test_train_metrics_cover_the_steps_between_logged_rows(tiny_config):
-    entry = ("{name: acc, target: 'torchmetrics.classification:MulticlassAccuracy', "
-             "args: {num_classes: 4, average: micro}, on: [val, train]}")
-    trainer = tk.Trainer(tiny_config(*HARD, f"metrics=[{entry}]", "train.max_epochs=1", "train.log_every=5",
-                                     "data.shuffle=false"), progress=False)
+    entry = (
+        "{name: acc, target: 'torchmetrics.classification:MulticlassAccuracy', "
+        "args: {num_classes: 4, average: micro}, on: [val, train]}"
+    )
+    trainer = tk.Trainer(
+        tiny_config(*HARD, f"metrics=[{entry}]", "train.max_epochs=1", "train.log_every=5", "data.shuffle=false"),
+        progress=False,
+    )
     trainer.fit()
     rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if r.get("kind") == "train"]
@@ -99,8 +122,10 @@ def test_train_metrics_cover_the_steps_between_logged_rows(tiny_config):
     assert "val_acc" in val_rows(trainer.run_dir)[-1]
     # By hand: the same model, data and steps (a Trainer built the same way, driven by train_step),
     # with the metric fed what each step saw; the first row covers steps 1 to 5.
-    again = tk.Trainer(tiny_config(*HARD, "name=by-hand", "train.max_epochs=1", "train.log_every=5",
-                                   "data.shuffle=false"), progress=False)
+    again = tk.Trainer(
+        tiny_config(*HARD, "name=by-hand", "train.max_epochs=1", "train.log_every=5", "data.shuffle=false"),
+        progress=False,
+    )
     metric = MulticlassAccuracy(num_classes=4, average="micro")
     counted = []
 
@@ -111,8 +136,17 @@ def test_train_metrics_cover_the_steps_between_logged_rows(tiny_config):
     for i, batch in enumerate(again.train_loader.epoch(0)):
         if i == 5:
             break
-        train_step(again.forward_model, again.optimizer, [batch], again.objective, params=again.params,
-                   precision=again.precision, device=again.device, clip_grad_norm_max=1.0, scheduler=again.scheduler,
-                   on_outputs=on_outputs)
+        train_step(
+            again.forward_model,
+            again.optimizer,
+            [batch],
+            again.objective,
+            params=again.params,
+            precision=again.precision,
+            device=again.device,
+            clip_grad_norm_max=1.0,
+            scheduler=again.scheduler,
+            on_outputs=on_outputs,
+        )
     assert sum(counted) == 5 * 16
     assert train_rows[0]["train_acc"] == pytest.approx(metric.compute().item(), abs=1e-6)

@@ -56,14 +56,18 @@ def train(objective, optimizer_name: str, micro: int, steps=3, num=60) -> dict[s
     torch.manual_seed(0)
     model = TokenModel()
     params = list(model.parameters())
-    optimizer = (torch.optim.SGD(params, lr=0.5) if optimizer_name == "sgd"
-                 else torch.optim.AdamW(params, lr=0.01, weight_decay=0.01))
+    optimizer = (
+        torch.optim.SGD(params, lr=0.5)
+        if optimizer_name == "sgd"
+        else torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+    )
     collate = PadCollate(lengths_key="lengths")
     for step in range(steps):
         samples = sequences(num, seed=step)  # 60 = 16 + 16 + 16 + 12: a short last micro-batch
-        group = [collate(samples[i:i + micro]) for i in range(0, num, micro)]
-        tk.train_step(model, optimizer, group, objective, params=params, precision=Precision("cpu"),
-                      device=torch.device("cpu"))
+        group = [collate(samples[i : i + micro]) for i in range(0, num, micro)]
+        tk.train_step(
+            model, optimizer, group, objective, params=params, precision=Precision("cpu"), device=torch.device("cpu")
+        )
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -72,8 +76,11 @@ def max_difference(a, b) -> float:
 
 
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
-@pytest.mark.parametrize("objective", [Objective(step_fn=token_mean, count_key="lengths"), Objective(step_fn=token_sum)],
-                         ids=["count_key", "sum_and_count"])
+@pytest.mark.parametrize(
+    "objective",
+    [Objective(step_fn=token_mean, count_key="lengths"), Objective(step_fn=token_sum)],
+    ids=["count_key", "sum_and_count"],
+)
 def test_token_weighted_accumulation_equals_the_big_batch(optimizer_name, objective):
     big = train(objective, optimizer_name, micro=60)
     accumulated = train(objective, optimizer_name, micro=16)
@@ -108,12 +115,24 @@ def make_sequences():
 
 
 def test_the_trainer_with_a_step_function_dict_batches_and_pad_collate(tmp_path):
-    config = tk.load_config(None, [
-        f"out_dir={tmp_path}", "model.target=test_objective:TokenModel", "data.target=test_objective:make_sequences",
-        "data.collate=pad", "data.lengths_key=lengths", "data.bucket_by=tokens", "data.num_workers=0",
-        "loss.step_fn=test_objective:token_mean", "loss.count_key=lengths",
-        "train.batch_size=16", "train.accumulate=2", "train.max_epochs=2", "train.log_every=1",
-    ])
+    config = tk.load_config(
+        None,
+        [
+            f"out_dir={tmp_path}",
+            "model.target=test_objective:TokenModel",
+            "data.target=test_objective:make_sequences",
+            "data.collate=pad",
+            "data.lengths_key=lengths",
+            "data.bucket_by=tokens",
+            "data.num_workers=0",
+            "loss.step_fn=test_objective:token_mean",
+            "loss.count_key=lengths",
+            "train.batch_size=16",
+            "train.accumulate=2",
+            "train.max_epochs=2",
+            "train.log_every=1",
+        ],
+    )
     summary = tk.Trainer(config, progress=False).fit()
     assert summary["status"] == "completed" and summary["steps"] == 6 and "val_loss" in summary
     rows = tk.read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -125,8 +144,12 @@ def test_the_trainer_with_a_step_function_dict_batches_and_pad_collate(tmp_path)
 
 
 def test_a_label_count_key_counts_the_labels_a_token_mean_divides_by():
-    batch = PadCollate()([{"input_ids": torch.arange(3), "labels": torch.tensor([5, -100, 7])},
-                          {"input_ids": torch.arange(5), "labels": torch.arange(5)}])
+    batch = PadCollate()(
+        [
+            {"input_ids": torch.arange(3), "labels": torch.tensor([5, -100, 7])},
+            {"input_ids": torch.arange(5), "labels": torch.arange(5)},
+        ]
+    )
     assert batch["labels"].tolist() == [[5, -100, 7, -100, -100], [0, 1, 2, 3, 4]]
     assert Objective(nn.functional.cross_entropy, count_key="labels").weight(batch) == 7.0  # 2 + 5
     assert Objective(nn.functional.cross_entropy, count_key="labels", shift_labels=True).weight(batch) == 5.0  # 1 + 4
@@ -149,14 +172,19 @@ class StrictLM(nn.Module):
 
 
 def test_a_dict_batch_is_model_of_the_batch_and_its_loss():
-    batch = PadCollate()([{"input_ids": torch.arange(3), "labels": torch.arange(3)},
-                          {"input_ids": torch.arange(5), "labels": torch.arange(5)}])
+    batch = PadCollate()(
+        [
+            {"input_ids": torch.arange(3), "labels": torch.arange(3)},
+            {"input_ids": torch.arange(5), "labels": torch.arange(5)},
+        ]
+    )
     model = StrictLM()
     out = Objective(nn.CrossEntropyLoss())(model, batch, torch.device("cpu"))
     assert torch.equal(out.loss, model(**batch)["loss"]) and out.outputs.shape == (2, 5, VOCAB)
     with pytest.raises(tk.DataError, match=r"without a loss; put the labels in the batch"):
-        Objective(nn.CrossEntropyLoss())(model, {k: batch[k] for k in ("input_ids", "attention_mask")},
-                                         torch.device("cpu"))
+        Objective(nn.CrossEntropyLoss())(
+            model, {k: batch[k] for k in ("input_ids", "attention_mask")}, torch.device("cpu")
+        )
 
 
 def test_a_step_function_that_returns_something_else_is_named():

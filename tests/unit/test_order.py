@@ -16,9 +16,18 @@ def read(units, position, streams, taken_per_stream):
     """Each stream reads its first ``taken`` samples; returns them and the ranks' positions."""
     seen = []
     per_rank = position.streams
-    rank_positions = [Position(position.epoch, position.world_size, position.streams, list(position.base),
-                               list(position.consumed), list(position.next_stream), list(position.stream_items))
-                      for _ in range(position.world_size)]
+    rank_positions = [
+        Position(
+            position.epoch,
+            position.world_size,
+            position.streams,
+            list(position.base),
+            list(position.consumed),
+            list(position.next_stream),
+            list(position.stream_items),
+        )
+        for _ in range(position.world_size)
+    ]
     for s, (stream, taken) in enumerate(zip(streams, taken_per_stream)):
         mine = rank_positions[s // per_rank]
         for work in stream:
@@ -32,9 +41,13 @@ def read(units, position, streams, taken_per_stream):
 
 
 @settings(max_examples=300, deadline=None)
-@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=12), seed=st.integers(0, 2**31),
-       segments=st.lists(st.tuples(grids, st.lists(st.integers(0, 60), min_size=16, max_size=16)), min_size=1, max_size=4),
-       epoch=st.integers(0, 5), shuffle=st.booleans())
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    seed=st.integers(0, 2**31),
+    segments=st.lists(st.tuples(grids, st.lists(st.integers(0, 60), min_size=16, max_size=16)), min_size=1, max_size=4),
+    epoch=st.integers(0, 5),
+    shuffle=st.booleans(),
+)
 def test_every_sample_once_per_epoch_across_segments_and_grids(sizes, seed, segments, epoch, shuffle):
     units = [Unit(f"u{i}", n) for i, n in enumerate(sizes)]
     saved, seen = None, []

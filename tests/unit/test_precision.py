@@ -45,8 +45,14 @@ def one_step(precision, clip):
     x, y = torch.randn(32, 8) * 10, torch.randint(0, 4, (32,))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     result = tk.train_step(
-        model, opt, [(x, y)], nn.functional.cross_entropy, params=list(model.parameters()),
-        precision=precision, device=torch.device("cpu"), clip_grad_norm_max=clip,
+        model,
+        opt,
+        [(x, y)],
+        nn.functional.cross_entropy,
+        params=list(model.parameters()),
+        precision=precision,
+        device=torch.device("cpu"),
+        clip_grad_norm_max=clip,
     )
     return model, result
 

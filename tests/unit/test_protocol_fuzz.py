@@ -22,11 +22,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:Run
 EXAMPLES = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MODELS = [
     ([TensorSpec("input", "FP32", [-1, 4])], [TensorSpec("output", "FP32", [-1, 3])]),
-    ([TensorSpec("ids", "INT64", [-1, 2]), TensorSpec("mask", "BOOL", [-1, 2])], [TensorSpec("output", "FP32", [-1, 2])]),
+    (
+        [TensorSpec("ids", "INT64", [-1, 2]), TensorSpec("mask", "BOOL", [-1, 2])],
+        [TensorSpec("output", "FP32", [-1, 2])],
+    ),
     ([TensorSpec("x", "BF16", [-1, 2, 2])], [TensorSpec("y", "FP16", [-1, 1])]),
 ]
 numbers = st.one_of(
-    st.integers(min_value=-(2**70), max_value=2**70), st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([0, 1, -1, 2**31, 2**63, -(2**63) - 1, 1e308, -1e-320]),
 )
 json_values = st.recursive(
@@ -69,13 +73,26 @@ def v2_documents(draw, model):
     doc: dict = {}
     if draw(st.booleans()):
         doc["inputs"] = draw(st.lists(v2_inputs([s.name for s in inputs]), max_size=3))
-    for key, values in (("id", st.one_of(st.text(max_size=10), json_values)),
-                        ("parameters", st.one_of(st.fixed_dictionaries({"binary_data_output": json_values}), json_values)),
-                        ("outputs", st.one_of(st.lists(st.fixed_dictionaries(
-                            {"name": st.one_of(st.sampled_from([o.name for o in outputs]), json_values),
-                             "parameters": st.one_of(st.fixed_dictionaries({"binary_data": json_values}), json_values)}),
-                            max_size=2), json_values)),
-                        ("extra", json_values)):
+    for key, values in (
+        ("id", st.one_of(st.text(max_size=10), json_values)),
+        ("parameters", st.one_of(st.fixed_dictionaries({"binary_data_output": json_values}), json_values)),
+        (
+            "outputs",
+            st.one_of(
+                st.lists(
+                    st.fixed_dictionaries(
+                        {
+                            "name": st.one_of(st.sampled_from([o.name for o in outputs]), json_values),
+                            "parameters": st.one_of(st.fixed_dictionaries({"binary_data": json_values}), json_values),
+                        }
+                    ),
+                    max_size=2,
+                ),
+                json_values,
+            ),
+        ),
+        ("extra", json_values),
+    ):
         if draw(st.integers(0, 3)) == 0:
             doc[key] = draw(values)
     return doc
@@ -96,12 +113,14 @@ def accepts_or_refuses(call) -> None:
 @given(model=st.sampled_from(MODELS), data=st.data())
 def test_v2_json_is_parsed_or_refused_with_a_4xx(model, data):
     inputs, outputs = model
-    body = data.draw(st.one_of(
-        v2_documents(model).map(lambda d: json.dumps(d).encode()),
-        st.integers(1, 20_000).map(lambda n: nested(n, "inputs")),
-        st.binary(max_size=64),
-        st.text(max_size=64).map(lambda t: t.encode("utf-8", "surrogatepass")),
-    ))
+    body = data.draw(
+        st.one_of(
+            v2_documents(model).map(lambda d: json.dumps(d).encode()),
+            st.integers(1, 20_000).map(lambda n: nested(n, "inputs")),
+            st.binary(max_size=64),
+            st.text(max_size=64).map(lambda t: t.encode("utf-8", "surrogatepass")),
+        )
+    )
 
     def call():
         request = parse_infer(body, None, inputs, outputs, max_batch_size=64)
@@ -120,9 +139,14 @@ def test_binary_v2_is_parsed_or_refused_with_a_4xx(model, data):
     header = json.dumps(data.draw(v2_documents(model))).encode()
     payload = data.draw(st.binary(max_size=96))
     body = header + payload
-    length = data.draw(st.one_of(
-        st.just(str(len(header))), st.integers(-10, len(body) + 10).map(str), st.text(max_size=6), st.none(),
-    ))
+    length = data.draw(
+        st.one_of(
+            st.just(str(len(header))),
+            st.integers(-10, len(body) + 10).map(str),
+            st.text(max_size=6),
+            st.none(),
+        )
+    )
     if data.draw(st.booleans()):  # truncated or over-long
         body = body[: data.draw(st.integers(0, len(body)))] if data.draw(st.booleans()) else body + b"\0" * 7
     accepts_or_refuses(lambda: parse_infer(body, length, inputs, outputs, max_batch_size=64))
@@ -132,13 +156,22 @@ def test_binary_v2_is_parsed_or_refused_with_a_4xx(model, data):
 @given(data=st.data())
 def test_v1_is_parsed_or_refused_with_a_4xx(data):
     spec = TensorSpec("input", "FP32", [-1, 4])
-    instances = data.draw(st.one_of(
-        st.lists(st.lists(numbers, min_size=4, max_size=4), min_size=1, max_size=3),
-        st.lists(st.lists(numbers, max_size=6), max_size=3), json_values,
-    ))
-    doc = {"instances": instances, "parameters": data.draw(st.one_of(
-        st.fixed_dictionaries({"top_k": st.one_of(json_values, st.integers(-3, 6))}), json_values))}
-    body = data.draw(st.one_of(st.just(json.dumps(doc).encode()), st.integers(1, 20_000).map(lambda n: nested(n, "instances"))))
+    instances = data.draw(
+        st.one_of(
+            st.lists(st.lists(numbers, min_size=4, max_size=4), min_size=1, max_size=3),
+            st.lists(st.lists(numbers, max_size=6), max_size=3),
+            json_values,
+        )
+    )
+    doc = {
+        "instances": instances,
+        "parameters": data.draw(
+            st.one_of(st.fixed_dictionaries({"top_k": st.one_of(json_values, st.integers(-3, 6))}), json_values)
+        ),
+    }
+    body = data.draw(
+        st.one_of(st.just(json.dumps(doc).encode()), st.integers(1, 20_000).map(lambda n: nested(n, "instances")))
+    )
 
     def call():
         batch, parameters = parse_v1(body, spec, max_batch_size=64)

@@ -60,8 +60,10 @@ def test_empty_and_half_written_metrics_still_give_a_report(tmp_path):
     assert report.path.exists() and report.images == []
     assert any("metrics.jsonl" in m for m in report.missing) and any("summary.json" in m for m in report.missing)
     assert "nothing was logged yet" in report.path.read_text()
-    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0, "lr": 0.1}\n'
-                                       '{"kind": "train", "step": 2, "loss": 1.5, "lr": 0.1}\n{"kind": "tra')
+    (run / "metrics.jsonl").write_text(
+        '{"kind": "train", "step": 1, "loss": 2.0, "lr": 0.1}\n'
+        '{"kind": "train", "step": 2, "loss": 1.5, "lr": 0.1}\n{"kind": "tra'
+    )
     report = build_report(run)
     assert {p.stem for p in report.images} == {"loss", "lr"}
     assert any("summary.json" in m for m in report.missing)
@@ -69,9 +71,15 @@ def test_empty_and_half_written_metrics_still_give_a_report(tmp_path):
 
 
 def test_cli(run_with_incidents):
-    result = subprocess.run([sys.executable, "-m", "torchkeel.cli.main", "report", str(run_with_incidents)],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and result.stdout.startswith(f"report: {run_with_incidents / 'report.html'} (6 charts)")
+    result = subprocess.run(
+        [sys.executable, "-m", "torchkeel.cli.main", "report", str(run_with_incidents)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and result.stdout.startswith(
+        f"report: {run_with_incidents / 'report.html'} (6 charts)"
+    )
 
 
 def test_numbers_are_rounded_for_people_and_no_incidents_reads_none(tiny_config, tmp_path):
@@ -103,8 +111,13 @@ def test_incident_kinds_are_told_apart_and_bad_samples_do_not_clutter_every_char
 
     tk.Trainer(tiny_config("memory.every_steps=5"), progress=False).fit()
     run = tmp_path / "runs" / "tiny"
-    rows = [{"kind": "bad_sample", "step": step, "message": f"skipped a bad sample: row {step}"} for step in range(1, 40)]
-    rows += [{"kind": "spike", "step": 4, "message": "loss spike"}, {"kind": "some_new_kind", "step": 6, "message": "?"}]
+    rows = [
+        {"kind": "bad_sample", "step": step, "message": f"skipped a bad sample: row {step}"} for step in range(1, 40)
+    ]
+    rows += [
+        {"kind": "spike", "step": 4, "message": "loss spike"},
+        {"kind": "some_new_kind", "step": 6, "message": "?"},
+    ]
     (run / "incidents.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with open(run / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"kind": "resume", "step": 3}) + "\n")

@@ -114,14 +114,29 @@ def test_the_first_run_on_a_machine_equals_every_rerun(tmp_path, monkeypatch, so
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
     if source == "parquet":
-        data = ["data.format=parquet", f"data.train={streamdata.write_parquet(tmp_path / 'data')}",
-                "data.input=[id, f0, f1, f2, f3, f4, f5, f6, f7]", "data.target=label"]
+        data = [
+            "data.format=parquet",
+            f"data.train={streamdata.write_parquet(tmp_path / 'data')}",
+            "data.input=[id, f0, f1, f2, f3, f4, f5, f6, f7]",
+            "data.target=label",
+        ]
     else:
         data = ["data.target=test_reproducibility:augmenting_data"]
 
     def run(name, *extra):
-        config = tk.load_config(None, [f"out_dir={tmp_path}", f"name={name}", "model.target=test_reproducibility:unseeded_mlp",
-                                       *data, "train.max_epochs=2", "train.batch_size=16", "train.log_every=1", *extra])
+        config = tk.load_config(
+            None,
+            [
+                f"out_dir={tmp_path}",
+                f"name={name}",
+                "model.target=test_reproducibility:unseeded_mlp",
+                *data,
+                "train.max_epochs=2",
+                "train.batch_size=16",
+                "train.log_every=1",
+                *extra,
+            ],
+        )
         trainer = tk.Trainer(config, progress=False)
         trainer.fit()
         rows = tk.read_metrics(tmp_path / name / "metrics.jsonl")
@@ -129,13 +144,17 @@ def test_the_first_run_on_a_machine_equals_every_rerun(tmp_path, monkeypatch, so
 
     first, first_rows = run("first")
     second, second_rows = run("second")
-    third, third_rows = run("third", "data.num_workers=2" if first.data.tuning.num_workers != 2 else "data.num_workers=0")
+    third, third_rows = run(
+        "third", "data.num_workers=2" if first.data.tuning.num_workers != 2 else "data.num_workers=0"
+    )
     trial, cached = ([r for r in rows if r["kind"] == "data_workers"][0] for rows in (first_rows, second_rows))
     assert not trial["cached"] and cached["cached"]  # the first run timed the workers, the second did not
     losses = [[r["loss"] for r in rows if r["kind"] == "train"] for rows in (first_rows, second_rows, third_rows)]
     assert losses[0] == losses[1] == losses[2] and len(losses[0]) > 20
     for trainer in (second, third):
-        assert all(torch.equal(a, b) for a, b in zip(first.model.state_dict().values(), trainer.model.state_dict().values()))
+        assert all(
+            torch.equal(a, b) for a, b in zip(first.model.state_dict().values(), trainer.model.state_dict().values())
+        )
 
 
 def test_batch_seeds_seed_what_the_data_code_draws_from_and_put_the_callers_back():

@@ -9,7 +9,10 @@ from torchkeel.train.rundir import prepare_run_dir
 def test_existing_run_is_never_silently_overwritten(tmp_path):
     run, _ = prepare_run_dir(tmp_path, "x")
     (run / "config.yaml").write_text("name: x\n")
-    with pytest.raises(RunDirError, match="run directory '.*x' already exists; continue it with --resume auto, choose another name .* --overwrite"):
+    with pytest.raises(
+        RunDirError,
+        match="run directory '.*x' already exists; continue it with --resume auto, choose another name .* --overwrite",
+    ):
         prepare_run_dir(tmp_path, "x")
     assert (run / "config.yaml").exists()
     _, previous = prepare_run_dir(tmp_path, "x", overwrite=True)

@@ -27,8 +27,10 @@ OUT = [TensorSpec("output", "FP32", [-1, 4])]
 
 
 def binary_request(arrays: dict[str, np.ndarray], datatype="FP32", **extra) -> tuple[bytes, str]:
-    inputs = [{"name": n, "shape": list(a.shape), "datatype": datatype, "parameters": {"binary_data_size": a.nbytes}}
-              for n, a in arrays.items()]
+    inputs = [
+        {"name": n, "shape": list(a.shape), "datatype": datatype, "parameters": {"binary_data_size": a.nbytes}}
+        for n, a in arrays.items()
+    ]
     header = json.dumps({"inputs": inputs, **extra}).encode()
     return header + b"".join(a.tobytes() for a in arrays.values()), str(len(header))
 
@@ -36,7 +38,9 @@ def binary_request(arrays: dict[str, np.ndarray], datatype="FP32", **extra) -> t
 def test_json_nested_and_flat_data_and_id():
     x = np.arange(12, dtype=np.float32).reshape(2, 2, 3)
     for data in (x.tolist(), x.reshape(-1).tolist()):
-        body = json.dumps({"id": "a1", "inputs": [{"name": "input", "shape": [2, 2, 3], "datatype": "FP32", "data": data}]})
+        body = json.dumps(
+            {"id": "a1", "inputs": [{"name": "input", "shape": [2, 2, 3], "datatype": "FP32", "data": data}]}
+        )
         req = parse_infer(body.encode(), None, IN, OUT, 64)
         assert req.id == "a1" and np.array_equal(req.inputs["input"], x) and req.outputs is None
 
@@ -58,31 +62,55 @@ def test_bf16_travels_as_binary():
     spec = [TensorSpec("input", "BF16", [-1, 2])]
     x = torch.tensor([[1.5, -2.0], [0.25, 3.0]], dtype=torch.bfloat16)
     raw = x.view(torch.int16).numpy().tobytes()
-    header = json.dumps({"inputs": [{"name": "input", "shape": [2, 2], "datatype": "BF16",
-                                     "parameters": {"binary_data_size": len(raw)}}]}).encode()
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "input", "shape": [2, 2], "datatype": "BF16", "parameters": {"binary_data_size": len(raw)}}
+            ]
+        }
+    ).encode()
     req = parse_infer(header + raw, str(len(header)), spec, OUT, 64)
     assert req.inputs["input"].tolist() == [[1.5, -2.0], [0.25, 3.0]]
     with pytest.raises(ProtocolError, match="BF16 tensors must be sent as binary"):
-        parse_infer(json.dumps({"inputs": [{"name": "input", "shape": [1, 2], "datatype": "BF16", "data": [1, 2]}]}).encode(),
-                    None, spec, OUT, 64)
+        parse_infer(
+            json.dumps({"inputs": [{"name": "input", "shape": [1, 2], "datatype": "BF16", "data": [1, 2]}]}).encode(),
+            None,
+            spec,
+            OUT,
+            64,
+        )
 
 
-@pytest.mark.parametrize("datatype,dtype", [("FP64", np.float64), ("FP16", np.float16), ("INT64", np.int64),
-                                            ("INT32", np.int32), ("UINT8", np.uint8), ("BOOL", np.bool_)])
+@pytest.mark.parametrize(
+    "datatype,dtype",
+    [
+        ("FP64", np.float64),
+        ("FP16", np.float16),
+        ("INT64", np.int64),
+        ("INT32", np.int32),
+        ("UINT8", np.uint8),
+        ("BOOL", np.bool_),
+    ],
+)
 def test_datatypes(datatype, dtype):
     spec = [TensorSpec("input", datatype, [-1, 3])]
     x = np.array([[1, 0, 1]], dtype=dtype)
     body, length = binary_request({"input": x}, datatype=datatype)
     assert parse_infer(body, length, spec, OUT, 64).inputs["input"].dtype == dtype
-    json_body = json.dumps({"inputs": [{"name": "input", "shape": [1, 3], "datatype": datatype,
-                                        "data": x.tolist()}]}).encode()
+    json_body = json.dumps(
+        {"inputs": [{"name": "input", "shape": [1, 3], "datatype": datatype, "data": x.tolist()}]}
+    ).encode()
     assert np.array_equal(parse_infer(json_body, None, spec, OUT, 64).inputs["input"], x)
 
 
 def test_requested_outputs_choose_the_encoding():
-    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 2, 3], "datatype": "FP32", "data": [0] * 6}],
-                       "outputs": [{"name": "output", "parameters": {"binary_data": False}}],
-                       "parameters": {"binary_data_output": True}}).encode()
+    body = json.dumps(
+        {
+            "inputs": [{"name": "input", "shape": [1, 2, 3], "datatype": "FP32", "data": [0] * 6}],
+            "outputs": [{"name": "output", "parameters": {"binary_data": False}}],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
     req = parse_infer(body, None, IN, OUT, 64)
     assert req.outputs == {"output": False}
     payload, headers = encode_infer("m", "1", req, {"output": np.zeros((1, 4), np.float32)})
@@ -90,8 +118,9 @@ def test_requested_outputs_choose_the_encoding():
 
 
 def test_nonfinite_inputs_are_refused_unless_allowed():
-    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 2, 3], "datatype": "FP32",
-                                   "data": [0, 0, 0, 0, 0, float("inf")]}]}).encode()
+    body = json.dumps(
+        {"inputs": [{"name": "input", "shape": [1, 2, 3], "datatype": "FP32", "data": [0, 0, 0, 0, 0, float("inf")]}]}
+    ).encode()
     with pytest.raises(ProtocolError, match="holds 1 NaN/Inf values"):
         parse_infer(body, None, IN, OUT, 64)
     assert np.isinf(parse_infer(body, None, IN, OUT, 64, allow_nonfinite=True).inputs["input"]).sum() == 1
@@ -149,8 +178,10 @@ def test_threads_submit_into_the_same_batches_as_the_event_loop():
         first = asyncio.ensure_future(batcher.submit(np.zeros((1, 2), np.float32)))
         await asyncio.sleep(0.05)
         futures = []
-        threads = [threading.Thread(target=lambda x=x: futures.append((x, batcher.submit_threadsafe(x))))
-                   for x in thread_inputs]
+        threads = [
+            threading.Thread(target=lambda x=x: futures.append((x, batcher.submit_threadsafe(x))))
+            for x in thread_inputs
+        ]
         for t in threads:
             t.start()
         for t in threads:

@@ -30,8 +30,9 @@ PROBE = textwrap.dedent("""
 
 
 def imported(what: str, *args: str, cwd=None) -> tuple[object, set[str]]:
-    proc = subprocess.run([sys.executable, "-c", PROBE, what, *args], capture_output=True, text=True, timeout=120,
-                          cwd=cwd)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, what, *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     return report["code"], set(report["modules"])

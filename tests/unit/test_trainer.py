@@ -20,8 +20,12 @@ def rows(run_dir, kind):
 def test_hand_written_loop_and_trainer_give_identical_losses(tiny_config, tmp_path):
     expected = hand_written_loop.main(max_epochs=3, batch_size=16, accumulate=4, lr=3e-3, warmup_steps=4, clip=1.0)
     config = tiny_config(
-        "train.max_epochs=3", "train.accumulate=4", "optim.lr=3e-3", "optim.weight_decay=0",
-        "schedule.warmup_steps=4", "train.clip_grad_norm=1.0",
+        "train.max_epochs=3",
+        "train.accumulate=4",
+        "optim.lr=3e-3",
+        "optim.weight_decay=0",
+        "schedule.warmup_steps=4",
+        "train.clip_grad_norm=1.0",
     )
     tk.Trainer(config, progress=False).fit()
     losses = [r["loss"] for r in rows(tmp_path / "runs" / "tiny", "train")]
@@ -32,7 +36,10 @@ def test_hand_written_loop_and_trainer_give_identical_losses(tiny_config, tmp_pa
 def test_hand_written_loop_bf16_matches_too(tiny_config, tmp_path):
     expected = hand_written_loop.main(max_epochs=1, precision="bf16")
     config = tiny_config(
-        "train.max_epochs=1", "train.accumulate=4", "optim.weight_decay=0", "schedule.warmup_steps=4",
+        "train.max_epochs=1",
+        "train.accumulate=4",
+        "optim.weight_decay=0",
+        "schedule.warmup_steps=4",
         "precision=bf16",
     )
     tk.Trainer(config, progress=False).fit()
@@ -55,13 +62,17 @@ def test_run_files_and_summary(tiny_config, tmp_path):
 
 
 def test_max_steps_stops_mid_epoch_and_validates_at_the_end(tiny_config, tmp_path):
-    summary = tk.Trainer(tiny_config("train.max_epochs=null", "train.max_steps=7", "train.val_every=3"), progress=False).fit()
+    summary = tk.Trainer(
+        tiny_config("train.max_epochs=null", "train.max_steps=7", "train.val_every=3"), progress=False
+    ).fit()
     assert summary["steps"] == 7 and summary["epochs"] == 0
     assert [r["step"] for r in rows(tmp_path / "runs" / "tiny", "val")] == [3, 6, 7]
 
 
 def test_lr_rows_follow_the_schedule(tiny_config, tmp_path):
-    tk.Trainer(tiny_config("schedule.warmup_steps=10", "schedule.decay=linear", "schedule.min_lr=1e-4"), progress=False).fit()
+    tk.Trainer(
+        tiny_config("schedule.warmup_steps=10", "schedule.decay=linear", "schedule.min_lr=1e-4"), progress=False
+    ).fit()
     lrs = [r["lr"] for r in rows(tmp_path / "runs" / "tiny", "train")]
     expected = [tk.lr_at(s, lr=3e-3, warmup_steps=10, total_steps=60, decay="linear", min_lr=1e-4) for s in range(60)]
     assert lrs == pytest.approx(expected)
@@ -115,8 +126,12 @@ def test_trainer_accumulation_matches_the_big_batch(tiny_config):
     weights = []
     for name, batch, accumulate in (("big", 64, 1), ("small", 16, 4)):
         config = tiny_config(
-            f"name={name}", f"train.batch_size={batch}", f"train.accumulate={accumulate}", "train.clip_grad_norm=null",
-            "model.target=torch.nn:Linear", "model.args={in_features: 32, out_features: 4}",
+            f"name={name}",
+            f"train.batch_size={batch}",
+            f"train.accumulate={accumulate}",
+            "train.clip_grad_norm=null",
+            "model.target=torch.nn:Linear",
+            "model.args={in_features: 32, out_features: 4}",
         )
         trainer = tk.Trainer(config, progress=False)
         assert trainer.fit()["steps"] == 16
@@ -126,26 +141,40 @@ def test_trainer_accumulation_matches_the_big_batch(tiny_config):
 
 
 @pytest.mark.parametrize("epochs", [2, 3])
-def test_every_epoch_of_a_stream_is_trained_to_its_end_and_the_schedule_ends_at_its_floor(tmp_path, monkeypatch, epochs):
+def test_every_epoch_of_a_stream_is_trained_to_its_end_and_the_schedule_ends_at_its_floor(
+    tmp_path, monkeypatch, epochs
+):
     """3 shards of 150/130/120 samples in 2 streams, 2 workers, batch 32: epoch 0's plan has 13
     batches, epoch 1's 14; all of them are trained, and the last step runs at min_lr."""
     import streamdata
 
     log = tmp_path / "ids.log"
     monkeypatch.setenv("STREAM_LOG", str(log))
-    config = tk.load_config(None, [
-        f"out_dir={tmp_path}", "model.target=streamdata:make_model", "data.format=webdataset",
-        f"data.train={streamdata.write_shards(tmp_path / 'shards', sizes=(150, 130, 120))}", "data.input=npy",
-        "data.target=cls",
-        "data.streams=2", "data.num_workers=2", "loss.step_fn=streamdata:logged_step", "train.batch_size=32",
-        f"train.max_epochs={epochs}",
-        "train.log_every=1", "schedule.min_lr=1e-4", "optim.lr=1e-2", "schedule.warmup_steps=2",
-    ])
+    config = tk.load_config(
+        None,
+        [
+            f"out_dir={tmp_path}",
+            "model.target=streamdata:make_model",
+            "data.format=webdataset",
+            f"data.train={streamdata.write_shards(tmp_path / 'shards', sizes=(150, 130, 120))}",
+            "data.input=npy",
+            "data.target=cls",
+            "data.streams=2",
+            "data.num_workers=2",
+            "loss.step_fn=streamdata:logged_step",
+            "train.batch_size=32",
+            f"train.max_epochs={epochs}",
+            "train.log_every=1",
+            "schedule.min_lr=1e-4",
+            "optim.lr=1e-2",
+            "schedule.warmup_steps=2",
+        ],
+    )
     trainer = tk.Trainer(config, progress=False)
     summary = trainer.fit()
     ids = [int(i) for i in log.read_text().split()]
     assert summary["samples"] == len(ids) == 400 * epochs and summary["epochs"] == epochs
-    assert all(sorted(ids[e * 400:(e + 1) * 400]) == list(range(400)) for e in range(epochs))
+    assert all(sorted(ids[e * 400 : (e + 1) * 400]) == list(range(400)) for e in range(epochs))
     per_epoch = [trainer.train_loader.num_batches(e) for e in range(epochs)]
     assert per_epoch[:2] == [13, 14]  # an epoch-0 estimate would cut epoch 1 short
     assert summary["steps"] == sum(per_epoch) == trainer.total_steps  # the plan counted every epoch exactly
@@ -169,9 +198,19 @@ class LastBatchBad(torch.utils.data.Dataset):
 def test_a_run_shorter_than_planned_takes_its_last_step_at_the_floor(tmp_path):
     """Bad samples removed a whole batch: 7 steps instead of the 8 planned. The loop reads one
     group ahead, knows the 7th is the last, and runs it at min_lr."""
-    config = tk.load_config(None, [f"out_dir={tmp_path}", "data.num_workers=0", "data.shuffle=false",
-                                   "data.max_bad_fraction=0.2", "train.batch_size=8", "train.log_every=1",
-                                   "schedule.min_lr=1e-4", "optim.lr=1e-2"])
+    config = tk.load_config(
+        None,
+        [
+            f"out_dir={tmp_path}",
+            "data.num_workers=0",
+            "data.shuffle=false",
+            "data.max_bad_fraction=0.2",
+            "train.batch_size=8",
+            "train.log_every=1",
+            "schedule.min_lr=1e-4",
+            "optim.lr=1e-2",
+        ],
+    )
     trainer = tk.Trainer(config, model=nn.Linear(8, 2), train_data=LastBatchBad(), progress=False)
     summary = trainer.fit()
     assert trainer.total_steps == 8 and summary["steps"] == 7 and summary["incidents"]["bad_sample"] == 8

@@ -113,7 +113,9 @@ def test_init_from_loads_weights_only(tiny_config, tmp_path):
     other_head = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 7))
     with pytest.raises(CheckpointError, match="missing|shape mismatch"):
         tk.Trainer(tiny_config("name=x", f"model.init_from={path}"), model=other_head, progress=False)
-    loose = tk.Trainer(tiny_config("name=y", f"model.init_from={path}", "model.init_strict=false"), model=other_head, progress=False)
+    loose = tk.Trainer(
+        tiny_config("name=y", f"model.init_from={path}", "model.init_strict=false"), model=other_head, progress=False
+    )
     assert torch.equal(loose.model[0].weight, source.model[0].weight)
 
 
@@ -130,8 +132,11 @@ def test_a_resume_says_how_its_config_differs_and_refuses_what_breaks_exactness(
 
     tk.Trainer(tiny_config("train.max_epochs=1"), progress=False).fit()
     capsys.readouterr()
-    with pytest.raises(tk.ConfigError, match=r"differs from checkpoint .* in what the run computes \(seed: 0 -> 3\).*"
-                                             r"--allow-config-change"):
+    with pytest.raises(
+        tk.ConfigError,
+        match=r"differs from checkpoint .* in what the run computes \(seed: 0 -> 3\).*"
+        r"--allow-config-change",
+    ):
         tk.Trainer(tiny_config("train.max_epochs=2", "seed=3"), resume="auto", progress=False).fit()
     with pytest.raises(tk.ConfigError, match=r"data.collate: \"default\" -> \"pad\"; train.batch_size: 16 -> 8"):
         tk.Trainer(tiny_config("data.collate=pad", "train.batch_size=8"), resume="auto", progress=False).fit()
@@ -140,9 +145,12 @@ def test_a_resume_says_how_its_config_differs_and_refuses_what_breaks_exactness(
     err = capsys.readouterr().err
     assert summary["status"] == "completed" and summary["epochs"] == 2
     assert "keel: resumed: step 30 epoch 1 batch_in_epoch 0" in err  # said with progress off too
-    assert "config differs from the checkpoint's: train.max_epochs: 1 -> 2 (the learning-rate schedule is planned " \
-           "anew" in err
+    assert (
+        "config differs from the checkpoint's: train.max_epochs: 1 -> 2 (the learning-rate schedule is planned "
+        "anew" in err
+    )
     assert "data.num_workers" in err  # how data is loaded: printed, never refused
-    allowed = tk.Trainer(tiny_config("train.max_epochs=3", "seed=3"), resume="auto", allow_config_change=True,
-                         progress=False).fit()
+    allowed = tk.Trainer(
+        tiny_config("train.max_epochs=3", "seed=3"), resume="auto", allow_config_change=True, progress=False
+    ).fit()
     assert allowed["epochs"] == 3 and "seed: 0 -> 3 (allowed by --allow-config-change" in capsys.readouterr().err

@@ -56,8 +56,9 @@ def test_run_files_are_written_by_rank_0_only_and_a_failed_run_says_why(tmp_path
     summaries = {}
     for run_dir, is_main in ((written, True), (silent, False)):
         files = RunFiles(run_dir, is_main=is_main, console=Progress(10, enabled=False))
-        files.open({"name": run_dir.name}, resume=False, resume_step=None, overwrite=False,
-                   logging=config(tmp_path).logging)
+        files.open(
+            {"name": run_dir.name}, resume=False, resume_step=None, overwrite=False, logging=config(tmp_path).logging
+        )
         files.log({"kind": "train", "step": 1, "loss": 0.5})
         files.incident("spike", 1, "loss above its average", quiet=True, loss=9.0)
         with pytest.raises(ValueError), files.ending(lambda: {"steps": 1}, lambda: {}) as summary:
@@ -90,9 +91,21 @@ def test_checkpoints_save_and_restore_the_learners_and_every_components_state(tm
     a, b = parts(), parts()
     with torch.no_grad():
         a.model.weight.fill_(0.25)
-    state = lambda p: RunState(RunCounters(), Protections(cfg, p, objective=Objective.of(nn.MSELoss()),  # noqa: E731
-                                                          precision=tk.Precision(), device=CPU, num_workers=0),
-                                BadSampleReport(job), IncidentLog(None), None, _Positions())
+    state = lambda p: RunState(
+        RunCounters(),
+        Protections(
+            cfg,
+            p,
+            objective=Objective.of(nn.MSELoss()),  # noqa: E731
+            precision=tk.Precision(),
+            device=CPU,
+            num_workers=0,
+        ),
+        BadSampleReport(job),
+        IncidentLog(None),
+        None,
+        _Positions(),
+    )
     saved, restored = state(a), state(b)
     saved.counters.step, saved.counters.epoch, saved.counters.val_metrics = 6, 1, {"val_loss": 0.25}
     saved.protections.guard.num_skipped = 2
@@ -105,7 +118,11 @@ def test_checkpoints_save_and_restore_the_learners_and_every_components_state(tm
     assert found is not None and found.step == 6
     assert checkpoints.restore(found, b, restored, seed=0) is None  # one rank: RNG continues, nothing reseeded
     assert torch.equal(b.model.weight, a.model.weight)
-    assert (restored.counters.step, restored.counters.epoch, restored.counters.val_metrics) == (6, 1, {"val_loss": 0.25})
+    assert (restored.counters.step, restored.counters.epoch, restored.counters.val_metrics) == (
+        6,
+        1,
+        {"val_loss": 0.25},
+    )
     assert restored.protections.guard.num_skipped == 2 and restored.bad_samples.shown == {"file.parquet row 3"}
     assert restored.incidents.counts == {"bad_sample": 2} and restored.loader.loaded == {"position": 6}
     assert checkpoints.is_every_steps(6) is False  # checkpoint.every_steps is 0 by default: never
@@ -125,11 +142,13 @@ class _Positions:
 
 
 def test_protections_name_what_acted_and_a_guard_that_gives_up_still_reports_its_step(tmp_path):
-    cfg = config(tmp_path, "guard.on_nonfinite=rollback", "guard.max_rollbacks=1", "guard.diagnose=false",
-                 "guard.spike_factor=2")
+    cfg = config(
+        tmp_path, "guard.on_nonfinite=rollback", "guard.max_rollbacks=1", "guard.diagnose=false", "guard.spike_factor=2"
+    )
     p = parts()
-    protections = Protections(cfg, p, objective=Objective.of(nn.MSELoss()), precision=tk.Precision(), device=CPU,
-                              num_workers=0)
+    protections = Protections(
+        cfg, p, objective=Objective.of(nn.MSELoss()), precision=tk.Precision(), device=CPU, num_workers=0
+    )
     protections.take_snapshot(0)
     for step in range(1, 25):
         assert protections.after_step(result(loss=1.0), [], step, 0.0).incidents == []
@@ -147,8 +166,14 @@ def test_protections_name_what_acted_and_a_guard_that_gives_up_still_reports_its
 
 
 def test_without_the_guard_no_snapshot_is_taken(tmp_path):
-    protections = Protections(config(tmp_path, "guard.enabled=false"), parts(), objective=Objective.of(nn.MSELoss()),
-                              precision=tk.Precision(), device=CPU, num_workers=0)
+    protections = Protections(
+        config(tmp_path, "guard.enabled=false"),
+        parts(),
+        objective=Objective.of(nn.MSELoss()),
+        precision=tk.Precision(),
+        device=CPU,
+        num_workers=0,
+    )
     protections.take_snapshot(0)
     assert protections.snapshots == []
 
@@ -181,8 +206,26 @@ def test_train_step_agrees_on_flags_read_once_the_backward_is_done():
     model.register_forward_hook(lambda *args: signal.__setitem__(0, True))  # "arrives" during the step
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = (torch.randn(4, 3), torch.randn(4, 1))
-    out = train_step(model, optimizer, [batch], nn.MSELoss(), params=list(model.parameters()), precision=tk.Precision(),
-                     device=CPU, agree=lambda: [signal[0], False])
+    out = train_step(
+        model,
+        optimizer,
+        [batch],
+        nn.MSELoss(),
+        params=list(model.parameters()),
+        precision=tk.Precision(),
+        device=CPU,
+        agree=lambda: [signal[0], False],
+    )
     assert out.agreed == [True, False]
-    assert train_step(model, optimizer, [batch], nn.MSELoss(), params=list(model.parameters()),
-                      precision=tk.Precision(), device=CPU).agreed == []
+    assert (
+        train_step(
+            model,
+            optimizer,
+            [batch],
+            nn.MSELoss(),
+            params=list(model.parameters()),
+            precision=tk.Precision(),
+            device=CPU,
+        ).agreed
+        == []
+    )

@@ -46,7 +46,9 @@ def test_means_are_weighted_by_batch_size():
     model = Probe()
     dataset = data(37)  # batches of 8: the last one holds 5
     metrics = tk.evaluate(
-        model, tk.EpochLoader(dataset, 8, shuffle=False).epoch(0), nn.functional.cross_entropy,
+        model,
+        tk.EpochLoader(dataset, 8, shuffle=False).epoch(0),
+        nn.functional.cross_entropy,
         device=torch.device("cpu"),
     )
     model.eval()

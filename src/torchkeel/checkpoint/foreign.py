@@ -27,7 +27,6 @@ _WRAPPER_KEYS = ("state_dict", "model_state_dict", "model")
 def checkpoint_weights(found: Checkpoint) -> dict[str, torch.Tensor]:
     """The model weights of a verified checkpoint; an FSDP run's are gathered from its shards."""
     if found.shards is not None:
-
         return read_full_weights(found.shards)
     return found.state["model"]
 
@@ -74,5 +73,3 @@ def _load_pickled_weights(p: Path) -> dict[str, torch.Tensor]:
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise CheckpointError(f"'{p}' holds no state dict of tensors (found {type(obj).__name__})")
     return obj
-
-

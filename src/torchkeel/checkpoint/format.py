@@ -109,23 +109,31 @@ def write_checkpoint(
     if shards is not None:
         for path in sorted((target / shards).rglob("*")):
             if path.is_file():
-                files[path.relative_to(target).as_posix()] = {"bytes": path.stat().st_size,
-                                                              algorithm: file_digest(path, algorithm)}
+                files[path.relative_to(target).as_posix()] = {
+                    "bytes": path.stat().st_size,
+                    algorithm: file_digest(path, algorithm),
+                }
     for name, (chunks, size) in parts.items():
         hasher = _HASHERS[algorithm]()
         # The temporary file lives beside the checkpoint directories, not in the new one: ext4
         # places a new directory's files in a fresh block group, and on thin-provisioned cloud
         # disks first writes to fresh blocks are several times slower than to reused ones.
-        write_chunks_atomic(target / name, chunks, size, _prefixed(hook, name), hasher, sync_dir=False,
-                            temp_dir=target.parent)
+        write_chunks_atomic(
+            target / name, chunks, size, _prefixed(hook, name), hasher, sync_dir=False, temp_dir=target.parent
+        )
         files[name] = {"bytes": size, algorithm: hasher.hexdigest()}
     fsync_dir(target)  # the files' names are durable before the manifest that vouches for them
     _point(hook, "before_manifest")
     layout = {} if shards is None else {"layout": "sharded", "shards": shards}
     write_json_atomic(
         target / MANIFEST,
-        {"format_version": FORMAT_VERSION, **manifest, **layout, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-         "files": files},
+        {
+            "format_version": FORMAT_VERSION,
+            **manifest,
+            **layout,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "files": files,
+        },
     )
     _point(hook, "after_manifest")
     return target
@@ -145,8 +153,10 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"checkpoint manifest '{path}' is unreadable ({type(exc).__name__})") from None
     if not isinstance(manifest, dict) or manifest.get("format_version") not in HASHES:
-        raise CheckpointError(f"checkpoint manifest '{path}' is not a torchkeel manifest of format "
-                              f"{' or '.join(map(str, sorted(HASHES)))}")
+        raise CheckpointError(
+            f"checkpoint manifest '{path}' is not a torchkeel manifest of format "
+            f"{' or '.join(map(str, sorted(HASHES)))}"
+        )
     files = manifest.get("files")
     shards = manifest.get("shards") if manifest.get("layout") == "sharded" else None
     if not isinstance(manifest.get("step"), int) or not isinstance(files, dict) or not _complete(set(files), shards):
@@ -232,8 +242,12 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
     and dtype are copied into its memory, which skips allocating (and faulting in) a fresh copy.
     """
     if isinstance(state, torch.Tensor):
-        if (isinstance(reuse, torch.Tensor) and reuse.shape == state.shape and reuse.dtype == state.dtype
-                and reuse.device.type == "cpu"):
+        if (
+            isinstance(reuse, torch.Tensor)
+            and reuse.shape == state.shape
+            and reuse.dtype == state.dtype
+            and reuse.device.type == "cpu"
+        ):
             return reuse.copy_(state.detach())
         return state.detach().to("cpu", copy=True).contiguous()
     if isinstance(state, dict):

@@ -65,7 +65,6 @@ def save_sharded(
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path / SHARDS))
     if is_main:  # DCP returns on rank 0 after every rank's shards and the metadata are written
-
         manifest = {"step": step, "epoch": epoch, "metrics": dict(metrics or {}), **(meta or {})}
         write_checkpoint(path, state, manifest, hook, shards=SHARDS)
         store.prune()
@@ -102,8 +101,9 @@ def read_full_weights(shards: str | Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}  # filled from the metadata (what dcp_to_torch_save does, minus its pickle)
-    _load_state_dict(state, storage_reader=FileSystemReader(str(shards)), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
+    _load_state_dict(
+        state, storage_reader=FileSystemReader(str(shards)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
     model = state.get("model")
     if not isinstance(model, dict):
         raise CheckpointError(f"sharded checkpoint '{shards}' holds no model weights")

@@ -67,8 +67,13 @@ class CheckpointStore:
         return self.directory / f"step-{step:08d}"
 
     def save(
-        self, state: Mapping[str, Any], *, step: int, epoch: int,
-        metrics: Mapping[str, float] | None = None, meta: Mapping[str, Any] | None = None,
+        self,
+        state: Mapping[str, Any],
+        *,
+        step: int,
+        epoch: int,
+        metrics: Mapping[str, float] | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> Path:
         """Write a checkpoint of ``state`` now, then prune; return its directory.
 
@@ -78,8 +83,13 @@ class CheckpointStore:
         return self.write(state, step=step, epoch=epoch, metrics=metrics, meta=meta)
 
     def write(
-        self, state: Mapping[str, Any], *, step: int, epoch: int,
-        metrics: Mapping[str, float] | None = None, meta: Mapping[str, Any] | None = None,
+        self,
+        state: Mapping[str, Any],
+        *,
+        step: int,
+        epoch: int,
+        metrics: Mapping[str, float] | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> Path:
         """What ``save`` does; ``AsyncSaver`` calls it from its thread with a ``snapshot`` only it holds."""
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -118,8 +128,11 @@ class CheckpointStore:
             except CheckpointError:
                 self._discard(path)  # a write that was killed: never valid
         keep = {path for _, path, _ in complete[: self.keep_last]}
-        scored = [(m["metrics"][self.monitor], step, path) for step, path, m in complete
-                  if isinstance(m.get("metrics", {}).get(self.monitor), (int, float))]
+        scored = [
+            (m["metrics"][self.monitor], step, path)
+            for step, path, m in complete
+            if isinstance(m.get("metrics", {}).get(self.monitor), (int, float))
+        ]
         scored.sort(key=lambda item: item[0], reverse=self.mode == "max")
         keep.update(path for _, _, path in scored[: self.save_top_k])
         for _, path, _ in complete:
@@ -182,5 +195,3 @@ class AsyncSaver:
 def is_checkpoint_dir(path: str | Path) -> bool:
     """Whether ``path`` looks like a torchkeel checkpoint directory (has a manifest)."""
     return (Path(path) / MANIFEST).is_file()
-
-

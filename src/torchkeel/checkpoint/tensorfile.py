@@ -23,10 +23,21 @@ from safetensors import safe_open
 
 CHUNK_BYTES = 16 * 2**20
 DTYPE_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
 }
 
 
@@ -44,7 +55,11 @@ def tensor_file_chunks(tensors: Mapping[str, torch.Tensor]) -> tuple[Iterator[me
         if tensor.dtype not in DTYPE_NAMES:
             raise TypeError(f"cannot store tensor '{name}' of dtype {tensor.dtype} in safetensors")
         size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
@@ -60,7 +75,7 @@ def _chunks(prefix: bytes, tensors: list[torch.Tensor]) -> Iterator[memoryview]:
         host = tensor.detach().to("cpu").contiguous()  # a copy only for device or strided tensors
         data = memoryview(host.reshape(-1).view(torch.uint8).numpy())
         for start in range(0, len(data), CHUNK_BYTES):
-            yield data[start: start + CHUNK_BYTES]
+            yield data[start : start + CHUNK_BYTES]
 
 
 def load_tensor_file(path: str | Path) -> dict[str, torch.Tensor]:

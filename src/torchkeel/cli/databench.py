@@ -22,8 +22,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     train_data, _ = resolve_data(cfg.data)
     make = loader_factory(cfg.data, batch_size=cfg.train.batch_size, seed=cfg.seed, device=torch.device("cpu"))
-    result = tune_workers(lambda n: make(train_data, n), fingerprint=data_fingerprint(train_data, cfg.data, cfg.train.batch_size),
-                          trial_s=args.trial_s, limit=args.max_workers, use_cache=False)
+    result = tune_workers(
+        lambda n: make(train_data, n),
+        fingerprint=data_fingerprint(train_data, cfg.data, cfg.train.batch_size),
+        trial_s=args.trial_s,
+        limit=args.max_workers,
+        use_cache=False,
+    )
     print(result.table())
     print(f"best: num_workers={result.num_workers} ({result.reason})")
     return 0

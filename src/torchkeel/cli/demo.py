@@ -19,18 +19,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     summary = run_demo(args.out_dir, args.overrides, progress=not args.no_progress)
     accuracy = summary.get("val_accuracy", float("nan"))
-    print(f"digits demo {summary['status']}: validation accuracy {accuracy:.4f} "
-          f"(val_loss {summary.get('val_loss', float('nan')):.4f})")
-    print(f"{summary['steps']} steps, {summary['epochs']} epochs in {summary['wall_s']:.1f} s; "
-          f"run directory: {summary['run_dir']}")
-    print(f"checkpoints: {summary['run_dir']}/checkpoints (atomic, verified; a killed `keel train` "
-          "continues with --resume auto)")
+    print(
+        f"digits demo {summary['status']}: validation accuracy {accuracy:.4f} "
+        f"(val_loss {summary.get('val_loss', float('nan')):.4f})"
+    )
+    print(
+        f"{summary['steps']} steps, {summary['epochs']} epochs in {summary['wall_s']:.1f} s; "
+        f"run directory: {summary['run_dir']}"
+    )
+    print(
+        f"checkpoints: {summary['run_dir']}/checkpoints (atomic, verified; a killed `keel train` "
+        "continues with --resume auto)"
+    )
     if summary["status"] != "completed":
         return exit_code(summary)
     served = export_and_serve_one(summary["run_dir"])
     print(f"export: {describe(served['parity'])} -> {served['export_dir']}")
-    print(f"served {served['png']} ({served['url']}, KServe v1 image_bytes): digit {served['predicted']} "
-          f"(score {served['score']:.3f}); true label {served['label']}")
+    print(
+        f"served {served['png']} ({served['url']}, KServe v1 image_bytes): digit {served['predicted']} "
+        f"(score {served['score']:.3f}); true label {served['label']}"
+    )
     print(f"serve it yourself: keel serve {served['export_dir']}")
     print(f"report: {build_report(summary['run_dir']).path}")
     return exit_code(summary)

@@ -18,8 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, help="stop after S seconds")
     parser.add_argument("--compile", action="store_true", help="report torch.compile graph breaks and recompiles")
     repro = parser.add_mutually_exclusive_group()
-    repro.add_argument("--repro", action="store_true", default=None,
-                       help="run the script twice and compare (default: when it runs under 30 s)")
+    repro.add_argument(
+        "--repro",
+        action="store_true",
+        default=None,
+        help="run the script twice and compare (default: when it runs under 30 s)",
+    )
     repro.add_argument("--no-repro", dest="repro", action="store_false", help="never run it a second time")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py [ARGS...]")
 
@@ -48,8 +52,9 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     os.dup2(2, 1)
     try:
-        diagnosis = diagnose_script(script, script_args, steps=args.steps, timeout_s=args.timeout,
-                                    repro=args.repro, compile=args.compile)
+        diagnosis = diagnose_script(
+            script, script_args, steps=args.steps, timeout_s=args.timeout, repro=args.repro, compile=args.compile
+        )
     finally:
         sys.stdout.flush()
         os.dup2(stdout_fd, 1)

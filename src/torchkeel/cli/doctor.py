@@ -21,8 +21,17 @@ def run(args: argparse.Namespace) -> int:
     findings = run_checks(facts)
     failed = any(f.status == "fail" for f in findings)
     if args.json:
-        print(json.dumps({"schema_version": SCHEMA_VERSION, "ok": not failed,
-                          "checks": [f.to_dict() for f in findings], "facts": facts.to_dict()}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "schema_version": SCHEMA_VERSION,
+                    "ok": not failed,
+                    "checks": [f.to_dict() for f in findings],
+                    "facts": facts.to_dict(),
+                },
+                indent=2,
+            )
+        )
     else:
         width = max(len(f.check) for f in findings)
         for f in findings:

@@ -19,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", required=True, choices=list(FILENAMES), help="artifact format")
     parser.add_argument("--out", help="output directory (default: RUN_DIR/export-FORMAT)")
     parser.add_argument("--batch-sizes", default="1,8", help="parity batch sizes, comma-separated (default 1,8)")
-    image = parser.add_argument_group("image preprocessing recorded for keel serve (default: the run's data.preprocess)")
+    image = parser.add_argument_group(
+        "image preprocessing recorded for keel serve (default: the run's data.preprocess)"
+    )
     image.add_argument("--image-mode", choices=["RGB", "L"], help="decode images to RGB or grayscale (L)")
     image.add_argument("--resize", help="N: shorter side to N; H,W: to that size")
     image.add_argument("--crop", help="centre crop N or H,W after the resize")
@@ -34,17 +36,27 @@ def run(args: argparse.Namespace) -> int:
     if os.getcwd() not in sys.path:  # the run's model.target is imported, as for keel train
         sys.path.insert(0, os.getcwd())
     sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
-    meta = export_run(args.source, args.format, args.out, sizes, preprocess=_preprocess(args), labels=_labels(args.labels))
+    meta = export_run(
+        args.source, args.format, args.out, sizes, preprocess=_preprocess(args), labels=_labels(args.labels)
+    )
     print(describe(meta["parity"]))
-    print(f"exported {meta['name']} ({meta['format']}, {meta['weights']} weights of step {meta['step']}) to "
-          f"{args.out or 'the run directory'}: {meta['file']}, model.json")
+    print(
+        f"exported {meta['name']} ({meta['format']}, {meta['weights']} weights of step {meta['step']}) to "
+        f"{args.out or 'the run directory'}: {meta['file']}, model.json"
+    )
     return 0
 
 
 def _preprocess(args: argparse.Namespace) -> dict[str, Any] | None:
     """The image preprocess given on the command line, as a spec (None: none given)."""
-    given = {"resize": args.resize, "crop": args.crop, "interpolation": args.interpolation, "scale": args.scale,
-             "mean": args.mean, "std": args.std}
+    given = {
+        "resize": args.resize,
+        "crop": args.crop,
+        "interpolation": args.interpolation,
+        "scale": args.scale,
+        "mean": args.mean,
+        "std": args.std,
+    }
     if args.image_mode is None:
         extra = sorted(f"--{k}" for k, v in given.items() if v is not None)
         if extra:
@@ -76,5 +88,7 @@ def _labels(path: str | None) -> list[str] | None:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
-        raise ConfigError(f"--labels '{path}' cannot be read ({type(exc).__name__}); give a text file, one label per line") from None
+        raise ConfigError(
+            f"--labels '{path}' cannot be read ({type(exc).__name__}); give a text file, one label per line"
+        ) from None
     return [line.strip() for line in lines if line.strip()]

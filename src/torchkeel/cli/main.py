@@ -22,12 +22,21 @@ COMMANDS = {
     "train": ("train", "train the model a YAML config describes (overrides: key=value, e.g. optim.lr=3e-4)"),
     "demo": ("demo", "train a small CNN on scikit-learn's handwritten digits (runs again and again into OUT_DIR/demo)"),
     "export": ("export", "export a trained model, check parity with the eager model, write model.json"),
-    "triton-repo": ("triton_repo", "write a Triton model repository (config.pbtxt validated against Triton's ModelConfig)"),
+    "triton-repo": (
+        "triton_repo",
+        "write a Triton model repository (config.pbtxt validated against Triton's ModelConfig)",
+    ),
     "serve": ("serve", "serve exported models (KServe v2 / Triton REST and gRPC, KServe v1, images, /metrics)"),
     "doctor": ("doctor", "check the environment: versions, CUDA driver vs runtime, libraries, shm, start method, disk"),
     "report": ("report", "turn a run's metrics, incidents and summary into report.html with charts"),
-    "data-bench": ("databench", "time data loading with 0, 1, 2, ... workers on a config's training data and print the table"),
-    "diagnose": ("diagnose", "run an unmodified PyTorch script under instrumentation and name the root cause of what goes wrong"),
+    "data-bench": (
+        "databench",
+        "time data loading with 0, 1, 2, ... workers on a config's training data and print the table",
+    ),
+    "diagnose": (
+        "diagnose",
+        "run an unmodified PyTorch script under instrumentation and name the root cause of what goes wrong",
+    ),
     "lint": ("lint", "check PyTorch training code for known bugs without running it (TK1xx rules)"),
 }
 
@@ -37,8 +46,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description="torchkeel: steady PyTorch training.")
     parser.add_argument("--version", action="version", version=f"torchkeel {__version__}")
     debug = argparse.ArgumentParser(add_help=False)
-    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                       help="show tracebacks for errors")
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

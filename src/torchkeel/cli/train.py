@@ -24,18 +24,29 @@ from torchkeel.train.trainer import Trainer
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config file")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
-    parser.add_argument("--resume", metavar="auto|PATH",
-                        help="continue from the newest valid checkpoint of the run (auto) or from PATH")
-    parser.add_argument("--init-from", metavar="PATH",
-                        help="start from these weights (checkpoint, .safetensors, .pt); sets model.init_from")
-    parser.add_argument("--allow-config-change", action="store_true",
-                        help="with --resume: continue although the config differs from the checkpoint's in what "
-                             "the run computes (data, model, batch, seed...)")
+    parser.add_argument(
+        "--resume", metavar="auto|PATH", help="continue from the newest valid checkpoint of the run (auto) or from PATH"
+    )
+    parser.add_argument(
+        "--init-from",
+        metavar="PATH",
+        help="start from these weights (checkpoint, .safetensors, .pt); sets model.init_from",
+    )
+    parser.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: continue although the config differs from the checkpoint's in what "
+        "the run computes (data, model, batch, seed...)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     parser.add_argument("--no-progress", action="store_true", help="print no progress lines")
-    parser.add_argument("--nproc", type=int, metavar="N",
-                        help="train on N processes of this machine: runs torch.distributed.run --standalone "
-                             "--nproc-per-node N with the same arguments (several machines: call torchrun)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="train on N processes of this machine: runs torch.distributed.run --standalone "
+        "--nproc-per-node N with the same arguments (several machines: call torchrun)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +66,10 @@ def run(args: argparse.Namespace) -> int:
     faults = os.environ.get("TORCHKEEL_TEST_FAULTS")  # test seams, see torchkeel.checkpoint.faults
     step_faults = os.environ.get("TORCHKEEL_TEST_STEP_FAULTS")
     trainer = Trainer(
-        config, resume=args.resume, allow_config_change=args.allow_config_change, overwrite=args.overwrite,
+        config,
+        resume=args.resume,
+        allow_config_change=args.allow_config_change,
+        overwrite=args.overwrite,
         progress=not args.no_progress,
         checkpoint_hook=parse_fault_rules(faults) if faults else None,
         oom_hook=parse_step_faults(step_faults) if step_faults else None,
@@ -66,8 +80,11 @@ def run(args: argparse.Namespace) -> int:
     if trainer.rank.is_main:
         print(format_summary(summary))
     elif summary["status"] == "preempted":
-        print(f"keel: rank {trainer.rank.rank}: stopped by {summary['signal']} at step {summary['steps']} "
-              f"(exit {exit_code(summary)})", file=sys.stderr)
+        print(
+            f"keel: rank {trainer.rank.rank}: stopped by {summary['signal']} at step {summary['steps']} "
+            f"(exit {exit_code(summary)})",
+            file=sys.stderr,
+        )
     return exit_code(summary)
 
 
@@ -80,10 +97,13 @@ def check_import_paths(config: KeelConfig) -> None:
         check_target(config.data.target, config.data.args, "data")
     if config.loss.step_fn is None:
         check_target(config.loss.target, config.loss.args, "loss")
-    paths = [("loss.step_fn", config.loss.step_fn),
-             ("data.collate", config.data.collate if ":" in config.data.collate else None),
-             ("data.transform", config.data.transform), ("data.batch_transform", config.data.batch_transform),
-             *((f"metrics[{i}].target", m.target) for i, m in enumerate(config.metrics))]
+    paths = [
+        ("loss.step_fn", config.loss.step_fn),
+        ("data.collate", config.data.collate if ":" in config.data.collate else None),
+        ("data.transform", config.data.transform),
+        ("data.batch_transform", config.data.batch_transform),
+        *((f"metrics[{i}].target", m.target) for i, m in enumerate(config.metrics)),
+    ]
     for key, target in paths:
         if target is not None:
             resolve_target(target, key)
@@ -108,8 +128,16 @@ def launch(nproc: int, argv: list[str]) -> int:
             skip = True
         elif not arg.startswith("--nproc="):
             rest.append(arg)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "torchkeel.cli.main", *rest]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "torchkeel.cli.main",
+        *rest,
+    ]
     child = subprocess.Popen(command)
     received: list[int] = []
 

@@ -18,8 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     model_dir = write_triton_repo(
-        args.export_dir, args.out, max_batch_size=args.max_batch_size,
-        max_queue_delay_us=args.max_queue_delay_us, instances=args.instances, kind=args.kind,
+        args.export_dir,
+        args.out,
+        max_batch_size=args.max_batch_size,
+        max_queue_delay_us=args.max_queue_delay_us,
+        instances=args.instances,
+        kind=args.kind,
     )
     print(f"Triton model repository: {model_dir} (config.pbtxt parsed as ModelConfig)")
     return 0

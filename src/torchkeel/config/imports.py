@@ -19,9 +19,7 @@ def resolve_target(spec: str, key: str) -> Callable[..., Any]:
     """Import ``module:attr`` (``attr`` may be dotted) and return it; ``key`` names the config key."""
     module_name, sep, attr_path = spec.partition(":")
     if not sep or not module_name or not attr_path:
-        raise ConfigError(
-            f"{key}={spec!r} must be an import path 'module:callable', e.g. 'mypkg.models:build'"
-        )
+        raise ConfigError(f"{key}={spec!r} must be an import path 'module:callable', e.g. 'mypkg.models:build'")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
@@ -32,8 +30,7 @@ def resolve_target(spec: str, key: str) -> Callable[..., Any]:
     for part in attr_path.split("."):
         if not hasattr(obj, part):
             raise ConfigError(
-                f"{key}={spec!r}: module '{module_name}' has no attribute '{attr_path}'; "
-                "check the name after the colon"
+                f"{key}={spec!r}: module '{module_name}' has no attribute '{attr_path}'; check the name after the colon"
             )
         obj = getattr(obj, part)
     if not callable(obj):

@@ -92,8 +92,9 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 def config_hash(config: Any) -> str:
     """sha256 of the config's canonical JSON (a ``KeelConfig``, or one as plain data): equal configs, equal hashes."""
-    text = json.dumps(config if isinstance(config, Mapping) else to_dict(config), sort_keys=True,
-                      separators=(",", ":"), default=str)
+    text = json.dumps(
+        config if isinstance(config, Mapping) else to_dict(config), sort_keys=True, separators=(",", ":"), default=str
+    )
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -105,9 +106,7 @@ def _key(f: dataclasses.Field) -> str:
 def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
     """Build dataclass ``cls`` from ``data``, checking every key and type; errors name the key."""
     if not isinstance(data, Mapping):
-        raise ConfigError(
-            f"{prefix or 'config'} must be a mapping of keys, got {_describe(data)}"
-        )
+        raise ConfigError(f"{prefix or 'config'} must be a mapping of keys, got {_describe(data)}")
     fields = {_key(f): f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     if True in data and "on" in fields:  # YAML 1.1 reads a bare `on:` key as the boolean true

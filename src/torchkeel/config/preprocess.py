@@ -38,9 +38,15 @@ def parse_preprocess(spec: Mapping[str, Any], where: str = "preprocess") -> dict
     if any(s <= 0 for s in std):
         raise ConfigError(f"{where}.std must be positive, got {list(std)}")
     crop = _size(spec.get("crop"), f"{where}.crop")
-    return {"mode": mode, "resize": _size(spec.get("resize"), f"{where}.resize"),
-            "crop": (crop * 2 if len(crop) == 1 else crop) if crop else None,
-            "interpolation": interpolation, "scale": float(scale), "mean": mean, "std": std}
+    return {
+        "mode": mode,
+        "resize": _size(spec.get("resize"), f"{where}.resize"),
+        "crop": (crop * 2 if len(crop) == 1 else crop) if crop else None,
+        "interpolation": interpolation,
+        "scale": float(scale),
+        "mean": mean,
+        "std": std,
+    }
 
 
 def _floats(value: Any, key: str) -> tuple[float, ...]:
@@ -48,7 +54,9 @@ def _floats(value: Any, key: str) -> tuple[float, ...]:
         return ()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return (float(value),)
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+    ):
         raise ConfigError(f"{key} must be a number or a list of numbers, got {value!r}")
     return tuple(float(v) for v in value)
 
@@ -57,7 +65,10 @@ def _size(value: Any, key: str) -> tuple[int, ...] | None:
     if value is None:
         return None
     items = [value] if isinstance(value, int) and not isinstance(value, bool) else value
-    if (not isinstance(items, (list, tuple)) or len(items) not in (1, 2)
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in items)):
+    if (
+        not isinstance(items, (list, tuple))
+        or len(items) not in (1, 2)
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in items)
+    ):
         raise ConfigError(f"{key} must be a positive integer or [height, width], got {value!r}")
     return tuple(items)

@@ -33,8 +33,10 @@ def _check_train(cfg: Any) -> None:
         raise ConfigError(f"train.ema.decay must be in [0, 1) (0: off), got {t.ema.decay}")
     _at_least("train.ema.start_step", t.ema.start_step, 0)
     if t.ema.decay and cfg.dist.strategy == "fsdp":
-        raise ConfigError("train.ema does not work with dist.strategy=fsdp yet (the average would need the "
-                          "full weights on every rank); use dist.strategy=ddp or set train.ema.decay=0")
+        raise ConfigError(
+            "train.ema does not work with dist.strategy=fsdp yet (the average would need the "
+            "full weights on every rank); use dist.strategy=ddp or set train.ema.decay=0"
+        )
 
 
 def _check_data(cfg: Any) -> None:
@@ -59,14 +61,20 @@ def _check_data(cfg: Any) -> None:
     if d.format == "map" and d.train is not None:
         raise ConfigError("data.train is for streaming formats; set data.format=parquet or webdataset")
     if d.format == "parquet" and d.input is None and not d.columns and d.train is not None:
-        raise ConfigError("data.format=parquet needs data.input (the feature columns, or one list-valued column) "
-                          "or data.columns (the columns of dict samples)")
+        raise ConfigError(
+            "data.format=parquet needs data.input (the feature columns, or one list-valued column) "
+            "or data.columns (the columns of dict samples)"
+        )
     if d.columns and (d.format != "parquet" or d.input is not None or d.target is not None):
-        raise ConfigError("data.columns makes dict samples of Parquet columns: use it with data.format=parquet, "
-                          "without data.input and data.target (name the label column among data.columns)")
+        raise ConfigError(
+            "data.columns makes dict samples of Parquet columns: use it with data.format=parquet, "
+            "without data.input and data.target (name the label column among data.columns)"
+        )
     if d.format == "webdataset" and d.bucket_by is not None:
-        raise ConfigError("data.bucket_by works with parquet and map-style data; for webdataset, "
-                          "write shards grouped by length or drop data.bucket_by")
+        raise ConfigError(
+            "data.bucket_by works with parquet and map-style data; for webdataset, "
+            "write shards grouped by length or drop data.bucket_by"
+        )
     if d.batch_transform is not None and d.format != "parquet":
         raise ConfigError("data.batch_transform applies to parquet row blocks; use data.transform per sample")
 
@@ -91,9 +99,7 @@ def _check_optim(cfg: Any) -> None:
     if t.max_steps is not None:
         _positive("train.max_steps", t.max_steps)
     if t.clip_grad_norm is not None and t.clip_grad_norm <= 0:
-        raise ConfigError(
-            f"train.clip_grad_norm must be > 0 or null (no clipping), got {t.clip_grad_norm}"
-        )
+        raise ConfigError(f"train.clip_grad_norm must be > 0 or null (no clipping), got {t.clip_grad_norm}")
     if not cfg.name or "/" in cfg.name or cfg.name in (".", ".."):
         raise ConfigError(f"name {cfg.name!r} is not a valid run name; use letters, digits, '-', '_'")
 
@@ -137,15 +143,19 @@ def _check_metrics(cfg: Any) -> None:
         if not m.name.isidentifier():
             raise ConfigError(f"metrics[{i}].name must be a name like f1 (logged as val_<name>), got {m.name!r}")
         if not m.target:
-            raise ConfigError(f"metrics[{i}].target is missing: give 'module:Class', "
-                              "e.g. torchmetrics.classification:MulticlassF1Score")
+            raise ConfigError(
+                f"metrics[{i}].target is missing: give 'module:Class', "
+                "e.g. torchmetrics.classification:MulticlassF1Score"
+            )
         if not m.on:
             raise ConfigError(f"metrics[{i}].on is empty: give [val], [train] or [val, train]")
         if m.name in ("loss", "accuracy") or names.count(m.name) > 1:
-            raise ConfigError(f"metrics[{i}].name {m.name!r} is taken (val_loss, val_accuracy or another "
-                              "metric): choose another name")
+            raise ConfigError(
+                f"metrics[{i}].name {m.name!r} is taken (val_loss, val_accuracy or another metric): choose another name"
+            )
     if cfg.device == "cpu" and cfg.precision == "fp16":
         raise ConfigError("precision fp16 needs a CUDA device; use precision=bf16 on CPU")
+
 
 def _positive(key: str, value: int) -> None:
     _at_least(key, value, 1)

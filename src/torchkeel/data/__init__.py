@@ -19,7 +19,20 @@ _EXPORTS = {
     "tune_workers": "torchkeel.data.tune",
 }
 
-__all__ = ["DefaultCollate", "EpochLoader", "LoaderOptions", "PadCollate", "ParquetSource", "StreamLoader", "TuneResult",
-           "WebDatasetSource", "epoch_seed", "num_samples", "seed_worker", "to_device", "tune_workers"]
+__all__ = [
+    "DefaultCollate",
+    "EpochLoader",
+    "LoaderOptions",
+    "PadCollate",
+    "ParquetSource",
+    "StreamLoader",
+    "TuneResult",
+    "WebDatasetSource",
+    "epoch_seed",
+    "num_samples",
+    "seed_worker",
+    "to_device",
+    "tune_workers",
+]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

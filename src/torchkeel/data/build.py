@@ -96,13 +96,25 @@ def build_sources(cfg: DataConfig) -> tuple[Any, Any]:
 
     def make(paths: Any, key: str) -> Any:
         if cfg.format == "parquet":
+            return ParquetSource(
+                paths,
+                input=cfg.input,
+                target=cfg.target,
+                columns=cfg.columns,
+                bucket_by=cfg.bucket_by,
+                bucket_window=cfg.bucket_window,
+                key=key,
+                fixed_length=cfg.collate == "default",
+            )
 
-            return ParquetSource(paths, input=cfg.input, target=cfg.target, columns=cfg.columns, bucket_by=cfg.bucket_by,
-                                 bucket_window=cfg.bucket_window, key=key, fixed_length=cfg.collate == "default")
-
-        return WebDatasetSource(paths, input=cfg.input if isinstance(cfg.input, str) or cfg.input is None
-                                else _one(cfg.input), target=cfg.target, shuffle_buffer=cfg.shuffle_buffer,
-                                image=cfg.image, key=key)
+        return WebDatasetSource(
+            paths,
+            input=cfg.input if isinstance(cfg.input, str) or cfg.input is None else _one(cfg.input),
+            target=cfg.target,
+            shuffle_buffer=cfg.shuffle_buffer,
+            image=cfg.image,
+            key=key,
+        )
 
     return make(cfg.train, "data.train"), (make(cfg.val, "data.val") if cfg.val is not None else None)
 
@@ -114,27 +126,44 @@ def loader_factory(
     cfg: DataConfig, *, batch_size: int, seed: int, device: torch.device, rank: int = 0, world_size: int = 1
 ) -> LoaderFactory:
     """``make(data, num_workers, train=True)``: a loader for a dataset or source with the config's settings."""
-    collate = build_collate(cfg.collate, cfg.pad_value, mask_key=cfg.mask_key,
-                            lengths_key=cfg.lengths_key) if cfg.collate != "default" else None
+    collate = (
+        build_collate(cfg.collate, cfg.pad_value, mask_key=cfg.mask_key, lengths_key=cfg.lengths_key)
+        if cfg.collate != "default"
+        else None
+    )
     transform = sample_transform(cfg)
     batch_transform = resolve_target(cfg.batch_transform, "data.batch_transform") if cfg.batch_transform else None
 
-    run = LoaderOptions(batch_size, seed=seed, collate_fn=collate, pin_memory=device.type == "cuda",
-                        prefetch_factor=cfg.prefetch_factor, max_bad_fraction=cfg.max_bad_fraction,
-                        rank=rank, world_size=world_size)
+    run = LoaderOptions(
+        batch_size,
+        seed=seed,
+        collate_fn=collate,
+        pin_memory=device.type == "cuda",
+        prefetch_factor=cfg.prefetch_factor,
+        max_bad_fraction=cfg.max_bad_fraction,
+        rank=rank,
+        world_size=world_size,
+    )
 
     def make(data: Any, num_workers: int, *, train: bool = True) -> Loader:
-        options = dataclasses.replace(run, num_workers=num_workers, shuffle=cfg.shuffle and train,
-                                      drop_last=cfg.drop_last and train)
+        options = dataclasses.replace(
+            run, num_workers=num_workers, shuffle=cfg.shuffle and train, drop_last=cfg.drop_last and train
+        )
         common = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
         if is_source(data):  # each rank streams its own units
-            return StreamLoader(data, transform=transform, batch_transform=batch_transform, streams=cfg.streams,
-                                **common)
+            return StreamLoader(
+                data, transform=transform, batch_transform=batch_transform, streams=cfg.streams, **common
+            )
         key = id(data)  # the caller keeps train and val data alive: ids stay theirs
         if transform is not None:
             data = _Transformed(data, transform)
-        loader = EpochLoader(data, bucket_by=_bucket_key(cfg.bucket_by), bucket_window=cfg.bucket_window,
-                             lengths=lengths.get(key), **common)
+        loader = EpochLoader(
+            data,
+            bucket_by=_bucket_key(cfg.bucket_by),
+            bucket_window=cfg.bucket_window,
+            lengths=lengths.get(key),
+            **common,
+        )
         if cfg.bucket_by is not None:  # one pass over the samples, shared by the trial's loaders
             lengths[key] = loader.lengths()
         return loader
@@ -170,8 +199,11 @@ def build_loaders(
     num_workers = cfg.num_workers
     if num_workers == "auto":
         with preserved_rng():  # the trial runs or not (the cache): the run must not depend on it
-            tuning = tune_workers(lambda n: make(train_data, n), fingerprint=data_fingerprint(train_data, cfg, batch_size),
-                                  limit=cfg.streams if is_source(train_data) else None)
+            tuning = tune_workers(
+                lambda n: make(train_data, n),
+                fingerprint=data_fingerprint(train_data, cfg, batch_size),
+                limit=cfg.streams if is_source(train_data) else None,
+            )
         num_workers = tuning.num_workers
         if world_size > 1:  # the ranks share the machine's CPUs; streams must match on every rank
             num_workers = agree_min(num_workers, device)
@@ -201,6 +233,7 @@ def transformed_datasets(cfg: DataConfig) -> tuple[Any, Any]:
 
 class PreprocessInput:
     """Applies an image preprocess to a sample's input (a tuple's first item, a dict's ``input``)."""
+
     def __init__(self, preprocess: Callable[[Any], Any], then: Callable[[Any], Any] | None = None) -> None:
         self.preprocess, self.then = preprocess, then
 
@@ -218,6 +251,7 @@ class PreprocessInput:
 
 class _Transformed(torch.utils.data.Dataset):
     """A map-style dataset with ``data.transform`` applied to each item."""
+
     def __init__(self, dataset: Any, transform: Callable[[Any], Any]) -> None:
         self.dataset, self.transform = dataset, transform
 
@@ -230,11 +264,25 @@ class _Transformed(torch.utils.data.Dataset):
 
 def data_fingerprint(data: Any, cfg: DataConfig, batch_size: int) -> str:
     """Identifies the data and batch settings for the worker-count cache."""
-    what = data.fingerprint() if is_source(data) else [
-        f"{type(data).__module__}.{type(data).__qualname__}", len(data), cfg.target, cfg.args]
-    return json.dumps([what, batch_size, cfg.collate, cfg.transform, cfg.batch_transform, cfg.prefetch_factor,
-                       cfg.streams, dataclasses.asdict(cfg.preprocess)],
-                      default=str, sort_keys=True)
+    what = (
+        data.fingerprint()
+        if is_source(data)
+        else [f"{type(data).__module__}.{type(data).__qualname__}", len(data), cfg.target, cfg.args]
+    )
+    return json.dumps(
+        [
+            what,
+            batch_size,
+            cfg.collate,
+            cfg.transform,
+            cfg.batch_transform,
+            cfg.prefetch_factor,
+            cfg.streams,
+            dataclasses.asdict(cfg.preprocess),
+        ],
+        default=str,
+        sort_keys=True,
+    )
 
 
 def _bucket_key(key: str | None) -> str | int | None:

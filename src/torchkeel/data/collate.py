@@ -43,8 +43,10 @@ class PadCollate:
     Tuple and dataclass samples keep their shape. The first sequence field is ``input_ids`` if
     the samples have it, else the first whose values are tensors with a dimension.
     """
-    def __init__(self, pad_value: PadValue = 0.0, *, mask_key: str | None = "attention_mask",
-                 lengths_key: str | None = None) -> None:
+
+    def __init__(
+        self, pad_value: PadValue = 0.0, *, mask_key: str | None = "attention_mask", lengths_key: str | None = None
+    ) -> None:
         self.pad_value, self.mask_key, self.lengths_key = pad_value, mask_key, lengths_key
 
     def __call__(self, samples: Sequence[Any]) -> Any:
@@ -66,8 +68,14 @@ class PadCollate:
             fields = [self._field([s[i] for s in samples], i, is_target=is_pair and i == 1) for i in range(len(first))]
             return type(first)(*fields) if hasattr(first, "_fields") else type(first)(fields)
         if dataclasses.is_dataclass(first):
-            return dataclasses.replace(first, **{f.name: self._field([getattr(s, f.name) for s in samples], f.name)
-                                                  for f in dataclasses.fields(first) if f.init})
+            return dataclasses.replace(
+                first,
+                **{
+                    f.name: self._field([getattr(s, f.name) for s in samples], f.name)
+                    for f in dataclasses.fields(first)
+                    if f.init
+                },
+            )
         return self._field(list(samples), 0)
 
     def value_for(self, field: Any, sample: Any, is_target: bool = False) -> float:
@@ -88,7 +96,9 @@ class PadCollate:
         if not _is_ragged(values):
             return torch.stack(values)
         longest = max(v.shape[0] for v in values)
-        out = values[0].new_full((len(values), longest, *values[0].shape[1:]), self.value_for(field, values[0], is_target))
+        out = values[0].new_full(
+            (len(values), longest, *values[0].shape[1:]), self.value_for(field, values[0], is_target)
+        )
         for i, v in enumerate(values):
             out[i, : v.shape[0]] = v
         return out
@@ -96,19 +106,28 @@ class PadCollate:
 
 class DefaultCollate:
     """``torch.utils.data.default_collate``, plus dataclass samples; a shape mismatch names the fix."""
+
     def __call__(self, samples: Sequence[Any]) -> Any:
         first = samples[0]
         if isinstance(first, Mapping):
             _same_keys(samples)
         try:
             if dataclasses.is_dataclass(first) and not isinstance(first, type):
-                return dataclasses.replace(first, **{f.name: default_collate([getattr(s, f.name) for s in samples])
-                                                      for f in dataclasses.fields(first) if f.init})
+                return dataclasses.replace(
+                    first,
+                    **{
+                        f.name: default_collate([getattr(s, f.name) for s in samples])
+                        for f in dataclasses.fields(first)
+                        if f.init
+                    },
+                )
             return default_collate(list(samples))
         except RuntimeError as exc:
             if len({shapes(s) for s in samples}) > 1:
-                raise DataError(f"samples of different shapes cannot be stacked ({str(exc).splitlines()[0]}); "
-                                "set data.collate=pad for variable-length samples, or give your own") from None
+                raise DataError(
+                    f"samples of different shapes cannot be stacked ({str(exc).splitlines()[0]}); "
+                    "set data.collate=pad for variable-length samples, or give your own"
+                ) from None
             raise
 
 
@@ -144,8 +163,11 @@ def collate_or_split(
         common = counts[0][0]
         keep = [i for i, sig in enumerate(signatures) if sig == common]
         model = samples[keep[0]]
-        bad = [(name(i), _difference(samples[i], model, signatures[i], common))
-               for i, sig in enumerate(signatures) if sig != common]
+        bad = [
+            (name(i), _difference(samples[i], model, signatures[i], common))
+            for i, sig in enumerate(signatures)
+            if sig != common
+        ]
         return collate([samples[i] for i in keep]), bad, keep
     raise error
 
@@ -166,13 +188,19 @@ def structure(sample: Any) -> tuple[Any, ...]:
 def _difference(sample: Any, model: Any, signature: tuple[Any, ...], common: tuple[Any, ...]) -> str:
     """Why ``sample`` is unlike ``model``, a sample of the batch's majority."""
     if isinstance(sample, Mapping) and isinstance(model, Mapping) and set(sample) != set(model):
-        return (f"its keys {sorted(map(str, sample))} differ from the other samples' {sorted(map(str, model))} "
-                "in its batch; fix or remove it")
+        return (
+            f"its keys {sorted(map(str, sample))} differ from the other samples' {sorted(map(str, model))} "
+            "in its batch; fix or remove it"
+        )
     if structure(sample) != structure(model):
-        return (f"it holds {describe_shapes(structure(sample))} where the other samples of its batch hold "
-                f"{describe_shapes(structure(model))}; fix or remove it")
-    return (f"its shape {describe_shapes(signature)} differs from the other samples' {describe_shapes(common)} "
-            "in its batch; fix or remove it")
+        return (
+            f"it holds {describe_shapes(structure(sample))} where the other samples of its batch hold "
+            f"{describe_shapes(structure(model))}; fix or remove it"
+        )
+    return (
+        f"its shape {describe_shapes(signature)} differs from the other samples' {describe_shapes(common)} "
+        "in its batch; fix or remove it"
+    )
 
 
 def shapes(sample: Any) -> tuple[Any, ...]:
@@ -189,8 +217,14 @@ def shapes(sample: Any) -> tuple[Any, ...]:
 
 
 def describe_shapes(signature: tuple[Any, ...]) -> str:
-    parts = [f"{p[0]}: {list(p[1])}" if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
-             and isinstance(p[1], tuple) else str(list(p)) if isinstance(p, tuple) else str(p) for p in signature]
+    parts = [
+        f"{p[0]}: {list(p[1])}"
+        if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], tuple)
+        else str(list(p))
+        if isinstance(p, tuple)
+        else str(p)
+        for p in signature
+    ]
     return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
 
 
@@ -202,8 +236,9 @@ def _is_ragged(values: list[Any]) -> bool:
     return _is_sequence(values) and len({tuple(v.shape) for v in values}) > 1
 
 
-def build_collate(spec: str, pad_value: PadValue = 0.0, *, mask_key: str | None = "attention_mask",
-                  lengths_key: str | None = None) -> Callable[[Sequence[Any]], Any]:
+def build_collate(
+    spec: str, pad_value: PadValue = 0.0, *, mask_key: str | None = "attention_mask", lengths_key: str | None = None
+) -> Callable[[Sequence[Any]], Any]:
     """``default`` (stack), ``pad`` (``PadCollate``) or ``module:fn`` (called with the list of samples)."""
     if spec == "default":
         return DefaultCollate()

@@ -57,11 +57,19 @@ class ImagePreprocess:
 
     def to_spec(self) -> dict[str, Any]:
         """The spec as ``model.json`` records it."""
+
         def size(value: tuple[int, ...] | None) -> Any:
             return None if value is None else (value[0] if len(value) == 1 else list(value))
 
-        return {"mode": self.mode, "resize": size(self.resize), "crop": size(self.crop), "interpolation": self.interpolation,
-                "scale": self.scale, "mean": list(self.mean), "std": list(self.std)}
+        return {
+            "mode": self.mode,
+            "resize": size(self.resize),
+            "crop": size(self.crop),
+            "interpolation": self.interpolation,
+            "scale": self.scale,
+            "mean": list(self.mean),
+            "std": list(self.std),
+        }
 
     @property
     def channels(self) -> int:
@@ -90,7 +98,9 @@ class ImagePreprocess:
             image = decode(bytes(image), max_pixels)
         elif isinstance(image, np.ndarray):
             if image.dtype != np.uint8 or image.ndim not in (2, 3):
-                raise ImageError(f"an image array must be uint8 [H, W] or [H, W, C], got {image.dtype} {list(image.shape)}")
+                raise ImageError(
+                    f"an image array must be uint8 [H, W] or [H, W, C], got {image.dtype} {list(image.shape)}"
+                )
             image = pil.Image.fromarray(image)
         elif not isinstance(image, pil.Image.Image):
             raise ImageError(f"expected encoded image bytes, a PIL image or a uint8 array, got {type(image).__name__}")
@@ -155,14 +165,18 @@ def decode(data: bytes, max_pixels: int = MAX_PIXELS) -> Any:
         other = _format_of(data)
         if other is not None:
             raise ImageError(f"{other} images are not accepted; send one of {', '.join(FORMATS)}") from None
-        raise ImageError(f"not a decodable image ({len(data)} bytes of no format {', '.join(FORMATS)} can read)") from None
+        raise ImageError(
+            f"not a decodable image ({len(data)} bytes of no format {', '.join(FORMATS)} can read)"
+        ) from None
     width, height = image.size
     if width * height > max_pixels:
         raise ImageError(f"the image is {width}×{height} = {width * height:,} pixels, over the limit of {max_pixels:,}")
     try:
         image.load()
     except Exception as exc:  # noqa: BLE001 - Pillow's decoders raise OSError, ValueError, SyntaxError, struct.error...
-        raise ImageError(f"the {image.format} image cannot be decoded ({type(exc).__name__}: {first_line(exc)})") from None
+        raise ImageError(
+            f"the {image.format} image cannot be decoded ({type(exc).__name__}: {first_line(exc)})"
+        ) from None
     return image
 
 

@@ -105,7 +105,10 @@ class _Collate:
         batch, odd, keep = collate_or_split(self.collate, items, lambda k: f"dataset index {indices[k]}")
         if odd:
             kept = set(keep)
-            bad += [_BadItem(indices[k], error) for k, (_, error) in zip((k for k in range(len(indices)) if k not in kept), odd)]
+            bad += [
+                _BadItem(indices[k], error)
+                for k, (_, error) in zip((k for k in range(len(indices)) if k not in kept), odd)
+            ]
             indices = [indices[k] for k in keep]
         return batch, bad, indices
 
@@ -171,14 +174,22 @@ class EpochLoader(HasLoaderOptions):
         world_size: int = 1,
     ) -> None:
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-            raise DataError(
-                f"dataset {type(dataset).__name__} must be map-style (define __len__ and __getitem__)"
-            )
+            raise DataError(f"dataset {type(dataset).__name__} must be map-style (define __len__ and __getitem__)")
         self.dataset = dataset
-        self.options = LoaderOptions(batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
-                                     num_workers=num_workers, collate_fn=collate_fn or DefaultCollate(),
-                                     pin_memory=pin_memory, prefetch_factor=prefetch_factor, start_method=start_method,
-                                     max_bad_fraction=max_bad_fraction, rank=rank, world_size=world_size)
+        self.options = LoaderOptions(
+            batch_size,
+            seed=seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            num_workers=num_workers,
+            collate_fn=collate_fn or DefaultCollate(),
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+            start_method=start_method,
+            max_bad_fraction=max_bad_fraction,
+            rank=rank,
+            world_size=world_size,
+        )
         self.bucket_by, self.bucket_window = bucket_by, bucket_window
         self.num_samples = len(dataset)  # type: ignore[arg-type]
         if self.num_samples == 0:
@@ -221,7 +232,9 @@ class EpochLoader(HasLoaderOptions):
                 self._lengths = np.asarray(given, dtype=np.int64)
             else:
                 with preserved_rng():  # a __getitem__ that augments must not move the run's generators
-                    self._lengths = np.array([_length(self.dataset[i], self.bucket_by) for i in range(self.num_samples)])
+                    self._lengths = np.array(
+                        [_length(self.dataset[i], self.bucket_by) for i in range(self.num_samples)]
+                    )
         return self._lengths
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
@@ -233,7 +246,7 @@ class EpochLoader(HasLoaderOptions):
         if self.options.drop_last:
             order = order[: len(self) * self.options.batch_size]
         self._epoch[0] = epoch
-        self._sampler.order = self.rank_share(order)[start_batch * self.options.rank_batch_size:]
+        self._sampler.order = self.rank_share(order)[start_batch * self.options.rank_batch_size :]
         return self._iterate(len(self) - start_batch)
 
     def rank_share(self, order: list[int]) -> list[int]:
@@ -245,7 +258,7 @@ class EpochLoader(HasLoaderOptions):
         for start in range(0, len(order), size):
             n = min(size, len(order) - start)
             low = start + rank * (n // world) + min(rank, n % world)
-            mine.extend(order[low:low + n // world + (rank < n % world)])
+            mine.extend(order[low : low + n // world + (rank < n % world)])
         return mine
 
     def _iterate(self, expected: int) -> Iterator[Any]:
@@ -285,7 +298,9 @@ class EpochLoader(HasLoaderOptions):
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Continue the bad-sample count from this rank's state, or every rank's (a list)."""
-        self.bad.load_state_dict([state] if isinstance(state, dict) else list(state), self.options.rank, self.options.world_size)
+        self.bad.load_state_dict(
+            [state] if isinstance(state, dict) else list(state), self.options.rank, self.options.world_size
+        )
 
     def close(self) -> None:
         """Stop the worker processes (they are started again by the next ``epoch()``)."""
@@ -296,9 +311,14 @@ class EpochLoader(HasLoaderOptions):
             o = self.options
             workers = o.num_workers
             self._loader = DataLoader(
-                _Guarded(self.dataset, o.seed, o.rank, self._epoch), batch_size=o.rank_batch_size, sampler=self._sampler,
-                num_workers=workers, pin_memory=o.pin_memory, collate_fn=_Collate(o.collate_fn),
-                worker_init_fn=seed_worker if workers else None, persistent_workers=workers > 0,
+                _Guarded(self.dataset, o.seed, o.rank, self._epoch),
+                batch_size=o.rank_batch_size,
+                sampler=self._sampler,
+                num_workers=workers,
+                pin_memory=o.pin_memory,
+                collate_fn=_Collate(o.collate_fn),
+                worker_init_fn=seed_worker if workers else None,
+                persistent_workers=workers > 0,
                 prefetch_factor=o.prefetch_factor if workers else None,
                 multiprocessing_context=worker_context(o.start_method) if workers else None,
                 # The loader draws its worker base seed from this generator, not the global RNG.
@@ -308,8 +328,11 @@ class EpochLoader(HasLoaderOptions):
 
 
 def _length(sample: Any, key: str | int | None) -> int:
-    field_ = sample[key] if isinstance(sample, dict) or isinstance(key, int) else (
-        sample[0] if key == "input" else sample[1] if key == "target" else getattr(sample, str(key)))
+    field_ = (
+        sample[key]
+        if isinstance(sample, dict) or isinstance(key, int)
+        else (sample[0] if key == "input" else sample[1] if key == "target" else getattr(sample, str(key)))
+    )
     return int(field_.shape[0]) if hasattr(field_, "shape") else len(field_)
 
 
@@ -322,4 +345,3 @@ def seed_worker(worker_id: int) -> None:
     worker_seed = torch.initial_seed() % 2**32
     random.seed(worker_seed)
     np.random.seed(worker_seed)
-

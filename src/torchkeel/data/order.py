@@ -109,9 +109,15 @@ class Position:
     stream_items: list[int] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "world_size": self.world_size, "streams": self.streams,
-                "base": list(self.base), "consumed": list(self.consumed), "next_stream": list(self.next_stream),
-                "stream_items": list(self.stream_items)}
+        return {
+            "epoch": self.epoch,
+            "world_size": self.world_size,
+            "streams": self.streams,
+            "base": list(self.base),
+            "consumed": list(self.consumed),
+            "next_stream": list(self.next_stream),
+            "stream_items": list(self.stream_items),
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "Position":
@@ -119,9 +125,15 @@ class Position:
         streams = int(state["streams"]) if "streams" in state else max(1, int(state.get("num_workers", 1)))
         world_size = int(state["world_size"])
         batches = [int(x) for x in state.get("stream_items", [])] or [0] * (world_size * streams)
-        return cls(int(state["epoch"]), world_size, streams,
-                   [int(x) for x in state["base"]], [int(x) for x in state["consumed"]],
-                   [int(x) for x in state.get("next_stream", [])], batches)
+        return cls(
+            int(state["epoch"]),
+            world_size,
+            streams,
+            [int(x) for x in state["base"]],
+            [int(x) for x in state["consumed"]],
+            [int(x) for x in state.get("next_stream", [])],
+            batches,
+        )
 
 
 def merge_positions(positions: Sequence[Position]) -> Position:
@@ -143,7 +155,9 @@ def unit_order(num_units: int, seed: int, epoch: int, shuffle: bool) -> list[int
     return np.random.default_rng(epoch_seed(seed, epoch)).permutation(num_units).tolist()
 
 
-def assign(work: Sequence[Work], sizes: Sequence[int], num_streams: int, per_rank: int | None = None) -> list[list[Work]]:
+def assign(
+    work: Sequence[Work], sizes: Sequence[int], num_streams: int, per_rank: int | None = None
+) -> list[list[Work]]:
     """Hand ``work`` out in order, each item to the stream with the fewest samples so far; among
     equals, the lowest local stream across the ranks first (rank 0's stream 0, rank 1's stream 0,
     …), so that the ranks' shares stay even when there are fewer units than streams."""
@@ -158,9 +172,7 @@ def assign(work: Sequence[Work], sizes: Sequence[int], num_streams: int, per_ran
     return streams
 
 
-def plan_streams(
-    units: Sequence[Unit], seed: int, position: Position, *, shuffle: bool
-) -> list[list[Work]]:
+def plan_streams(units: Sequence[Unit], seed: int, position: Position, *, shuffle: bool) -> list[list[Work]]:
     """Every stream's work (``world_size × streams`` streams, rank-major) for ``position``.
 
     Items start at the unit's consumed position, and fully consumed units are left out.
@@ -169,13 +181,13 @@ def plan_streams(
     order = unit_order(len(units), seed, position.epoch, shuffle)
     work = [Work(u, position.base[u]) for u in order if position.base[u] < sizes[u]]
     streams = assign(work, sizes, position.world_size * position.streams, position.streams)
-    return [[Work(w.unit, position.consumed[w.unit]) for w in stream if position.consumed[w.unit] < sizes[w.unit]]
-            for stream in streams]
+    return [
+        [Work(w.unit, position.consumed[w.unit]) for w in stream if position.consumed[w.unit] < sizes[w.unit]]
+        for stream in streams
+    ]
 
 
-def continue_position(
-    position: Position | None, epoch: int, num_units: int, world_size: int, streams: int
-) -> Position:
+def continue_position(position: Position | None, epoch: int, num_units: int, world_size: int, streams: int) -> Position:
     """The position to read ``epoch`` from: a fresh one, the saved one (same grid), or the saved
     one's remainder re-planned over a new grid (another world size or number of streams)."""
     fresh_counts = [0] * (world_size * streams)
@@ -188,8 +200,9 @@ def continue_position(
         )
     if (position.world_size, position.streams) == (world_size, streams):
         return position
-    return Position(epoch, world_size, streams, list(position.consumed), list(position.consumed),
-                    [0] * world_size, fresh_counts)
+    return Position(
+        epoch, world_size, streams, list(position.consumed), list(position.consumed), [0] * world_size, fresh_counts
+    )
 
 
 def num_stream_batches(samples: int, batch_size: int, drop_last: bool) -> int:
@@ -197,11 +210,12 @@ def num_stream_batches(samples: int, batch_size: int, drop_last: bool) -> int:
     return samples // batch_size if drop_last else -(-samples // batch_size)
 
 
-def epoch_batches(units: Sequence[Unit], seed: int, position: Position, batch_size: int, *, shuffle: bool,
-                  drop_last: bool) -> list[int]:
+def epoch_batches(
+    units: Sequence[Unit], seed: int, position: Position, batch_size: int, *, shuffle: bool, drop_last: bool
+) -> list[int]:
     """Per rank, the batches left in the epoch from ``position`` (all of it for a fresh one), when
     no further sample is bad. Every rank steps as often as the longest (see ``even_batches``)."""
     sizes = [u.num_samples for u in units]
     streams = plan_streams(units, seed, position, shuffle=shuffle)
     per_stream = [num_stream_batches(sum(sizes[w.unit] - w.first for w in s), batch_size, drop_last) for s in streams]
-    return [sum(per_stream[r * position.streams:(r + 1) * position.streams]) for r in range(position.world_size)]
+    return [sum(per_stream[r * position.streams : (r + 1) * position.streams]) for r in range(position.world_size)]

@@ -118,11 +118,20 @@ class StreamLoader(HasLoaderOptions):
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
         self.source = source
-        self.options = o = LoaderOptions(batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
-                                         num_workers=min(num_workers, streams), collate_fn=collate_fn or DefaultCollate(),
-                                         pin_memory=pin_memory, prefetch_factor=prefetch_factor,
-                                         start_method=start_method, max_bad_fraction=max_bad_fraction, rank=rank,
-                                         world_size=world_size)
+        self.options = o = LoaderOptions(
+            batch_size,
+            seed=seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            num_workers=min(num_workers, streams),
+            collate_fn=collate_fn or DefaultCollate(),
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+            start_method=start_method,
+            max_bad_fraction=max_bad_fraction,
+            rank=rank,
+            world_size=world_size,
+        )
         self.streams = streams
         self.units = source.units()
         self.num_samples = sum(u.num_samples for u in self.units)
@@ -132,10 +141,22 @@ class StreamLoader(HasLoaderOptions):
             as_samples = collate_fn is not None or transform is not None
         self._plan = torch.zeros(2 + streams + 3 * len(self.units), dtype=torch.int64).share_memory_()
         self._taken = torch.zeros(streams, dtype=torch.int64).share_memory_()
-        self._dataset = Streams(source, self._plan, self._taken, o.rank_batch_size, seed=seed, rank=rank, streams=streams,
-                                 window=prefetch_factor + 1, collate=o.collate_fn,
-                                 transform=transform, batch_transform=batch_transform, drop_last=drop_last,
-                                 as_samples=as_samples, shuffle=shuffle)
+        self._dataset = Streams(
+            source,
+            self._plan,
+            self._taken,
+            o.rank_batch_size,
+            seed=seed,
+            rank=rank,
+            streams=streams,
+            window=prefetch_factor + 1,
+            collate=o.collate_fn,
+            transform=transform,
+            batch_transform=batch_transform,
+            drop_last=drop_last,
+            as_samples=as_samples,
+            shuffle=shuffle,
+        )
         self._loader: DataLoader | None = None
         self.position: Position | None = None
         self.bad = BadSamples(max_bad_fraction, self.num_samples, world_size)
@@ -167,9 +188,9 @@ class StreamLoader(HasLoaderOptions):
         streams = self._local(plan_streams(self.units, self.options.seed, position, shuffle=self.options.shuffle))
         rows = [(s, w.unit, w.first) for s, stream in enumerate(streams) for w in stream]
         local = slice(self.options.rank * self.streams, (self.options.rank + 1) * self.streams)
-        self._plan[:2 + self.streams] = torch.tensor([epoch, len(rows), *position.stream_items[local]])
+        self._plan[: 2 + self.streams] = torch.tensor([epoch, len(rows), *position.stream_items[local]])
         if rows:
-            self._plan[2 + self.streams:2 + self.streams + 3 * len(rows)] = torch.tensor(rows).flatten()
+            self._plan[2 + self.streams : 2 + self.streams + 3 * len(rows)] = torch.tensor(rows).flatten()
         self._taken.zero_()
         return self._iterate(position)
 
@@ -204,8 +225,10 @@ class StreamLoader(HasLoaderOptions):
                     undo = _Undo()
                     yield batch
         if not all(ended):
-            raise DataError(f"the data loader stopped before streams {[s for s in range(streams) if not ended[s]]} "
-                            "ended; a worker process died — see the messages above")
+            raise DataError(
+                f"the data loader stopped before streams {[s for s in range(streams) if not ended[s]]} "
+                "ended; a worker process died — see the messages above"
+            )
 
     @property
     def new_bad(self) -> list[tuple[str, str]]:
@@ -255,7 +278,7 @@ class StreamLoader(HasLoaderOptions):
         self.bad.load_state_dict(states, self.options.rank, self.options.world_size)
 
     def _local(self, streams: list[list[Work]]) -> list[list[Work]]:
-        return streams[self.options.rank * self.streams:(self.options.rank + 1) * self.streams]
+        return streams[self.options.rank * self.streams : (self.options.rank + 1) * self.streams]
 
     def close(self) -> None:
         """Stop the worker processes (they are started again by the next ``epoch()``)."""
@@ -266,8 +289,12 @@ class StreamLoader(HasLoaderOptions):
             o = self.options
             workers = o.num_workers
             self._loader = DataLoader(
-                self._dataset, batch_size=None, num_workers=workers, collate_fn=identity,
-                pin_memory=o.pin_memory, persistent_workers=workers > 0,
+                self._dataset,
+                batch_size=None,
+                num_workers=workers,
+                collate_fn=identity,
+                pin_memory=o.pin_memory,
+                persistent_workers=workers > 0,
                 prefetch_factor=o.prefetch_factor if workers else None,
                 multiprocessing_context=worker_context(o.start_method) if workers else None,
                 # The workers' base seed comes from this generator, not from the global RNG.

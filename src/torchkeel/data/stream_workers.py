@@ -46,10 +46,24 @@ class Streams(IterableDataset):
     items of each stream the loader has served this epoch, which paces the workers.
     """
 
-    def __init__(self, source: Source, plan: torch.Tensor, taken: torch.Tensor, batch_size: int, *, seed: int,
-                 rank: int, streams: int, window: int, collate: Callable[[list[Any]], Any],
-                 transform: Callable[[Any], Any] | None, batch_transform: Callable[[Any], Any] | None,
-                 drop_last: bool, as_samples: bool, shuffle: bool) -> None:
+    def __init__(
+        self,
+        source: Source,
+        plan: torch.Tensor,
+        taken: torch.Tensor,
+        batch_size: int,
+        *,
+        seed: int,
+        rank: int,
+        streams: int,
+        window: int,
+        collate: Callable[[list[Any]], Any],
+        transform: Callable[[Any], Any] | None,
+        batch_transform: Callable[[Any], Any] | None,
+        drop_last: bool,
+        as_samples: bool,
+        shuffle: bool,
+    ) -> None:
         self.source, self.plan, self.taken, self.batch_size, self.seed = source, plan, taken, batch_size, seed
         self.rank, self.streams, self.window = rank, streams, window
         self.collate, self.transform, self.batch_transform = collate, transform, batch_transform
@@ -61,20 +75,25 @@ class Streams(IterableDataset):
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch, count = int(self.plan[0]), int(self.plan[1])
-        given = self.plan[2:2 + self.streams].tolist()
+        given = self.plan[2 : 2 + self.streams].tolist()
         work: list[list[Work]] = [[] for _ in range(self.streams)]
-        for s, unit, first in self.plan[2 + self.streams:2 + self.streams + 3 * count].view(-1, 3).tolist():
+        for s, unit, first in self.plan[2 + self.streams : 2 + self.streams + 3 * count].view(-1, 3).tolist():
             work[s].append(Work(unit, first))
         mine = [s for s in range(self.streams) if s % num_workers == worker]
         return self._serve(epoch, {s: self._batches(s, epoch, work[s]) for s in mine}, given, paced=info is not None)
 
-    def _serve(self, epoch: int, streams: dict[int, Iterator[tuple[Any, BatchInfo]]], given: list[int],
-               paced: bool) -> Iterator[tuple[Any, BatchInfo]]:
+    def _serve(
+        self, epoch: int, streams: dict[int, Iterator[tuple[Any, BatchInfo]]], given: list[int], paced: bool
+    ) -> Iterator[tuple[Any, BatchInfo]]:
         """This worker's streams in turn, each item made on generators seeded by where it is."""
         live, made, turn = list(streams), dict.fromkeys(streams, 0), 0
         while live:
-            ready = [k for k in range(len(live)) if not paced
-                     or made[live[(turn + k) % len(live)]] < int(self.taken[live[(turn + k) % len(live)]]) + self.window]
+            ready = [
+                k
+                for k in range(len(live))
+                if not paced
+                or made[live[(turn + k) % len(live)]] < int(self.taken[live[(turn + k) % len(live)]]) + self.window
+            ]
             if not ready:
                 yield PLACEHOLDER  # every stream of this worker is far enough ahead: keep the loader's turn
                 continue
@@ -157,8 +176,11 @@ class Streams(IterableDataset):
             try:
                 piece: Rows | Bad = Rows(self.batch_transform(take(rows.data, one)), rows.ends[one], rows.rows[one])
             except Exception as exc:
-                piece = Bad(self.source.where(unit, int(rows.rows[i])),
-                            f"batch_transform: {type(exc).__name__}: {first_line(exc)}", int(rows.ends[i]))
+                piece = Bad(
+                    self.source.where(unit, int(rows.rows[i])),
+                    f"batch_transform: {type(exc).__name__}: {first_line(exc)}",
+                    int(rows.ends[i]),
+                )
             yield piece
 
 
@@ -197,8 +219,9 @@ class _Pending:
         """The batch and its info; samples of another shape than the rest become bad samples."""
         if all(is_rows for is_rows, _, _ in self.parts):
             try:
-                return concat([d for _, d, _ in self.parts]), BatchInfo(self.stream, self.positions, self.bad,
-                                                                        self.origins)
+                return concat([d for _, d, _ in self.parts]), BatchInfo(
+                    self.stream, self.positions, self.bad, self.origins
+                )
             except RuntimeError:
                 pass  # blocks of two units that differ in shape: sample by sample, to name them
         samples: list[Any] = []

@@ -47,8 +47,13 @@ class TuneResult:
 
     def row(self) -> dict[str, Any]:
         """A ``metrics.jsonl`` row."""
-        return {"kind": "data_workers", "num_workers": self.num_workers, "reason": self.reason,
-                "cached": self.cached, "trials": [asdict(t) for t in self.trials]}
+        return {
+            "kind": "data_workers",
+            "num_workers": self.num_workers,
+            "reason": self.reason,
+            "cached": self.cached,
+            "trials": [asdict(t) for t in self.trials],
+        }
 
     def table(self) -> str:
         """The trial as a table for a person (``keel data-bench``)."""
@@ -56,8 +61,10 @@ class TuneResult:
         lines = [f"{'workers':>7}  {'samples/s':>11}  {'RSS MiB':>8}  {'startup s':>9}  {'vs best':>7}"]
         for t in self.trials:
             mark = "  <- chosen" if t.num_workers == self.num_workers else ""
-            lines.append(f"{t.num_workers:>7}  {t.samples_per_s:>11.1f}  {t.rss_bytes / 2**20:>8.0f}  "
-                         f"{t.startup_s:>9.2f}  {t.samples_per_s / best:>6.2f}x{mark}")
+            lines.append(
+                f"{t.num_workers:>7}  {t.samples_per_s:>11.1f}  {t.rss_bytes / 2**20:>8.0f}  "
+                f"{t.startup_s:>9.2f}  {t.samples_per_s / best:>6.2f}x{mark}"
+            )
         return "\n".join(lines)
 
 
@@ -89,14 +96,23 @@ def tune_workers(
     cache = _read_cache(path / "num_workers.json")
     if use_cache and key in cache:
         hit = cache[key]
-        return TuneResult(int(hit["num_workers"]), f"cached trial: {hit['reason']}",
-                          [Trial(**t) for t in hit.get("trials", [])], cached=True)
+        return TuneResult(
+            int(hit["num_workers"]),
+            f"cached trial: {hit['reason']}",
+            [Trial(**t) for t in hit.get("trials", [])],
+            cached=True,
+        )
     trials = [_trial(make_loader, n, trial_s) for n in candidates(limit)]
     result = choose(trials)
     if max(t.samples_per_s for t in trials) == 0:
         return result  # nothing loaded: training will report why; not cached
-    cache[key] = {"num_workers": result.num_workers, "reason": result.reason, "trials": [asdict(t) for t in trials],
-                  "fingerprint": fingerprint[:500], "at": time.time()}
+    cache[key] = {
+        "num_workers": result.num_workers,
+        "reason": result.reason,
+        "trials": [asdict(t) for t in trials],
+        "fingerprint": fingerprint[:500],
+        "at": time.time(),
+    }
     try:
         path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path / "num_workers.json", cache)
@@ -112,10 +128,15 @@ def choose(trials: list[Trial]) -> TuneResult:
     if best.samples_per_s == 0:
         return TuneResult(0, "no batch loaded in the trial (the data fails to load); 0 workers", trials)
     chosen = next(t for t in trials if t.samples_per_s >= TOLERANCE * best.samples_per_s)
-    reason = (f"{chosen.samples_per_s:.0f} samples/s with {chosen.num_workers} workers"
-              + (f", within {1 - TOLERANCE:.0%} of the best ({best.num_workers} workers, {best.samples_per_s:.0f}/s)"
-                 if chosen is not best else f", the fastest of {len(trials)} candidates")
-              + (f"; 0 workers: {trials[0].samples_per_s:.0f}/s" if chosen.num_workers else ""))
+    reason = (
+        f"{chosen.samples_per_s:.0f} samples/s with {chosen.num_workers} workers"
+        + (
+            f", within {1 - TOLERANCE:.0%} of the best ({best.num_workers} workers, {best.samples_per_s:.0f}/s)"
+            if chosen is not best
+            else f", the fastest of {len(trials)} candidates"
+        )
+        + (f"; 0 workers: {trials[0].samples_per_s:.0f}/s" if chosen.num_workers else "")
+    )
     return TuneResult(chosen.num_workers, reason, trials)
 
 
@@ -150,7 +171,6 @@ def _trial(make_loader: Callable[[int], Any], num_workers: int, trial_s: float) 
 def _rss_with_workers() -> int:
     """Resident memory of this process and its children (the loader's workers)."""
     import multiprocessing
-
 
     total = rss_bytes()
     for pid in (child.pid for child in multiprocessing.active_children()):

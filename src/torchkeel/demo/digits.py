@@ -25,8 +25,11 @@ DEMO_CONFIG: dict[str, Any] = {
     "name": "demo",
     "seed": 0,
     "model": {"target": "torchkeel.demo.digits:DigitsCNN"},
-    "data": {"target": "torchkeel.demo.digits:load_digit_images", "num_workers": 0,  # in memory: workers add only start-up
-             "preprocess": {"mode": "L", "resize": [8, 8]}},  # pixel / 255, as [1, 8, 8]
+    "data": {
+        "target": "torchkeel.demo.digits:load_digit_images",
+        "num_workers": 0,  # in memory: workers add only start-up
+        "preprocess": {"mode": "L", "resize": [8, 8]},
+    },  # pixel / 255, as [1, 8, 8]
     "optim": {"name": "adamw", "lr": 3e-3, "weight_decay": 1e-4},
     "schedule": {"warmup_steps": 20, "decay": "cosine"},
     "train": {"max_epochs": 12, "batch_size": 32, "clip_grad_norm": 1.0, "log_every": 25},
@@ -54,6 +57,7 @@ def load_digits_split(val_fraction: float = 0.2, split_seed: int = 0) -> tuple[T
 
 class _Images(torch.utils.data.Dataset):
     """(uint8 [8, 8] image, label) pairs."""
+
     def __init__(self, images: np.ndarray, labels: np.ndarray) -> None:
         self.images, self.labels = images, labels
         self.classes = [str(d) for d in range(10)]
@@ -81,15 +85,21 @@ def load_digit_images(val_fraction: float = 0.2, split_seed: int = 0) -> tuple[_
 
 class DigitsCNN(nn.Module):
     """Two 3×3 convolutions, a pooling layer and a two-layer head: about 0.1M parameters."""
+
     def __init__(self, channels: int = 32, hidden: int = 128, num_classes: int = 10, dropout: float = 0.2) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, channels, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(1, channels, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1),
+            nn.ReLU(),
             nn.MaxPool2d(2),
         )
         self.head = nn.Sequential(
-            nn.Flatten(), nn.Linear(2 * channels * 16, hidden), nn.ReLU(), nn.Dropout(dropout),
+            nn.Flatten(),
+            nn.Linear(2 * channels * 16, hidden),
+            nn.ReLU(),
+            nn.Dropout(dropout),
             nn.Linear(hidden, num_classes),
         )
 
@@ -116,7 +126,6 @@ def export_and_serve_one(run_dir: str | Path) -> dict[str, Any]:
 
     from PIL import Image
 
-
     export_dir = Path(run_dir) / "export-torchscript"
     meta = export_run(run_dir, "torchscript", export_dir)
     image, label = load_digit_images()[1][0]
@@ -131,5 +140,12 @@ def export_and_serve_one(run_dir: str | Path) -> dict[str, Any]:
         answer = json.loads(conn.getresponse().read())
         conn.close()
     best = answer["predictions"][0][0]
-    return {"parity": meta["parity"], "export_dir": str(export_dir), "url": url, "png": str(png),
-            "predicted": best["label"], "score": best["score"], "label": str(int(label))}
+    return {
+        "parity": meta["parity"],
+        "export_dir": str(export_dir),
+        "url": url,
+        "png": str(png),
+        "predicted": best["label"],
+        "score": best["score"],
+        "label": str(int(label)),
+    }

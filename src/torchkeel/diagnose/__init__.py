@@ -21,6 +21,7 @@ REPRO_MAX_S = 30.0
 @dataclasses.dataclass
 class Diagnosis:
     """The report: findings (root cause first), how the script ended, and what was observed."""
+
     findings: list[Finding]
     outcome: ScriptOutcome
     facts: Facts
@@ -36,8 +37,14 @@ class Diagnosis:
         o = self.outcome
         return {
             "findings": [f.to_dict() for f in self.findings],
-            "script": {"path": o.path, "argv": o.argv, "exit_status": o.exit_status, "error": o.error,
-                       "stopped": o.stopped, "wall_s": round(o.wall_s, 3)},
+            "script": {
+                "path": o.path,
+                "argv": o.argv,
+                "exit_status": o.exit_status,
+                "error": o.error,
+                "stopped": o.stopped,
+                "wall_s": round(o.wall_s, 3),
+            },
             "steps": self.facts.steps,
             "backward_calls": self.facts.backward_calls,
             "repro": self.repro,
@@ -45,8 +52,15 @@ class Diagnosis:
         }
 
 
-def diagnose_script(script: str, args: list[str] | None = None, *, steps: int | None = None,
-                    timeout_s: float | None = None, repro: bool | None = None, compile: bool = False) -> Diagnosis:
+def diagnose_script(
+    script: str,
+    args: list[str] | None = None,
+    *,
+    steps: int | None = None,
+    timeout_s: float | None = None,
+    repro: bool | None = None,
+    compile: bool = False,
+) -> Diagnosis:
     """Run ``python script ARGS`` in this process under a ``Probe`` and judge what it saw.
 
     Args:
@@ -71,8 +85,13 @@ def diagnose_script(script: str, args: list[str] | None = None, *, steps: int | 
     extra = watch.findings() if watch is not None else []
     summary: dict[str, Any] = {"compared": 0, "runs": 1}
     if repro or (repro is None and outcome.wall_s < REPRO_MAX_S and outcome.error is None):
-        finding, summary = check_reproducible(script, args, probe.facts, steps=probe.facts.steps if outcome.stopped else steps,
-                                              timeout_s=max(60.0, 3 * outcome.wall_s + 30))
+        finding, summary = check_reproducible(
+            script,
+            args,
+            probe.facts,
+            steps=probe.facts.steps if outcome.stopped else steps,
+            timeout_s=max(60.0, 3 * outcome.wall_s + 30),
+        )
         if finding is not None:
             extra.append(finding)
     findings = judge(probe.facts, outcome, extra)

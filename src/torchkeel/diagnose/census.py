@@ -16,8 +16,9 @@ from torchkeel.inspect.graph import graph_nodes
 from torchkeel.inspect.sites import site_text, user_frame, user_site
 
 
-def census(step: int, tracked: list[weakref.ref], previous: list[weakref.ref],
-            want_holder: bool) -> tuple[dict[str, Any], list[weakref.ref]]:
+def census(
+    step: int, tracked: list[weakref.ref], previous: list[weakref.ref], want_holder: bool
+) -> tuple[dict[str, Any], list[weakref.ref]]:
     """Live tensors that hold an autograd graph (among those the probe has seen made: module
     outputs, ops outside modules, losses), the size of the largest graph, and what holds the one
     kept longest. Returns the census and the pruned weak references of the live ones."""
@@ -39,8 +40,12 @@ def census(step: int, tracked: list[weakref.ref], previous: list[weakref.ref],
     keep = max(survivors, key=lambda t: len(graph_nodes([t.grad_fn], limit=20000))) if survivors else largest
     refs = [weakref.ref(t) for t in holders]
     ignore = {id(holders), id(survivors), id(seen)}
-    census = {"step": step, "num_tensors": len(holders), "max_graph_nodes": largest_nodes,
-              "holder": holder_of(keep, ignore) if keep is not None and want_holder else None}
+    census = {
+        "step": step,
+        "num_tensors": len(holders),
+        "max_graph_nodes": largest_nodes,
+        "holder": holder_of(keep, ignore) if keep is not None and want_holder else None,
+    }
     del holders, survivors, largest, seen
     return census, refs
 
@@ -84,7 +89,11 @@ def _name_in_stack(obj: Any) -> str | None:
 def _attribute_name(obj: Any) -> str | None:
     """``attribute 'x' of Class`` (or ``global 'x'``) for the object or module that holds ``obj``."""
     for ref in gc.get_referrers(obj):
-        owners = [ref] if not isinstance(ref, dict) else [o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref]
+        owners = (
+            [ref]
+            if not isinstance(ref, dict)
+            else [o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref]
+        )
         for owner in owners:
             attrs = getattr(owner, "__dict__", None)
             if not isinstance(attrs, dict):

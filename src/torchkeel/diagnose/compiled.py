@@ -33,17 +33,22 @@ class _Capture(logging.Handler):
             head = re.search(r"Recompiling function (\S+) in (.+):(\d+)", text)
             reasons = [line.strip("- ").strip() for line in text.splitlines()[2:] if line.strip()]
             user = bool(head) and is_user_file(head.group(2))
-            self.recompiles.append({"function": head.group(1) if head else None,
-                                    "file": display_path(head.group(2)) if user else None,
-                                    "line": int(head.group(3)) if user else None, "reasons": reasons[:5]})
+            self.recompiles.append(
+                {
+                    "function": head.group(1) if head else None,
+                    "file": display_path(head.group(2)) if user else None,
+                    "line": int(head.group(3)) if user else None,
+                    "reasons": reasons[:5],
+                }
+            )
 
 
 def _parse_break(text: str) -> dict[str, Any]:
     """Reason, hint and user file:line of one dynamo ``graph_breaks`` log record."""
     lines = [line.strip() for line in text.splitlines()]
     at = next((i for i, line in enumerate(lines) if line.startswith("Graph Break Reason:")), None)
-    reason = lines[0] if at is None else break_reason([lines[at].split(":", 1)[1], *lines[at + 1:]])
-    hint = next((line[len("Hint:"):].strip() for line in lines if line.startswith("Hint:")), None)
+    reason = lines[0] if at is None else break_reason([lines[at].split(":", 1)[1], *lines[at + 1 :]])
+    hint = next((line[len("Hint:") :].strip() for line in lines if line.startswith("Hint:")), None)
     sites = [(p, int(n)) for p, n in re.findall(r"in user code at (.+?):(\d+)", text) if is_user_file(p)]
     if not sites:
         sites = [(p, int(n)) for p, n in re.findall(r'File "([^"]+)", line (\d+)', text) if is_user_file(p)][-1:]
@@ -53,6 +58,7 @@ def _parse_break(text: str) -> dict[str, Any]:
 
 class CompileWatch:
     """Context manager around the script run; ``findings()`` afterwards."""
+
     def __init__(self, *, force: bool) -> None:
         self.force = force
         self.capture = _Capture()
@@ -67,8 +73,10 @@ class CompileWatch:
         logging.getLogger("torch._dynamo").addHandler(self.capture)
         if self.force:
             mod = torch.nn.modules.module
-            self.handles = [mod.register_module_forward_pre_hook(self._pre),
-                            mod.register_module_forward_hook(self._post, always_call=True)]
+            self.handles = [
+                mod.register_module_forward_pre_hook(self._pre),
+                mod.register_module_forward_hook(self._post, always_call=True),
+            ]
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -102,19 +110,36 @@ class CompileWatch:
         if breaks:
             first = breaks[0]
             where = f" at {first['file']}:{first['line']}" if first.get("file") else ""
-            out.append(Finding("graph-break", "warning",
-                               f"torch.compile breaks the graph {len(breaks)} time(s); first{where}: {first['reason']}",
-                               {"count": len(breaks), "breaks": breaks[:20], "compiled_by_script": bool(self.capture.breaks),
-                                **{k: first[k] for k in ("file", "line") if first.get(k) is not None}},
-                               "Move the break out of the compiled region: no print/.item()/.tolist()/numpy or "
-                               "data-dependent Python control flow inside forward (torch._dynamo.explain shows each)."))
+            out.append(
+                Finding(
+                    "graph-break",
+                    "warning",
+                    f"torch.compile breaks the graph {len(breaks)} time(s); first{where}: {first['reason']}",
+                    {
+                        "count": len(breaks),
+                        "breaks": breaks[:20],
+                        "compiled_by_script": bool(self.capture.breaks),
+                        **{k: first[k] for k in ("file", "line") if first.get(k) is not None},
+                    },
+                    "Move the break out of the compiled region: no print/.item()/.tolist()/numpy or "
+                    "data-dependent Python control flow inside forward (torch._dynamo.explain shows each).",
+                )
+            )
         if self.capture.recompiles:
             first = self.capture.recompiles[0]
-            out.append(Finding("recompile", "warning",
-                               f"torch.compile recompiled {first['function']} {len(self.capture.recompiles)} time(s): "
-                               f"{first['reasons'][0] if first['reasons'] else 'guard failure'}",
-                               {"count": len(self.capture.recompiles), "recompiles": self.capture.recompiles[:20],
-                                **{k: first[k] for k in ("file", "line") if first.get(k) is not None}},
-                               "Keep shapes, dtypes and Python values that the guards check stable (pad to fixed shapes, "
-                               "mark dynamic dims with torch._dynamo.mark_dynamic, or compile with dynamic=True)."))
+            out.append(
+                Finding(
+                    "recompile",
+                    "warning",
+                    f"torch.compile recompiled {first['function']} {len(self.capture.recompiles)} time(s): "
+                    f"{first['reasons'][0] if first['reasons'] else 'guard failure'}",
+                    {
+                        "count": len(self.capture.recompiles),
+                        "recompiles": self.capture.recompiles[:20],
+                        **{k: first[k] for k in ("file", "line") if first.get(k) is not None},
+                    },
+                    "Keep shapes, dtypes and Python values that the guards check stable (pad to fixed shapes, "
+                    "mark dynamic dims with torch._dynamo.mark_dynamic, or compile with dynamic=True).",
+                )
+            )
         return out

@@ -44,14 +44,29 @@ def inplace_modified(f: Facts, o: ScriptOutcome) -> list[Finding]:
     if ev is None:
         return []
     op = ev.get("backward_op", "a backward function")
-    forward = f" (its forward op is at {ev['file']}:{ev['line']}" + (f" in {ev['module']}" if ev.get("module") else "") + ")" \
-        if ev.get("file") else ""
+    forward = (
+        f" (its forward op is at {ev['file']}:{ev['line']}" + (f" in {ev['module']}" if ev.get("module") else "") + ")"
+        if ev.get("file")
+        else ""
+    )
     message = f"an in-place operation modified a tensor that {op} saved for backward{forward}: {ev['error'][:160]}"
-    return [Finding("inplace-modified", "error", message, {
-        "backward_op": ev.get("backward_op"), "forward_op": forward_op_of(ev.get("backward_op")), "module": ev.get("module"),
-        "step": ev["step"], "error": ev["error"], **site_fields(ev)},
-        "Replace the in-place op that follows this line (x += y, x.add_(), relu_(), ReLU(inplace=True), x[idx] = ...) "
-        "with its out-of-place form (x = x + y), or clone() the tensor before modifying it.")]
+    return [
+        Finding(
+            "inplace-modified",
+            "error",
+            message,
+            {
+                "backward_op": ev.get("backward_op"),
+                "forward_op": forward_op_of(ev.get("backward_op")),
+                "module": ev.get("module"),
+                "step": ev["step"],
+                "error": ev["error"],
+                **site_fields(ev),
+            },
+            "Replace the in-place op that follows this line (x += y, x.add_(), relu_(), ReLU(inplace=True), x[idx] = ...) "
+            "with its out-of-place form (x = x + y), or clone() the tensor before modifying it.",
+        )
+    ]
 
 
 def leaked_graph(f: Facts, o: ScriptOutcome) -> list[Finding]:
@@ -60,17 +75,28 @@ def leaked_graph(f: Facts, o: ScriptOutcome) -> list[Finding]:
     if reused is not None:
         holder = reused.get("holder")
         if carried is not None:
-            holder = (f"'{carried['variable']}', " if carried.get("variable") else "") + \
-                f"argument {carried['argument']} of {carried['module']}, an output of step {carried['made_at_step']}"
+            holder = (
+                f"'{carried['variable']}', " if carried.get("variable") else ""
+            ) + f"argument {carried['argument']} of {carried['module']}, an output of step {carried['made_at_step']}"
         held = f"; it hangs on {holder}" if holder else ""
-        return [Finding("leaked-graph", "error",
-                        f"backward() at step {reused['step']} reaches into the graph of an earlier step, which that "
-                        f"step's backward already freed{held}", {
-                            "step": reused["step"], "holder": holder, "error": reused["error"],
-                            "variable": (carried or {}).get("variable"), "module": (carried or {}).get("module"),
-                            **site_fields(carried or reused)},
-                        "Detach the state carried from one step to the next (hidden = hidden.detach()) so each "
-                        "step's graph ends at the step; retain_graph=True only hides this and grows memory.")]
+        return [
+            Finding(
+                "leaked-graph",
+                "error",
+                f"backward() at step {reused['step']} reaches into the graph of an earlier step, which that "
+                f"step's backward already freed{held}",
+                {
+                    "step": reused["step"],
+                    "holder": holder,
+                    "error": reused["error"],
+                    "variable": (carried or {}).get("variable"),
+                    "module": (carried or {}).get("module"),
+                    **site_fields(carried or reused),
+                },
+                "Detach the state carried from one step to the next (hidden = hidden.detach()) so each "
+                "step's graph ends at the step; retain_graph=True only hides this and grows memory.",
+            )
+        ]
     c = f.censuses
     if len(c) < 4:
         return []
@@ -82,15 +108,30 @@ def leaked_graph(f: Facts, o: ScriptOutcome) -> list[Finding]:
     if not (growing_count or growing_graph):
         return []
     holder = next((x["holder"] for x in reversed(c) if x["holder"]), None)
-    what = (f"{counts[0]} → {counts[-1]} live tensors holding a graph" if growing_count else
-            f"one autograd graph grew from {sizes[0]} to {sizes[-1]} nodes")
-    message = (f"autograd graphs are kept across steps: {what} between steps {last[0]['step']} and {last[-1]['step']}"
-               + (f"; held by {holder}" if holder else ""))
-    return [Finding("leaked-graph", "error", message, {
-        "steps": [x["step"] for x in c], "live_graph_tensors": [x["num_tensors"] for x in c],
-        "largest_graph_nodes": [x["max_graph_nodes"] for x in c], "holder": holder},
-        "Keep loss.item() (or tensor.detach()) for logging and running sums instead of the tensor itself; a tensor "
-        "that requires grad keeps every step's graph alive.")]
+    what = (
+        f"{counts[0]} → {counts[-1]} live tensors holding a graph"
+        if growing_count
+        else f"one autograd graph grew from {sizes[0]} to {sizes[-1]} nodes"
+    )
+    message = (
+        f"autograd graphs are kept across steps: {what} between steps {last[0]['step']} and {last[-1]['step']}"
+        + (f"; held by {holder}" if holder else "")
+    )
+    return [
+        Finding(
+            "leaked-graph",
+            "error",
+            message,
+            {
+                "steps": [x["step"] for x in c],
+                "live_graph_tensors": [x["num_tensors"] for x in c],
+                "largest_graph_nodes": [x["max_graph_nodes"] for x in c],
+                "holder": holder,
+            },
+            "Keep loss.item() (or tensor.detach()) for logging and running sums instead of the tensor itself; a tensor "
+            "that requires grad keeps every step's graph alive.",
+        )
+    ]
 
 
 def script_error(f: Facts, o: ScriptOutcome) -> list[Finding]:
@@ -98,15 +139,38 @@ def script_error(f: Facts, o: ScriptOutcome) -> list[Finding]:
         return []
     e = o.error
     where = f" at {e['file']}:{e['line']}" if e.get("file") else ""
-    return [Finding("script-error", "error", f"the script raised {e['type']}{where}: {e['message'][:200]}", {
-        "type": e["type"], "message": e["message"], **({"file": e["file"], "line": e["line"]} if e.get("file") else {})},
-        "Fix the error the script raised (its traceback is in the report).")]
+    return [
+        Finding(
+            "script-error",
+            "error",
+            f"the script raised {e['type']}{where}: {e['message'][:200]}",
+            {
+                "type": e["type"],
+                "message": e["message"],
+                **({"file": e["file"], "line": e["line"]} if e.get("file") else {}),
+            },
+            "Fix the error the script raised (its traceback is in the report).",
+        )
+    ]
 
 
 DETECTORS: tuple[Detector, ...] = (
-    nonfinite_input, label_out_of_range, batchnorm_batch_one, inplace_modified, double_step, missing_zero_grad,
-    params_not_updating, grad_none, grad_exploding, nonfinite_forward, nonfinite_grad, grad_vanishing,
-    probabilities_into_cross_entropy, eval_in_train_mode, leaked_graph, dataloader_bottleneck,
+    nonfinite_input,
+    label_out_of_range,
+    batchnorm_batch_one,
+    inplace_modified,
+    double_step,
+    missing_zero_grad,
+    params_not_updating,
+    grad_none,
+    grad_exploding,
+    nonfinite_forward,
+    nonfinite_grad,
+    grad_vanishing,
+    probabilities_into_cross_entropy,
+    eval_in_train_mode,
+    leaked_graph,
+    dataloader_bottleneck,
 )
 
 

@@ -142,11 +142,20 @@ class ProbeError(TypedDict):
 
 
 KINDS: dict[str, type] = {
-    "nonfinite-input": NonfiniteInput, "nonfinite-forward": NonfiniteForward, "nonfinite-loss": NonfiniteLoss,
-    "nonfinite-grad": NonfiniteGrad, "label-out-of-range": LabelOutOfRange,
-    "probabilities-into-cross-entropy": ProbabilitiesIntoCrossEntropy, "batchnorm-batch-one": BatchnormBatchOne,
-    "eval-in-train-mode": EvalInTrainMode, "carried-state": CarriedState, "loss-without-graph": LossWithoutGraph,
-    "inplace-modified": InplaceModified, "graph-reused": GraphReused, "double-step": DoubleStep,
-    "zero-grad-checks": ZeroGradCheck, "probe-error": ProbeError,
+    "nonfinite-input": NonfiniteInput,
+    "nonfinite-forward": NonfiniteForward,
+    "nonfinite-loss": NonfiniteLoss,
+    "nonfinite-grad": NonfiniteGrad,
+    "label-out-of-range": LabelOutOfRange,
+    "probabilities-into-cross-entropy": ProbabilitiesIntoCrossEntropy,
+    "batchnorm-batch-one": BatchnormBatchOne,
+    "eval-in-train-mode": EvalInTrainMode,
+    "carried-state": CarriedState,
+    "loss-without-graph": LossWithoutGraph,
+    "inplace-modified": InplaceModified,
+    "graph-reused": GraphReused,
+    "double-step": DoubleStep,
+    "zero-grad-checks": ZeroGradCheck,
+    "probe-error": ProbeError,
 }
 NAMES: dict[type, str] = {definition: name for name, definition in KINDS.items()}

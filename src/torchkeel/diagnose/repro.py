@@ -20,17 +20,33 @@ from torchkeel.diagnose.probe import Facts, Probe
 from torchkeel.diagnose.runner import run_script
 
 
-def record_run(script: str, args: list[str], *, steps: int | None, hash_seed: str,
-               timeout_s: float) -> dict[str, Any] | None:
+def record_run(
+    script: str, args: list[str], *, steps: int | None, hash_seed: str, timeout_s: float
+) -> dict[str, Any] | None:
     """``{"losses", "seeds"}`` of one more run of the script (None if it did not finish in time)."""
     with tempfile.TemporaryDirectory(prefix="keel-repro-") as tmp:
         out = os.path.join(tmp, "losses.json")
-        cmd = [sys.executable, "-m", "torchkeel.diagnose.repro", out, *(["--steps", str(steps)] if steps else []),
-               "--", script, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torchkeel.diagnose.repro",
+            out,
+            *(["--steps", str(steps)] if steps else []),
+            "--",
+            script,
+            *args,
+        ]
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
         try:
-            subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=timeout_s, check=False)
+            subprocess.run(
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=timeout_s,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             return None
         if not os.path.exists(out):
@@ -47,8 +63,9 @@ def first_difference(a: list[float], b: list[float]) -> int | None:
     return None
 
 
-def check_reproducible(script: str, args: list[str], facts: Facts, *, steps: int | None,
-                       timeout_s: float) -> tuple[Finding | None, dict[str, Any]]:
+def check_reproducible(
+    script: str, args: list[str], facts: Facts, *, steps: int | None, timeout_s: float
+) -> tuple[Finding | None, dict[str, Any]]:
     """Run the script once more and return a ``nondeterministic`` finding if its losses differ.
 
     When they differ and every random generator the script used was seeded, a third run with the
@@ -88,20 +105,35 @@ def check_reproducible(script: str, args: list[str], facts: Facts, *, steps: int
         third = third_run["losses"] if third_run else None
         summary["runs"] = 3
         if third is not None and first_difference(second, third) is None and len(third) == len(second):
-            suspects.append("the order of a set or dict of strings, which changes with PYTHONHASHSEED "
-                            "(sort it, or set PYTHONHASHSEED)")
+            suspects.append(
+                "the order of a set or dict of strings, which changes with PYTHONHASHSEED "
+                "(sort it, or set PYTHONHASHSEED)"
+            )
         else:
-            suspects.append("nondeterministic kernels, thread scheduling or time-dependent code "
-                            "(torch.use_deterministic_algorithms(True))")
+            suspects.append(
+                "nondeterministic kernels, thread scheduling or time-dependent code "
+                "(torch.use_deterministic_algorithms(True))"
+            )
     step = facts.losses[index]["step"]
-    evidence = {"first_differing_step": step, "backward_index": index, "loss_run_1": first[index],
-                "loss_run_2": second[index], "steps_compared": summary["compared"], "seeded": seeded,
-                "suspects": suspects, "runs": summary["runs"]}
-    message = (f"two runs of the script differ from step {step} (loss {first[index]:.6g} vs {second[index]:.6g}); "
-               f"suspect: {suspects[0]}")
+    evidence = {
+        "first_differing_step": step,
+        "backward_index": index,
+        "loss_run_1": first[index],
+        "loss_run_2": second[index],
+        "steps_compared": summary["compared"],
+        "seeded": seeded,
+        "suspects": suspects,
+        "runs": summary["runs"],
+    }
+    message = (
+        f"two runs of the script differ from step {step} (loss {first[index]:.6g} vs {second[index]:.6g}); "
+        f"suspect: {suspects[0]}"
+    )
     severity = "error" if seeded else "warning"
-    fix = ("Seed every generator the script uses (random.seed, np.random.seed or a seeded np.random.default_rng, "
-           "torch.manual_seed, DataLoader(generator=...)) and avoid iterating over sets.")
+    fix = (
+        "Seed every generator the script uses (random.seed, np.random.seed or a seeded np.random.default_rng, "
+        "torch.manual_seed, DataLoader(generator=...)) and avoid iterating over sets."
+    )
     return Finding("nondeterministic", severity, message, evidence, fix), summary
 
 
@@ -115,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     probe = Probe(max_steps=ns.steps, light=True)
     run_script(ns.script, ns.args, probe)
     with open(ns.out, "w") as fh:
-        json.dump({"losses": [x["value"] for x in probe.facts.losses], "seeds": probe.facts.seeds.get("calls", [])},
-                  fh, default=str)
+        json.dump(
+            {"losses": [x["value"] for x in probe.facts.losses], "seeds": probe.facts.seeds.get("calls", [])},
+            fh,
+            default=str,
+        )
     return 0
 
 

@@ -82,9 +82,13 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
     site = frames[-1] if frames else None
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     message = str(exc).strip().split("\n")[0]
-    return {"type": type(exc).__name__, "message": message[:500],
-            "file": display_path(site.filename) if site else None, "line": site.lineno if site else None,
-            "traceback": text[-4000:]}
+    return {
+        "type": type(exc).__name__,
+        "message": message[:500],
+        "file": display_path(site.filename) if site else None,
+        "line": site.lineno if site else None,
+        "traceback": text[-4000:],
+    }
 
 
 class _Timer:

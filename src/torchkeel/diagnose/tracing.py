@@ -54,8 +54,12 @@ class FirstNonfiniteOp(TorchFunctionMode):
         if self.found is None and not allocates_uninitialized(func):
             outs = [t for t in tensors_in(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
             values = list(args) + list(kwargs.values())
-            if outs and any(is_nonfinite(t) for t in outs) and not any(nonfinite_scalar(a) for a in values) \
-                    and not any(is_nonfinite(t) for t in tensors_in(values)):
+            if (
+                outs
+                and any(is_nonfinite(t) for t in outs)
+                and not any(nonfinite_scalar(a) for a in values)
+                and not any(is_nonfinite(t) for t in tensors_in(values))
+            ):
                 self.found = {"op": op_name(func), **(user_site(sys._getframe(1)) or {})}
         return out
 
@@ -90,6 +94,7 @@ class GradTracer:
                 trace = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
                 if trace:
                     self.found.update(forward_site(trace))
+
         return hook
 
     def remove(self) -> None:
@@ -108,5 +113,3 @@ def forward_site(trace: str | list[str]) -> dict[str, Any]:
         if is_user_file(path):
             return {"file": display_path(path), "line": int(line), "function": function}
     return {}
-
-

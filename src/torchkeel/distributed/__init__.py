@@ -23,9 +23,27 @@ from torchkeel.distributed.parallel import (
 from torchkeel.distributed.rank import RankInfo, per_rank
 
 __all__ = [
-    "CollectiveTimeout", "DataParallel", "GradSync", "JobGroup", "ProcessGroup", "RankInfo", "TrainingJob",
-    "agree_all", "agree_min", "any_rank", "any_rank_flags", "apply_activation_checkpointing", "default_backend", "empty_like_batch", "even_batches",
-    "per_rank", "read_finite", "resolve_strategy", "shard_targets", "unwrap", "wrap_model",
+    "CollectiveTimeout",
+    "DataParallel",
+    "GradSync",
+    "JobGroup",
+    "ProcessGroup",
+    "RankInfo",
+    "TrainingJob",
+    "agree_all",
+    "agree_min",
+    "any_rank",
+    "any_rank_flags",
+    "apply_activation_checkpointing",
+    "default_backend",
+    "empty_like_batch",
+    "even_batches",
+    "per_rank",
+    "read_finite",
+    "resolve_strategy",
+    "shard_targets",
+    "unwrap",
+    "wrap_model",
 ]
 
 # The names these had before (they read as torch.nn.DataParallel and torch.distributed.ProcessGroup).

@@ -60,8 +60,10 @@ class JobGroup:
         if rank.world_size > 1 and not dist.is_initialized():
             missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
             if missing:
-                raise ConfigError(f"WORLD_SIZE={rank.world_size} is set but not {' or '.join(missing)}: start "
-                                  "the job with torchrun (or keel train --nproc N), which sets both")
+                raise ConfigError(
+                    f"WORLD_SIZE={rank.world_size} is set but not {' or '.join(missing)}: start "
+                    "the job with torchrun (or keel train --nproc N), which sets both"
+                )
             # The device is set before this (resolve_device), so NCCL binds each rank to its GPU.
             timeout = datetime.timedelta(seconds=cfg.init_timeout_s)
             store, rank_, world = next(dist.rendezvous("env://", timeout=timeout))
@@ -69,7 +71,11 @@ class JobGroup:
             # a restarted rank reads the addresses of the ranks that died and fails to connect.
             store = dist.PrefixStore(f"torchkeel/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
             dist.init_process_group(
-                self.backend, store=store, rank=rank_, world_size=world, timeout=timeout,
+                self.backend,
+                store=store,
+                rank=rank_,
+                world_size=world,
+                timeout=timeout,
                 device_id=device if device.type == "cuda" else None,
             )
             self.owned = True
@@ -112,14 +118,21 @@ class JobGroup:
 
     def _explain(self, exc: BaseException, what: str, step: int) -> str:
         if "connection closed by peer" in str(exc).lower():
-            return (f"rank {self.rank.rank}: {what} at step {step} failed: another rank ended first "
-                    "(its error is in the log above)")
+            return (
+                f"rank {self.rank.rank}: {what} at step {step} failed: another rank ended first "
+                "(its error is in the log above)"
+            )
         missing = self._missing_ranks()
-        who = (f"rank {', '.join(map(str, missing))} did not arrive" if missing
-               else "a rank did not arrive (this backend does not say which)")
+        who = (
+            f"rank {', '.join(map(str, missing))} did not arrive"
+            if missing
+            else "a rank did not arrive (this backend does not say which)"
+        )
         key = "dist.timeout_s" if self._tight else "dist.init_timeout_s"
-        return (f"rank {self.rank.rank}: {what} at step {step} timed out after {self.timeout_s:g} s ({key}): "
-                f"{who}; stuck in data loading or a slow step? Raise {key} if the wait is expected")
+        return (
+            f"rank {self.rank.rank}: {what} at step {step} timed out after {self.timeout_s:g} s ({key}): "
+            f"{who}; stuck in data loading or a slow step? Raise {key} if the wait is expected"
+        )
 
     def _missing_ranks(self) -> list[int]:
         """Ranks that do not reach a monitored barrier on the side group (rank 0 can tell)."""
@@ -141,5 +154,13 @@ class JobGroup:
 
 def _is_comm_failure(exc: BaseException) -> bool:
     text = str(exc).lower()
-    return any(s in text for s in ("timed out", "timeout", "connection closed", "connection reset",
-                                   "watchdog caught collective operation"))
+    return any(
+        s in text
+        for s in (
+            "timed out",
+            "timeout",
+            "connection closed",
+            "connection reset",
+            "watchdog caught collective operation",
+        )
+    )

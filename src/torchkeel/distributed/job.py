@@ -102,13 +102,19 @@ class TrainingJob:
     def describe(self, batch_size: int) -> str:
         """One line for the start of a run: ranks, strategy, backend, per-rank batch."""
         world = self.rank.world_size
-        return (f"{world} ranks, {self.strategy}, {self.group.backend}: train.batch_size {batch_size} is the "
-                f"job's batch, {per_rank(batch_size, world)} samples per rank")
+        return (
+            f"{world} ranks, {self.strategy}, {self.group.backend}: train.batch_size {batch_size} is the "
+            f"job's batch, {per_rank(batch_size, world)} samples per rank"
+        )
 
     def row(self, batch_size: int) -> dict[str, Any]:
         """The job for ``metrics.jsonl``: ranks, strategy, backend, per-rank batch."""
-        return {"world_size": self.rank.world_size, "strategy": self.strategy, "backend": self.group.backend,
-                "batch_per_rank": batch_size // self.rank.world_size}
+        return {
+            "world_size": self.rank.world_size,
+            "strategy": self.strategy,
+            "backend": self.group.backend,
+            "batch_per_rank": batch_size // self.rank.world_size,
+        }
 
     def close(self) -> None:
         """Leave the process group (every exit path)."""

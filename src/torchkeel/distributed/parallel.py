@@ -41,8 +41,10 @@ def apply_activation_checkpointing(model: torch.nn.Module, class_names: list[str
     wanted = set(class_names)
     found = [m for m in model.modules() if type(m).__name__ in wanted]
     if not found:
-        raise ConfigError(f"dist.activation_checkpointing: no module of class {sorted(wanted)} in the model; "
-                          f"its classes: {sorted({type(m).__name__ for m in model.modules()})}")
+        raise ConfigError(
+            f"dist.activation_checkpointing: no module of class {sorted(wanted)} in the model; "
+            f"its classes: {sorted({type(m).__name__ for m in model.modules()})}"
+        )
     for module in found:
         module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
     return len(found)
@@ -55,8 +57,10 @@ def shard_targets(model: torch.nn.Module, class_names: list[str]) -> list[torch.
         wanted = set(class_names)
         found = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
         if not found:
-            raise ConfigError(f"dist.shard_modules: no module of class {sorted(wanted)} in the model; "
-                              f"its classes: {sorted({type(m).__name__ for m in model.modules()})}")
+            raise ConfigError(
+                f"dist.shard_modules: no module of class {sorted(wanted)} in the model; "
+                f"its classes: {sorted({type(m).__name__ for m in model.modules()})}"
+            )
         return found
     blocks = []
     for module in model.modules():
@@ -66,7 +70,10 @@ def shard_targets(model: torch.nn.Module, class_names: list[str]) -> list[torch.
 
 
 def wrap_model(
-    model: torch.nn.Module, strategy: Strategy, cfg: DistConfig, device: torch.device,
+    model: torch.nn.Module,
+    strategy: Strategy,
+    cfg: DistConfig,
+    device: torch.device,
     precision: str = "fp32",
 ) -> torch.nn.Module:
     """The module to call: ``DistributedDataParallel(model)``, the model sharded in place by

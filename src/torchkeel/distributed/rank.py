@@ -44,6 +44,8 @@ def per_rank(batch_size: int, world_size: int) -> int:
         ConfigError: the batch does not divide by the world size (both numbers named).
     """
     if batch_size % world_size:
-        raise ConfigError(f"train.batch_size {batch_size} does not divide by the world size {world_size}; "
-                          f"use a multiple of {world_size} (it is the batch of the whole job)")
+        raise ConfigError(
+            f"train.batch_size {batch_size} does not divide by the world size {world_size}; "
+            f"use a multiple of {world_size} (it is the batch of the whole job)"
+        )
     return batch_size // world_size

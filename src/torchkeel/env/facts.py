@@ -27,8 +27,18 @@ from torchkeel.env.cpus import affinity_cpus, cgroup_cpus, load_average
 from torchkeel.errors import first_line
 
 EXTRAS = {"demo": "sklearn", "data": "pyarrow", "report": "matplotlib", "export": "onnxruntime", "serve": "starlette"}
-ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
-                "CUBLAS_WORKSPACE_CONFIG", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+ENV_PREFIXES = (
+    "NCCL_",
+    "TORCH_NCCL_",
+    "GLOO_",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+)
 _LIB = re.compile(r"lib(cudart|cudnn|nccl)\.so[.\d]*$")
 
 
@@ -102,9 +112,14 @@ def collect_facts(run_dir: str | Path | None = None, smoke_test: bool = True, np
         facts.cudnn_version = torch.backends.cudnn.version()
     facts.driver_version = _driver_version()
     if facts.cuda_available:
-        facts.gpus = [{"index": i, "name": torch.cuda.get_device_name(i),
-                       "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
-                      for i in range(torch.cuda.device_count())]
+        facts.gpus = [
+            {
+                "index": i,
+                "name": torch.cuda.get_device_name(i),
+                "memory_bytes": torch.cuda.get_device_properties(i).total_memory,
+            }
+            for i in range(torch.cuda.device_count())
+        ]
         if smoke_test:
             facts.smoke_test = _smoke_test()
     facts.visible_libs = _visible_libs()
@@ -139,8 +154,12 @@ def _driver_version() -> str | None:
         pass
     if shutil.which("nvidia-smi"):
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=5)
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            )
             if out.returncode == 0 and out.stdout.strip():
                 return out.stdout.strip().splitlines()[0]
         except (OSError, subprocess.TimeoutExpired):
@@ -165,17 +184,18 @@ def _visible_libs() -> dict[str, list[str]]:
     for directory in filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep)):
         try:
             for entry in os.scandir(directory):
-                if (m := _LIB.search(entry.name)):
+                if m := _LIB.search(entry.name):
                     found[m.group(1)].add(os.path.realpath(entry.path))
         except OSError:
             continue
     if shutil.which("ldconfig") or Path("/sbin/ldconfig").exists():
         try:
-            out = subprocess.run([shutil.which("ldconfig") or "/sbin/ldconfig", "-p"], capture_output=True,
-                                 text=True, timeout=5).stdout
+            out = subprocess.run(
+                [shutil.which("ldconfig") or "/sbin/ldconfig", "-p"], capture_output=True, text=True, timeout=5
+            ).stdout
             for line in out.splitlines():
                 path = line.rsplit("=>", 1)[-1].strip()
-                if (m := _LIB.search(Path(path).name)):
+                if m := _LIB.search(Path(path).name):
                     found[m.group(1)].add(os.path.realpath(path))
         except (OSError, subprocess.TimeoutExpired):
             pass
@@ -188,7 +208,7 @@ def _loaded_libs() -> dict[str, list[str]]:
     if maps.exists():
         for line in maps.read_text().splitlines():
             path = line.split()[-1] if line.split() else ""
-            if (m := _LIB.search(Path(path).name)):
+            if m := _LIB.search(Path(path).name):
                 found[m.group(1)].add(path)
     return {k: sorted(v) for k, v in found.items()}
 

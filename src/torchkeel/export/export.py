@@ -30,9 +30,16 @@ from torchkeel.train.build import build_model
 from torchkeel.train.ema import averaged_weights
 
 DATATYPES = {
-    torch.float32: "FP32", torch.float64: "FP64", torch.float16: "FP16", torch.bfloat16: "BF16",
-    torch.int64: "INT64", torch.int32: "INT32", torch.int16: "INT16", torch.int8: "INT8",
-    torch.uint8: "UINT8", torch.bool: "BOOL",
+    torch.float32: "FP32",
+    torch.float64: "FP64",
+    torch.float16: "FP16",
+    torch.bfloat16: "BF16",
+    torch.int64: "INT64",
+    torch.int32: "INT32",
+    torch.int16: "INT16",
+    torch.int8: "INT8",
+    torch.uint8: "UINT8",
+    torch.bool: "BOOL",
 }
 
 
@@ -78,23 +85,39 @@ def export_run(
     names, output_name = inputs.signature.names, inputs.signature.output
     example = tuple(t[: min(2, len(t))] for t in first.values())
     export_model(module, example, fmt, artifact, names, inputs.axes, output_name)
-    parity = check_parity(module, load_exported(fmt, artifact, names, output_name), first, sorted(set(batch_sizes)),
-                          other_shapes=inputs.other_shapes(), output=output_name)
+    parity = check_parity(
+        module,
+        load_exported(fmt, artifact, names, output_name),
+        first,
+        sorted(set(batch_sizes)),
+        other_shapes=inputs.other_shapes(),
+        output=output_name,
+    )
     with torch.inference_mode():
         output = module(*(t[:1] for t in first.values()))
-    spec = _preprocess(preprocess, config.data, list(first[names[0]].shape[1:])) if len(names) == 1 else \
-        _no_preprocess(preprocess, config.data, names)
+    spec = (
+        _preprocess(preprocess, config.data, list(first[names[0]].shape[1:]))
+        if len(names) == 1
+        else _no_preprocess(preprocess, config.data, names)
+    )
     names_of_labels = _labels(inputs.train_data, output) if labels is None else _given_labels(labels, output)
     meta = {
         "name": config.name,
         "format": fmt,
         "file": artifact.name,
-        "inputs": [{"name": name, "datatype": DATATYPES[tensor.dtype], "shape": inputs.shape(name),
-                    **({"dims": inputs.dims(name)} if inputs.dims(name) else {}),
-                    **({"range": inputs.signature.ranges[name]} if name in inputs.signature.ranges else {})}
-                   for name, tensor in first.items()],
-        "outputs": [{"name": output_name, "datatype": DATATYPES[output.dtype],
-                     "shape": inputs.output_shape(module, output)}],
+        "inputs": [
+            {
+                "name": name,
+                "datatype": DATATYPES[tensor.dtype],
+                "shape": inputs.shape(name),
+                **({"dims": inputs.dims(name)} if inputs.dims(name) else {}),
+                **({"range": inputs.signature.ranges[name]} if name in inputs.signature.ranges else {}),
+            }
+            for name, tensor in first.items()
+        ],
+        "outputs": [
+            {"name": output_name, "datatype": DATATYPES[output.dtype], "shape": inputs.output_shape(module, output)}
+        ],
         "labels": names_of_labels,
         **({"preprocess": spec} if spec is not None else {}),
         "max_batch_size": max(batch_sizes),
@@ -117,7 +140,9 @@ def _resolve(source: Path):
     if (source / "config.yaml").is_file():
         found, problems = CheckpointStore(source / "checkpoints").latest_valid()
         if found is None:
-            raise CheckpointError(f"run directory '{source}' has no valid checkpoint" + (f" ({problems[0]})" if problems else ""))
+            raise CheckpointError(
+                f"run directory '{source}' has no valid checkpoint" + (f" ({problems[0]})" if problems else "")
+            )
         return found, source
     raise ConfigError(f"'{source}' is neither a run directory (with config.yaml) nor a checkpoint directory")
 
@@ -127,16 +152,22 @@ def _preprocess(given: Mapping[str, Any] | None, data: DataConfig, input_shape: 
     if given is not None:
         preprocess, where = ImagePreprocess.from_spec(given, "--preprocess"), "--preprocess"
     elif data.preprocess.mode is not None:
-        preprocess, where = ImagePreprocess.from_spec(dataclasses.asdict(data.preprocess), "data.preprocess"), "data.preprocess"
+        preprocess, where = (
+            ImagePreprocess.from_spec(dataclasses.asdict(data.preprocess), "data.preprocess"),
+            "data.preprocess",
+        )
     else:
         return None
     shape = preprocess.output_shape
     if shape is None:
-        raise ConfigError(f"{where} leaves the image size open; give a crop or a resize to [height, width] "
-                          f"so that every image becomes the model's {input_shape}")
+        raise ConfigError(
+            f"{where} leaves the image size open; give a crop or a resize to [height, width] "
+            f"so that every image becomes the model's {input_shape}"
+        )
     if shape != input_shape:
-        raise ConfigError(f"{where} makes images of shape {shape}, but the model takes {input_shape}; "
-                          f"change mode, resize or crop")
+        raise ConfigError(
+            f"{where} makes images of shape {shape}, but the model takes {input_shape}; change mode, resize or crop"
+        )
     return preprocess.to_spec()
 
 
@@ -149,8 +180,10 @@ def _no_preprocess(given: Mapping[str, Any] | None, data: DataConfig, names: lis
 
 def _given_labels(labels: Sequence[str], output: torch.Tensor) -> list[str]:
     if output.dim() != 2 or len(labels) != output.shape[1]:
-        raise ConfigError(f"--labels gives {len(labels)} labels, but the model has {list(output.shape[1:])} outputs; "
-                          f"give one label per output class")
+        raise ConfigError(
+            f"--labels gives {len(labels)} labels, but the model has {list(output.shape[1:])} outputs; "
+            f"give one label per output class"
+        )
     return [str(label) for label in labels]
 
 

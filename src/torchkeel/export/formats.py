@@ -29,9 +29,15 @@ MAX_BATCH = 1 << 16
 Feed = dict[str, np.ndarray]
 
 
-def export_model(model: torch.nn.Module, example: torch.Tensor | tuple[torch.Tensor, ...], fmt: str, path: Path,
-                 names: list[str] | None = None, axes: dict[str, list[int]] | None = None,
-                 output: str = "output") -> None:
+def export_model(
+    model: torch.nn.Module,
+    example: torch.Tensor | tuple[torch.Tensor, ...],
+    fmt: str,
+    path: Path,
+    names: list[str] | None = None,
+    axes: dict[str, list[int]] | None = None,
+    output: str = "output",
+) -> None:
     """Write ``model`` (in eval mode) to ``path`` in format ``fmt``, traced with ``example``.
 
     ``example`` is one tensor per input, named ``names`` (default ``["input"]``); ``axes``
@@ -59,14 +65,23 @@ def export_model(model: torch.nn.Module, example: torch.Tensor | tuple[torch.Ten
         elif fmt == "onnx":
             _require("onnxscript", "torch.onnx export")
             with _quiet():
-                torch.onnx.export(model, example, str(path), input_names=names, output_names=[output],
-                                  dynamic_shapes=shapes, dynamo=True, verbose=False)
+                torch.onnx.export(
+                    model,
+                    example,
+                    str(path),
+                    input_names=names,
+                    output_names=[output],
+                    dynamic_shapes=shapes,
+                    dynamo=True,
+                    verbose=False,
+                )
         else:
             raise ValueError(f"unknown format {fmt!r}; use {', '.join(FILENAMES)}")
 
 
-def load_exported(fmt: str, path: Path, names: list[str] | None = None,
-                  output: str = "output") -> Callable[[np.ndarray | Feed], np.ndarray]:
+def load_exported(
+    fmt: str, path: Path, names: list[str] | None = None, output: str = "output"
+) -> Callable[[np.ndarray | Feed], np.ndarray]:
     """A function from a numpy batch (one input) or a dict of them by input name to the numpy
     output, running the artifact as a server would."""
     names = names or ["input"]
@@ -103,9 +118,11 @@ def _check_dynamic(program: torch.export.ExportedProgram, names: list[str], axes
         fixed = [(axis, int(shape[axis])) for axis in axes[name] if _is_static(shape[axis])]
         if fixed:
             axis, size = fixed[0]
-            raise ParityError(f"torch.export fixed axis {axis} of input '{name}' to {size}: the model's code makes it "
-                              "static (a recurrent layer, a size read as a Python int), so other sizes would fail; "
-                              "export with --format onnx or torchscript, or make that code shape-generic")
+            raise ParityError(
+                f"torch.export fixed axis {axis} of input '{name}' to {size}: the model's code makes it "
+                "static (a recurrent layer, a size read as a Python int), so other sizes would fail; "
+                "export with --format onnx or torchscript, or make that code shape-generic"
+            )
 
 
 def _is_static(size: int | torch.SymInt) -> bool:
@@ -117,7 +134,9 @@ def _takes_tensors(model: torch.nn.Module) -> bool:
     """Whether ``model.forward`` names its parameters (else it takes ``*tensors``)."""
     import inspect
 
-    return not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in inspect.signature(model.forward).parameters.values())
+    return not any(
+        p.kind is inspect.Parameter.VAR_POSITIONAL for p in inspect.signature(model.forward).parameters.values()
+    )
 
 
 def _require(module: str, feature: str):

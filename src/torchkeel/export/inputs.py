@@ -104,8 +104,7 @@ def run_inputs(config: KeelConfig, model: torch.nn.Module, limit: int) -> RunInp
     """Read the run's batches (validation first, training for the reference) and learn the
     model's inputs from how the run's objective calls it."""
     train_data, val_data = resolve_data(config.data)
-    make = loader_factory(config.data, batch_size=config.train.batch_size, seed=config.seed,
-                          device=torch.device("cpu"))
+    make = loader_factory(config.data, batch_size=config.train.batch_size, seed=config.seed, device=torch.device("cpu"))
     objective = build_objective(config.loss, None, model)
     parity_data = val_data if val_data is not None else train_data
     calls = _calls(model, objective, make(parity_data, 0, train=False), limit, PARITY_BATCHES)
@@ -131,4 +130,3 @@ def _calls(model: torch.nn.Module, objective: Any, loader: Any, limit: int, min_
 def _floats(feed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Floating inputs as float32 (the model is exported in fp32); integer inputs (token ids) as they are."""
     return {name: t.float() if t.is_floating_point() else t for name, t in feed.items()}
-

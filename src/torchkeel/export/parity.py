@@ -72,8 +72,10 @@ def describe(report: dict[str, Any]) -> str:
     if report["passed"]:
         sizes = [str(r["batch_size"]) for r in report["results"] if "shapes" not in r]
         shapes = sum("shapes" in r for r in report["results"])
-        return (f"parity passed: max abs error {w['max_abs_error']:.2e} <= {report['tolerance']:g} at batch sizes "
-                f"{', '.join(sizes)}" + (f" and {shapes} other input shape{'s' * (shapes > 1)}" if shapes else ""))
+        return (
+            f"parity passed: max abs error {w['max_abs_error']:.2e} <= {report['tolerance']:g} at batch sizes "
+            f"{', '.join(sizes)}" + (f" and {shapes} other input shape{'s' * (shapes > 1)}" if shapes else "")
+        )
     what = w.get("error") or f"max abs error {w['max_abs_error']:.3g} > {report['tolerance']:g}"
     shapes = f" (input shapes {w['shapes']})" if "shapes" in w else ""
     return f"parity FAILED on output '{report['output']}' at batch size {w['batch_size']}{shapes}: {what}"

@@ -46,8 +46,14 @@ class Call:
     kwargs: dict[str, Any]
 
 
-def capture_calls(model: torch.nn.Module, objective: Callable[..., Any], batches: Iterable[Any],
-                  limit_samples: int, min_calls: int = 1, device: torch.device | None = None) -> list[Call]:
+def capture_calls(
+    model: torch.nn.Module,
+    objective: Callable[..., Any],
+    batches: Iterable[Any],
+    limit_samples: int,
+    min_calls: int = 1,
+    device: torch.device | None = None,
+) -> list[Call]:
     """Run ``objective(model, batch, device)`` on ``batches`` until ``limit_samples`` samples
     and ``min_calls`` batches (or the end of the data), recording how it calls ``model`` (the
     forward itself never runs).
@@ -71,8 +77,10 @@ def capture_calls(model: torch.nn.Module, objective: Callable[..., Any], batches
             except _Captured as captured:
                 call = Call(tuple(captured.args_), dict(captured.kwargs))
             else:
-                raise ConfigError("the run's loss never called the model on a batch (a loss.step_fn that calls a "
-                                  "submodule?); export needs model(...) to be called with the inputs")
+                raise ConfigError(
+                    "the run's loss never called the model on a batch (a loss.step_fn that calls a "
+                    "submodule?); export needs model(...) to be called with the inputs"
+                )
             calls.append(call)
             samples += _batch_size(call)
             if samples >= limit_samples and len(calls) >= min_calls:
@@ -155,8 +163,10 @@ def signature_of(model: torch.nn.Module, calls: list[Call]) -> Signature:
         elif isinstance(value, Mapping) and all(isinstance(v, torch.Tensor) for v in value.values()):
             slots += [Slot(str(key), "dict", index, str(key)) for key in value if not _is_label(str(key))]
         else:
-            raise ConfigError(f"the model's positional argument {index} is a {type(value).__name__}; export takes "
-                              "tensors or dicts of tensors (return them from the dataset, or wrap the model)")
+            raise ConfigError(
+                f"the model's positional argument {index} is a {type(value).__name__}; export takes "
+                "tensors or dicts of tensors (return them from the dataset, or wrap the model)"
+            )
     constants = {}
     for key, value in first.kwargs.items():
         if _is_label(key) or value is None:
@@ -166,8 +176,10 @@ def signature_of(model: torch.nn.Module, calls: list[Call]) -> Signature:
         elif isinstance(value, (bool, int, float, str)):
             constants[key] = value
         else:
-            raise ConfigError(f"the model's keyword argument '{key}' is a {type(value).__name__}; export takes "
-                              "tensors (and plain numbers or flags, passed as they are)")
+            raise ConfigError(
+                f"the model's keyword argument '{key}' is a {type(value).__name__}; export takes "
+                "tensors (and plain numbers or flags, passed as they are)"
+            )
     if "use_cache" in _parameters(model) and "use_cache" not in first.kwargs:
         constants["use_cache"] = False  # a transformers model: no key-value cache in a traced graph
     if not slots:
@@ -185,8 +197,11 @@ def signature_of(model: torch.nn.Module, calls: list[Call]) -> Signature:
     hooks = [m.register_forward_pre_hook(lookup) for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     try:
         with torch.inference_mode():
-            out = model(*first.args, **{k: v for k, v in first.kwargs.items() if not _is_label(k)},
-                        **{k: v for k, v in constants.items() if k not in first.kwargs})
+            out = model(
+                *first.args,
+                **{k: v for k, v in first.kwargs.items() if not _is_label(k)},
+                **{k: v for k, v in constants.items() if k not in first.kwargs},
+            )
     finally:
         for hook in hooks:
             hook.remove()
@@ -194,8 +209,9 @@ def signature_of(model: torch.nn.Module, calls: list[Call]) -> Signature:
         rows = embedded.get(tensor.untyped_storage().data_ptr()) if not tensor.is_floating_point() else None
         if rows is not None:
             signature.ranges[name] = [0, rows - 1]
-    signature.output = "output" if isinstance(out, torch.Tensor) else "logits" if _field(out, "logits") is not None \
-        else "output"
+    signature.output = (
+        "output" if isinstance(out, torch.Tensor) else "logits" if _field(out, "logits") is not None else "output"
+    )
     return signature
 
 
@@ -234,8 +250,10 @@ def select_output(out: Any) -> torch.Tensor:
         return logits
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
-    raise ConfigError(f"the model returns a {type(out).__name__} without a tensor to export; return a tensor, "
-                      "a tuple whose first item is one, or an object with logits")
+    raise ConfigError(
+        f"the model returns a {type(out).__name__} without a tensor to export; return a tensor, "
+        "a tuple whose first item is one, or an object with logits"
+    )
 
 
 def _field(out: Any, name: str) -> Any:

@@ -30,10 +30,16 @@ def reference_stats(inputs: np.ndarray, num_bins: int = 10) -> dict[str, Any]:
         if high <= low:
             high = low + 1e-6
         counts, edges = np.histogram(column, bins=num_bins, range=(low, high))
-        per_feature.append({
-            "mean": float(column.mean()), "std": float(column.std()), "min": low, "max": high,
-            "bin_edges": edges.tolist(), "bin_counts": counts.tolist(),
-        })
+        per_feature.append(
+            {
+                "mean": float(column.mean()),
+                "std": float(column.std()),
+                "min": low,
+                "max": high,
+                "bin_edges": edges.tolist(),
+                "bin_counts": counts.tolist(),
+            }
+        )
     return {
         "layout": "flat" if np.asarray(inputs).ndim <= 2 else "channels",
         "num_samples": int(np.asarray(inputs).shape[0]),

@@ -28,9 +28,7 @@ def write_triton_repo(
     """Write the repository for the export in ``export_dir``; return ``OUT/<name>``."""
     meta = read_model_json(export_dir)
     if meta["format"] not in PLATFORMS:
-        raise ConfigError(
-            f"Triton serves torchscript or onnx exports, not {meta['format']}; export with --format onnx"
-        )
+        raise ConfigError(f"Triton serves torchscript or onnx exports, not {meta['format']}; export with --format onnx")
     if not meta.get("parity", {}).get("passed"):
         raise ConfigError(f"the export in '{export_dir}' failed its parity check; fix and export again")
     model_dir = Path(out) / meta["name"]
@@ -38,14 +36,17 @@ def write_triton_repo(
     shutil.copyfile(Path(export_dir) / meta["file"], model_dir / "1" / meta["file"])
     if meta.get("labels"):
         (model_dir / "labels.txt").write_text("\n".join(meta["labels"]) + "\n")
-    text = config_pbtxt(meta, max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us,
-                        instances=instances, kind=kind)
+    text = config_pbtxt(
+        meta, max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us, instances=instances, kind=kind
+    )
     parse_model_config(text)
     (model_dir / "config.pbtxt").write_text(text)
     return model_dir
 
 
-def config_pbtxt(meta: dict[str, Any], *, max_batch_size: int, max_queue_delay_us: int, instances: int, kind: str) -> str:
+def config_pbtxt(
+    meta: dict[str, Any], *, max_batch_size: int, max_queue_delay_us: int, instances: int, kind: str
+) -> str:
     """The ``config.pbtxt`` text. TorchScript tensors follow libtorch's ``name__index`` convention."""
     libtorch = meta["format"] == "torchscript"
 

@@ -14,9 +14,14 @@ import torch
 
 _LIBRARY_ROOTS = tuple(
     os.path.dirname(os.path.abspath(p)) + os.sep
-    for p in (torch.__file__, numpy.__file__, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "__init__.py"))
+    for p in (
+        torch.__file__,
+        numpy.__file__,
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "__init__.py"),
+    )
 ) + tuple(
-    os.path.abspath(p) + os.sep for p in dict.fromkeys((sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]))
+    os.path.abspath(p) + os.sep
+    for p in dict.fromkeys((sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]))
 )
 
 
@@ -97,8 +102,12 @@ def is_nonfinite(t: torch.Tensor) -> bool:
 def nonfinite_layout(t: torch.Tensor, limit: int = 20) -> dict[str, Any]:
     """Which rows (samples) and columns (features) of ``t`` hold NaN/Inf, and how many values."""
     bad = ~torch.isfinite(t.detach())
-    layout: dict[str, Any] = {"shape": list(t.shape), "num_nonfinite": int(bad.sum()),
-                              "has_nan": bool(torch.isnan(t.detach()).any()), "has_inf": bool(torch.isinf(t.detach()).any())}
+    layout: dict[str, Any] = {
+        "shape": list(t.shape),
+        "num_nonfinite": int(bad.sum()),
+        "has_nan": bool(torch.isnan(t.detach()).any()),
+        "has_inf": bool(torch.isinf(t.detach()).any()),
+    }
     if t.dim() >= 1:
         rows = bad.reshape(t.shape[0], -1).any(dim=1).nonzero().flatten()
         layout["samples"] = rows[:limit].tolist()

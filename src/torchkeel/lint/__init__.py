@@ -20,8 +20,9 @@ def select_rules(select: Iterable[str] | None = None, ignore: Iterable[str] | No
     return [r for r in chosen if not any(r.code.startswith(i) for i in ignore or ())]
 
 
-def lint_paths(paths: Iterable[str], *, select: Iterable[str] | None = None,
-               ignore: Iterable[str] | None = None) -> LintReport:
+def lint_paths(
+    paths: Iterable[str], *, select: Iterable[str] | None = None, ignore: Iterable[str] | None = None
+) -> LintReport:
     """Lint every Python file named or found under ``paths``.
 
     Raises:

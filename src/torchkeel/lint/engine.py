@@ -24,6 +24,7 @@ _SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", "site-packages", "node_mod
 @dataclasses.dataclass
 class LintFinding:
     """One rule violation at ``path:line:col``."""
+
     code: str
     id: str | None
     severity: str
@@ -40,6 +41,7 @@ class LintFinding:
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """``code`` (TK1xx), the diagnose finding ``id`` it prevents (or None), what it checks."""
+
     code: str
     name: str
     id: str | None
@@ -83,6 +85,7 @@ def keyword(call: ast.Call, name: str) -> ast.expr | None:
 
 class Source:
     """One parsed file and the questions rules ask about it."""
+
     def __init__(self, path: str, text: str) -> None:
         self.path = path
         self.text = text
@@ -130,7 +133,11 @@ class Source:
     def in_main_guard(self, node: ast.AST) -> bool:
         parent = self.parents.get(node)
         while parent is not None:
-            if isinstance(parent, ast.If) and "__name__" in ast.unparse(parent.test) and "__main__" in ast.unparse(parent.test):
+            if (
+                isinstance(parent, ast.If)
+                and "__name__" in ast.unparse(parent.test)
+                and "__main__" in ast.unparse(parent.test)
+            ):
                 return True
             parent = self.parents.get(parent)
         return False
@@ -168,8 +175,18 @@ def lint_source(text: str, path: str, rules: Iterable[Rule]) -> list[LintFinding
     try:
         source = Source(path, text)
     except SyntaxError as exc:
-        return [LintFinding("TK100", None, "error", path, exc.lineno or 1, exc.offset or 0,
-                            f"the file does not parse: {exc.msg}", "Fix the syntax error.")]
+        return [
+            LintFinding(
+                "TK100",
+                None,
+                "error",
+                path,
+                exc.lineno or 1,
+                exc.offset or 0,
+                f"the file does not parse: {exc.msg}",
+                "Fix the syntax error.",
+            )
+        ]
     lines = text.splitlines()
     found: dict[tuple[str, int, int], LintFinding] = {}
     for rule in rules:
@@ -177,8 +194,10 @@ def lint_source(text: str, path: str, rules: Iterable[Rule]) -> list[LintFinding
             line, col = getattr(node, "lineno", 1), getattr(node, "col_offset", 0)
             if 0 < line <= len(lines) and _silenced(lines[line - 1], rule.code):
                 continue
-            found.setdefault((rule.code, line, col), LintFinding(rule.code, rule.id, rule.severity, path, line, col,
-                                                                 message, rule.fix))
+            found.setdefault(
+                (rule.code, line, col),
+                LintFinding(rule.code, rule.id, rule.severity, path, line, col, message, rule.fix),
+            )
     return sorted(found.values(), key=lambda f: (f.line, f.col, f.code))
 
 
@@ -194,6 +213,5 @@ def python_files(paths: Iterable[str]) -> list[str]:
         elif path.exists():
             files.append(str(path))
         else:
-
             raise ConfigError(f"keel lint: {raw}: no such file or directory")
     return files

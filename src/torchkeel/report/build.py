@@ -20,14 +20,30 @@ from torchkeel.errors import MissingExtraError
 from torchkeel.train.runlog import read_metrics
 
 FIGSIZE, DPI = (8.0, 3.0), 100  # every chart is 800 × 300 pixels
-MARKERS = {"nonfinite": "tab:red", "rollback": "tab:purple", "oom_split": "tab:orange", "leak": "tab:brown",
-           "spike": "tab:pink", "memory": "tab:olive", "resume": "tab:green", "preempted": "black",
-           "bad_sample": "tab:gray", "input_bound": "tab:cyan", "graph_break": "tab:blue", "compile": "navy"}
+MARKERS = {
+    "nonfinite": "tab:red",
+    "rollback": "tab:purple",
+    "oom_split": "tab:orange",
+    "leak": "tab:brown",
+    "spike": "tab:pink",
+    "memory": "tab:olive",
+    "resume": "tab:green",
+    "preempted": "black",
+    "bad_sample": "tab:gray",
+    "input_bound": "tab:cyan",
+    "graph_break": "tab:blue",
+    "compile": "navy",
+}
 SPARE_COLOURS = ("gold", "teal", "maroon", "lime", "indigo", "coral")  # kinds this table does not know yet
 EVERY_CHART = ("resume", "rollback", "preempted")
-CHART_KINDS = {"loss": ("nonfinite", "spike", "bad_sample", "graph_break", "compile"), "val_metrics": (), "lr": (),
-               "grad_norm": ("nonfinite", "spike"), "throughput": ("input_bound", "oom_split", "compile"),
-               "memory": ("leak", "memory", "oom_split")}
+CHART_KINDS = {
+    "loss": ("nonfinite", "spike", "bad_sample", "graph_break", "compile"),
+    "val_metrics": (),
+    "lr": (),
+    "grad_norm": ("nonfinite", "spike"),
+    "throughput": ("input_bound", "oom_split", "compile"),
+    "memory": ("leak", "memory", "oom_split"),
+}
 AS_TICKS = ("bad_sample",)  # per-sample events: ticks along the bottom
 MAX_LINES = 12  # a kind with more marks than this on a chart is drawn as ticks too
 CHARTS = [
@@ -36,8 +52,16 @@ CHARTS = [
     ("lr", "Learning rate", [("train", "lr", "lr")], False),
     ("grad_norm", "Gradient norm (before clipping)", [("train", "grad_norm", "grad norm")], True),
     ("throughput", "Throughput (samples/s)", [("train", "samples_per_s", "samples/s")], False),
-    ("memory", "Memory (GiB)", [("memory", "rss_bytes", "process RSS"), ("memory", "cuda_allocated_bytes", "CUDA allocated"),
-                                ("memory", "cuda_reserved_bytes", "CUDA reserved")], False),
+    (
+        "memory",
+        "Memory (GiB)",
+        [
+            ("memory", "rss_bytes", "process RSS"),
+            ("memory", "cuda_allocated_bytes", "CUDA allocated"),
+            ("memory", "cuda_reserved_bytes", "CUDA reserved"),
+        ],
+        False,
+    ),
 ]
 
 
@@ -74,13 +98,25 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     if summary and summary.get("status") == "preempted":
         marks.append((summary.get("steps", 0), "preempted"))
     report.marks = sorted(marks)
-    val_keys = sorted({k for r in rows if r.get("kind") == "val" for k in r
-                       if k.startswith("val_") and k != "val_loss" and isinstance(r[k], (int, float))})
+    val_keys = sorted(
+        {
+            k
+            for r in rows
+            if r.get("kind") == "val"
+            for k in r
+            if k.startswith("val_") and k != "val_loss" and isinstance(r[k], (int, float))
+        }
+    )
     for name, title, series, log_scale in CHARTS:
         if name == "val_metrics":
-            series = [("val", key, key[len("val_"):]) for key in val_keys]
-        lines = [(label, [(r["step"], r[key]) for r in rows if r.get("kind") == kind and isinstance(r.get(key), (int, float))])
-                 for kind, key, label in series]
+            series = [("val", key, key[len("val_") :]) for key in val_keys]
+        lines = [
+            (
+                label,
+                [(r["step"], r[key]) for r in rows if r.get("kind") == kind and isinstance(r.get(key), (int, float))],
+            )
+            for kind, key, label in series
+        ]
         lines = [(label, points) for label, points in lines if points]
         if not lines:
             report.missing.append(f"{title.lower()} (no rows with it)")
@@ -89,7 +125,12 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
         ax = fig.subplots()
         scale = 2**30 if name == "memory" else 1
         for label, points in lines:
-            ax.plot([p[0] for p in points], [p[1] / scale for p in points], label=label, marker="." if len(points) < 30 else None)
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] / scale for p in points],
+                label=label,
+                marker="." if len(points) < 30 else None,
+            )
         report.drawn[name] = chart_kinds(name, {k for _, k in marks})
         draw_marks(ax, marks, report.drawn[name])
         values = [p[1] for _, points in lines for p in points]
@@ -113,8 +154,11 @@ def chart_kinds(chart: str, kinds: set[str]) -> list[str]:
     """The incident kinds drawn on ``chart``: the run's events, its own kinds, and on the loss
     chart any kind no chart claims."""
     claimed = {k for chart_kinds in CHART_KINDS.values() for k in chart_kinds} | set(EVERY_CHART)
-    own = set(CHART_KINDS.get(chart, ())) | set(EVERY_CHART) | ({k for k in kinds if k not in claimed}
-                                                                 if chart == "loss" else set())
+    own = (
+        set(CHART_KINDS.get(chart, ()))
+        | set(EVERY_CHART)
+        | ({k for k in kinds if k not in claimed} if chart == "loss" else set())
+    )
     return sorted(kinds & own)
 
 
@@ -130,8 +174,17 @@ def draw_marks(ax: Any, marks: list[tuple[int, str]], kinds: list[str]) -> None:
         steps = [s for s, k in marks if k == kind]
         label = f"{kind.replace('_', ' ')} ({len(steps)})"
         if kind in AS_TICKS or len(steps) > MAX_LINES:
-            ax.plot(steps, [0.0] * len(steps), linestyle="none", marker="|", markersize=10, color=colour(kind),
-                    transform=ax.get_xaxis_transform(), label=label, clip_on=False)
+            ax.plot(
+                steps,
+                [0.0] * len(steps),
+                linestyle="none",
+                marker="|",
+                markersize=10,
+                color=colour(kind),
+                transform=ax.get_xaxis_transform(),
+                label=label,
+                clip_on=False,
+            )
         else:
             for i, step in enumerate(steps):
                 ax.axvline(step, color=colour(kind), linestyle="--", linewidth=1, label=label if i == 0 else None)
@@ -176,19 +229,28 @@ def _html(run: Path, summary: Any, incidents: list[dict[str, Any]], report: Repo
     facts = {
         "status": (summary or {}).get("status", "unknown (no summary.json)"),
         "reason": (summary or {}).get("reason"),
-        "steps": (summary or {}).get("steps"), "epochs": (summary or {}).get("epochs"),
+        "steps": (summary or {}).get("steps"),
+        "epochs": (summary or {}).get("epochs"),
         **{k: v for k, v in (summary or {}).items() if k.startswith("val_")},
-        "wall_s": (summary or {}).get("wall_s"), "incidents": (summary or {}).get("incidents"),
-        "torch": manifest.get("torch_version"), "torchkeel": manifest.get("torchkeel_version"),
+        "wall_s": (summary or {}).get("wall_s"),
+        "incidents": (summary or {}).get("incidents"),
+        "torch": manifest.get("torch_version"),
+        "torchkeel": manifest.get("torchkeel_version"),
         "git commit": (manifest.get("git_commit") or "not a git repository")
         + (" (dirty)" if manifest.get("git_dirty") else ""),
     }
-    rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(format_value(v))}</td></tr>" for k, v in facts.items() if v is not None)
+    rows = "".join(
+        f"<tr><th>{esc(k)}</th><td>{esc(format_value(v))}</td></tr>" for k, v in facts.items() if v is not None
+    )
     missing = "".join(f"<li>{esc(m)}</li>" for m in report.missing)
-    images = "".join(f'<figure><img src="{esc(p.name)}" width="800" height="300" alt="{esc(p.stem)}"></figure>'
-                     for p in report.images)
-    listed = "".join(f"<tr><td>{r.get('step')}</td><td>{esc(str(r.get('kind')))}</td><td>{esc(str(r.get('message', '')))}</td></tr>"
-                     for r in incidents[:200])
+    images = "".join(
+        f'<figure><img src="{esc(p.name)}" width="800" height="300" alt="{esc(p.stem)}"></figure>'
+        for p in report.images
+    )
+    listed = "".join(
+        f"<tr><td>{r.get('step')}</td><td>{esc(str(r.get('kind')))}</td><td>{esc(str(r.get('message', '')))}</td></tr>"
+        for r in incidents[:200]
+    )
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>torchkeel report: {esc(run.name)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:60em}} table{{border-collapse:collapse}}
@@ -196,9 +258,9 @@ th,td{{text-align:left;padding:2px 10px;border-bottom:1px solid #ddd;vertical-al
 pre{{background:#f6f6f6;padding:1em;max-height:20em;overflow:auto}} .missing{{color:#a40}}</style></head>
 <body><h1>Run {esc(run.name)}</h1>
 <table>{rows}</table>
-{f'<h2>Missing</h2><ul class="missing">{missing}</ul>' if missing else ''}
+{f'<h2>Missing</h2><ul class="missing">{missing}</ul>' if missing else ""}
 <h2>Timeline</h2>{images or '<p class="missing">no charts: nothing was logged yet</p>'}
-<h2>Incidents</h2>{f'<table><tr><th>step</th><th>kind</th><th>message</th></tr>{listed}</table>' if listed else '<p>none</p>'}
+<h2>Incidents</h2>{f"<table><tr><th>step</th><th>kind</th><th>message</th></tr>{listed}</table>" if listed else "<p>none</p>"}
 <h2>Config</h2><pre>{esc(config)}</pre>
 </body></html>
 """

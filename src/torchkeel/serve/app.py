@@ -111,8 +111,15 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
 
         async def handle() -> Response:
             body = await read_body(request)
-            parsed = parse_infer(body, request.headers.get(HEADER_LENGTH), model.inputs, model.outputs,
-                                 opts.max_batch_size, opts.allow_nonfinite, one_of=model.is_image_model)
+            parsed = parse_infer(
+                body,
+                request.headers.get(HEADER_LENGTH),
+                model.inputs,
+                model.outputs,
+                opts.max_batch_size,
+                opts.allow_nonfinite,
+                one_of=model.is_image_model,
+            )
             results = await model.infer(parsed)
             payload, headers = encode_infer(model.name, model.version, parsed, results)
             media = "application/octet-stream" if headers else "application/json"
@@ -129,6 +136,7 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
         if request.method == "GET" and not verb:
             return JSONResponse({"name": model.name, "ready": model.ready})
         if request.method == "POST" and verb == "predict":
+
             async def handle() -> Response:
                 instances, parameters = parse_v1_instances(await read_body(request), opts.max_batch_size)
                 num_classes = model.outputs[0].shape[-1]
@@ -144,15 +152,21 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
                 outputs = await model.predict(batch)
                 k = v1_top_k(parameters, opts.top_k if outputs.ndim == 2 else None, num_classes)
                 if k is not None and outputs.ndim != 2:
-                    raise ProtocolError(400, f"parameters.top_k needs one score per class; the model answers "
-                                             f"{list(outputs.shape[1:])} per instance")
+                    raise ProtocolError(
+                        400,
+                        f"parameters.top_k needs one score per class; the model answers "
+                        f"{list(outputs.shape[1:])} per instance",
+                    )
                 if k is not None:
                     return JSONResponse({"predictions": top_k(outputs, model.labels, k)})
                 return JSONResponse({"predictions": outputs.tolist()})
 
             return await model.counted("v1", handle)
-        return error(404, f"no route {request.method} /v1/models/{request.path_params['spec']}; use GET "
-                          f"/v1/models/{model.name} or POST /v1/models/{model.name}:predict")
+        return error(
+            404,
+            f"no route {request.method} /v1/models/{request.path_params['spec']}; use GET "
+            f"/v1/models/{model.name} or POST /v1/models/{model.name}:predict",
+        )
 
     async def metrics(request: Request) -> Response:
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -172,8 +186,11 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
         Route("/v1/models", v1_models),
         Route("/metrics", metrics),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        404: not_found, 405: not_allowed, ProtocolError: protocol_error})
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={404: not_found, 405: not_allowed, ProtocolError: protocol_error},
+    )
     app.state.server = server
     return app
 
@@ -219,8 +236,11 @@ def serve_in_background(export_dirs: str | Path | Sequence[str | Path], options:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(export_dirs, options), host="127.0.0.1", port=port,
-                                           log_level="warning", access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(export_dirs, options), host="127.0.0.1", port=port, log_level="warning", access_log=False
+        )
+    )
     thread = threading.Thread(target=server.run, name="torchkeel-serve", daemon=True)
     thread.start()
     try:
@@ -242,8 +262,13 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise _Terminated
 
 
-def serve(export_dirs: str | Path | Sequence[str | Path], host: str = "127.0.0.1", port: int = 8000,
-          options: ServeOptions | None = None, on_start: Callable[[ModelRepository], None] | None = None) -> None:
+def serve(
+    export_dirs: str | Path | Sequence[str | Path],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    options: ServeOptions | None = None,
+    on_start: Callable[[ModelRepository], None] | None = None,
+) -> None:
     """Run the server until SIGTERM/SIGINT; queued requests are answered before it returns.
 
     uvicorn stops accepting on SIGTERM, lets the requests in flight finish (they wait for the
@@ -285,4 +310,6 @@ def _check_free(host: str, port: int, flag: str) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host, port))
     except OSError as exc:
-        raise ConfigError(f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror}); choose another port") from None
+        raise ConfigError(
+            f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror}); choose another port"
+        ) from None

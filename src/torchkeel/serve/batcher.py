@@ -249,8 +249,10 @@ class DynamicBatcher:
 
     def _take(self, items: list[_Item], size: int) -> int:
         """Move queued requests into the batch while they fit (and have its shapes); return the batch's samples."""
-        while self._items and (not items or (size + self._items[0].size <= self.max_batch_size
-                                             and self._items[0].shapes == items[0].shapes)):
+        while self._items and (
+            not items
+            or (size + self._items[0].size <= self.max_batch_size and self._items[0].shapes == items[0].shapes)
+        ):
             item = self._items.popleft()
             items.append(item)
             size += item.size
@@ -294,17 +296,20 @@ class DynamicBatcher:
                 if self._is_inline():
                     outputs, compute_s = self._timed(batch)  # blocks the loop for less than inline_max_ms
                 else:
-                    outputs, compute_s = await asyncio.get_running_loop().run_in_executor(self.executor, self._timed, batch)
+                    outputs, compute_s = await asyncio.get_running_loop().run_in_executor(
+                        self.executor, self._timed, batch
+                    )
             except Exception as exc:  # noqa: BLE001 - the model's failure goes to the requests that cause it
                 await self._alone(live, exc)
                 return
-            self._measured(BatchStats(sum(i.size for i in live), len(live), compute_s,
-                                      [start - i.enqueued for i in live]), batch)
+            self._measured(
+                BatchStats(sum(i.size for i in live), len(live), compute_s, [start - i.enqueued for i in live]), batch
+            )
             row = 0
             for item in live:
                 n = item.size
                 if not item.future.done():
-                    item.future.set_result(outputs[row: row + n])
+                    item.future.set_result(outputs[row : row + n])
                 row += n
         finally:
             self.in_flight -= len(live)

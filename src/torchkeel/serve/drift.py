@@ -48,8 +48,7 @@ _EPS = 1e-4
 class DriftMonitor:
     """Accumulates per-feature bin counts of recent inputs; reads out drift per feature and the alert."""
 
-    def __init__(self, reference: dict[str, Any], window_samples: int = 300,
-                 false_alarm_rate: float = 1e-6) -> None:
+    def __init__(self, reference: dict[str, Any], window_samples: int = 300, false_alarm_rate: float = 1e-6) -> None:
         features = reference["features"]
         edges = np.array([f["bin_edges"] for f in features], dtype=np.float64)  # equal-width bins
         self.num_features, self.num_bins = edges.shape[0], edges.shape[1] - 1
@@ -63,12 +62,15 @@ class DriftMonitor:
         num_samples = float(reference.get("num_samples") or counts.sum(axis=1).max())
         self.reference_counts = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1) * num_samples
         self.groups = [_merge_bins(row / max(row.sum(), 1)) for row in counts]
-        min_share = min((min(_group_sums(row / max(row.sum(), 1), g)) for row, g in zip(counts, self.groups)
-                         if len(g) > 1), default=1.0)
+        min_share = min(
+            (min(_group_sums(row / max(row.sum(), 1), g)) for row, g in zip(counts, self.groups) if len(g) > 1),
+            default=1.0,
+        )
         self.min_samples = max(30, math.ceil(MIN_EXPECTED / min_share))
         per_feature = false_alarm_rate / self.num_features  # Bonferroni
-        self.critical = np.array([chi2_quantile(1 - per_feature, len(g) - 1) if len(g) > 1 else math.inf
-                                  for g in self.groups])
+        self.critical = np.array(
+            [chi2_quantile(1 - per_feature, len(g) - 1) if len(g) > 1 else math.inf for g in self.groups]
+        )
         self.window_samples = window_samples
         self._pending: list[np.ndarray] = []  # batches not yet binned: binning is done in chunks
         self._pending_samples = 0
@@ -102,7 +104,9 @@ class DriftMonitor:
         # Values outside the training range count in the outermost bins (and as out of range).
         bins = np.clip(((columns - self.edges0) / self.width).astype(np.int64), 0, self.num_bins - 1)
         flat = (bins + np.arange(self.num_features) * self.num_bins).ravel()
-        counts = np.bincount(flat, minlength=self.num_features * self.num_bins).reshape(self.num_features, self.num_bins)
+        counts = np.bincount(flat, minlength=self.num_features * self.num_bins).reshape(
+            self.num_features, self.num_bins
+        )
         counts = counts / values_per_sample
         outside = ((columns < self.low) | (columns > self.high)).sum(axis=0) / values_per_sample
         keys = [hash(row.tobytes()) for row in inputs.reshape(samples, -1)]
@@ -126,8 +130,14 @@ class DriftMonitor:
         self._bin_pending()
         n = self.num_features
         if self._samples == 0:
-            return {"psi": [0.0] * n, "out_of_range": [0.0] * n, "score": [0.0] * n, "alert": False, "samples": 0,
-                    "distinct_samples": 0}
+            return {
+                "psi": [0.0] * n,
+                "out_of_range": [0.0] * n,
+                "score": [0.0] * n,
+                "alert": False,
+                "samples": 0,
+                "distinct_samples": 0,
+            }
         counts = np.maximum(self._counts, 0.0)  # running sums: clear float residue below 0
         live = (counts + _EPS) / (counts + _EPS).sum(axis=1, keepdims=True)
         psi = ((live - self.reference) * np.log(live / self.reference)).sum(axis=1)
@@ -136,12 +146,19 @@ class DriftMonitor:
         # but at least MIN_DISTINCT's, so that a stream stuck on one input is still drift.
         weight = min(self._samples, max(len(self._distinct), MIN_DISTINCT))
         distinct = counts * (weight / self._samples)
-        statistic = np.array([_homogeneity(self.reference_counts[i], distinct[i], g) for i, g in enumerate(self.groups)])
+        statistic = np.array(
+            [_homogeneity(self.reference_counts[i], distinct[i], g) for i, g in enumerate(self.groups)]
+        )
         score = np.where(np.isfinite(self.critical), statistic / self.critical, 0.0)
         alert = self._samples >= self.min_samples and bool((score > 1.0).any())
-        return {"psi": psi.tolist(), "out_of_range": (self._outside / self._samples).tolist(),
-                "score": score.tolist(), "alert": alert, "samples": int(self._samples),
-                "distinct_samples": len(self._distinct)}
+        return {
+            "psi": psi.tolist(),
+            "out_of_range": (self._outside / self._samples).tolist(),
+            "score": score.tolist(),
+            "alert": alert,
+            "samples": int(self._samples),
+            "distinct_samples": len(self._distinct),
+        }
 
 
 def _subsampled(inputs: np.ndarray) -> np.ndarray:

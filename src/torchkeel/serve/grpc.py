@@ -40,15 +40,39 @@ if TYPE_CHECKING:
 SERVICE = "inference.GRPCInferenceService"
 HANDLER_THREADS = 16
 DESCRIPTOR_SET = Path(__file__).parent / "proto" / "predict_v2.binpb"
-STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-          503: grpc.StatusCode.UNAVAILABLE, 500: grpc.StatusCode.INTERNAL}
+STATUS = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    500: grpc.StatusCode.INTERNAL,
+}
 # The typed field of InferTensorContents for each datatype (FP16 and BF16 travel raw only).
-CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-            "INT64": "int64_contents", "UINT8": "uint_contents", "FP32": "fp32_contents", "FP64": "fp64_contents",
-            "BYTES": "bytes_contents"}
-MESSAGES = ("ServerLiveRequest", "ServerLiveResponse", "ServerReadyRequest", "ServerReadyResponse",
-            "ModelReadyRequest", "ModelReadyResponse", "ServerMetadataRequest", "ServerMetadataResponse",
-            "ModelMetadataRequest", "ModelMetadataResponse", "ModelInferRequest", "ModelInferResponse")
+CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+MESSAGES = (
+    "ServerLiveRequest",
+    "ServerLiveResponse",
+    "ServerReadyRequest",
+    "ServerReadyResponse",
+    "ModelReadyRequest",
+    "ModelReadyResponse",
+    "ServerMetadataRequest",
+    "ServerMetadataResponse",
+    "ModelMetadataRequest",
+    "ModelMetadataResponse",
+    "ModelInferRequest",
+    "ModelInferResponse",
+)
 
 
 def messages() -> SimpleNamespace:
@@ -56,8 +80,9 @@ def messages() -> SimpleNamespace:
     pool = descriptor_pool.DescriptorPool()
     for file in descriptor_pb2.FileDescriptorSet.FromString(DESCRIPTOR_SET.read_bytes()).file:
         pool.Add(file)
-    return SimpleNamespace(**{name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"inference.{name}"))
-                              for name in MESSAGES})
+    return SimpleNamespace(
+        **{name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"inference.{name}")) for name in MESSAGES}
+    )
 
 
 pb = messages()
@@ -75,8 +100,14 @@ def start_grpc(server: Server) -> grpc.Server:
     options = server.options
     max_body = int(options.max_body_mb * 2**20)
     threads = ThreadPoolExecutor(max_workers=HANDLER_THREADS, thread_name_prefix="torchkeel-grpc")
-    service = grpc.server(threads, options=[("grpc.max_receive_message_length", max_body),
-                                            ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 0)])
+    service = grpc.server(
+        threads,
+        options=[
+            ("grpc.max_receive_message_length", max_body),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
     handlers = _Service(server).handlers()
     if hasattr(service, "add_registered_method_handlers"):  # grpcio >= 1.63: matched in C, per method
         service.add_registered_method_handlers(SERVICE, handlers)
@@ -101,14 +132,19 @@ class _Service:
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         calls = {
-            "ServerLive": (self.server_live, pb.ServerLiveRequest), "ServerReady": (self.server_ready, pb.ServerReadyRequest),
+            "ServerLive": (self.server_live, pb.ServerLiveRequest),
+            "ServerReady": (self.server_ready, pb.ServerReadyRequest),
             "ModelReady": (self.model_ready, pb.ModelReadyRequest),
             "ServerMetadata": (self.server_metadata, pb.ServerMetadataRequest),
-            "ModelMetadata": (self.model_metadata, pb.ModelMetadataRequest), "ModelInfer": (self.model_infer, pb.ModelInferRequest),
+            "ModelMetadata": (self.model_metadata, pb.ModelMetadataRequest),
+            "ModelInfer": (self.model_infer, pb.ModelInferRequest),
         }
-        return {name: grpc.unary_unary_rpc_method_handler(call, request_deserializer=request.FromString,
-                                                          response_serializer=_serialize)
-                for name, (call, request) in calls.items()}
+        return {
+            name: grpc.unary_unary_rpc_method_handler(
+                call, request_deserializer=request.FromString, response_serializer=_serialize
+            )
+            for name, (call, request) in calls.items()
+        }
 
     def _model(self, name: str, version: str, context: grpc.ServicerContext) -> ServedModel:
         try:
@@ -132,9 +168,13 @@ class _Service:
     def model_metadata(self, request: Any, context: grpc.ServicerContext) -> Any:
         meta = self._model(request.name, request.version, context).metadata()
         tensor = pb.ModelMetadataResponse.TensorMetadata
-        return pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"],
-                                        inputs=[tensor(**t) for t in meta["inputs"]],
-                                        outputs=[tensor(**t) for t in meta["outputs"]])
+        return pb.ModelMetadataResponse(
+            name=meta["name"],
+            versions=meta["versions"],
+            platform=meta["platform"],
+            inputs=[tensor(**t) for t in meta["inputs"]],
+            outputs=[tensor(**t) for t in meta["outputs"]],
+        )
 
     def model_infer(self, request: Any, context: grpc.ServicerContext) -> Any:
         model = self._model(request.model_name, request.model_version, context)
@@ -160,8 +200,10 @@ def infer_request(request: Any, model: ServedModel, max_batch_size: int, allow_n
     collected = InputSet(model.inputs, max_batch_size, allow_nonfinite, one_of=model.is_image_model)
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
-        raise ProtocolError(400, f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
-                                 f"send one per input, in order")
+        raise ProtocolError(
+            400,
+            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; send one per input, in order",
+        )
     if not request.inputs:
         raise ProtocolError(400, "'inputs' must be a non-empty list of tensors")
     for i, tensor in enumerate(request.inputs):

@@ -48,16 +48,27 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self.models: list[ModelMetrics] = []
         self.registry.register(_Collector(self))
-        self.batch_size = Histogram("torchkeel_batch_size", "Samples per model execution", ["model", "version"],
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=self.registry)
-        self.latency = Histogram("torchkeel_request_latency_seconds", "Request latency, received to answered",
-                                 ["model", "version", "protocol"], registry=self.registry,
-                                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
-        self.in_flight = Gauge("torchkeel_inflight_requests", "Requests being handled", ["model", "version"],
-                               registry=self.registry)
+        self.batch_size = Histogram(
+            "torchkeel_batch_size",
+            "Samples per model execution",
+            ["model", "version"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "torchkeel_request_latency_seconds",
+            "Request latency, received to answered",
+            ["model", "version", "protocol"],
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+        )
+        self.in_flight = Gauge(
+            "torchkeel_inflight_requests", "Requests being handled", ["model", "version"], registry=self.registry
+        )
 
-    def model(self, name: str, version: str, drift: DriftMonitor | None = None,
-              pending: Callable[[], int] = lambda: 0) -> ModelMetrics:
+    def model(
+        self, name: str, version: str, drift: DriftMonitor | None = None, pending: Callable[[], int] = lambda: 0
+    ) -> ModelMetrics:
         """The metrics of one model (labels ``model`` and ``version``, as Triton's)."""
         metrics = ModelMetrics(self, name, version, drift, pending)
         self.models.append(metrics)
@@ -86,8 +97,9 @@ class ServerMetrics:
 class ModelMetrics:
     """One model's counters and histogram children, bound once: the request path only adds numbers."""
 
-    def __init__(self, server: ServerMetrics, model: str, version: str, drift: DriftMonitor | None,
-                 pending: Callable[[], int]) -> None:
+    def __init__(
+        self, server: ServerMetrics, model: str, version: str, drift: DriftMonitor | None, pending: Callable[[], int]
+    ) -> None:
         self.server = server
         self.labels = {"model": model, "version": version}
         self.pending = pending  # read at scrape time: requests queued or being computed
@@ -100,7 +112,10 @@ class ModelMetrics:
         key = self._key
         self._success, self._duration = key("nv_inference_request_success"), key("nv_inference_request_duration_us")
         self._exec, self._count = key("nv_inference_exec_count"), key("nv_inference_count")
-        self._compute, self._queue = key("nv_inference_compute_infer_duration_us"), key("nv_inference_queue_duration_us")
+        self._compute, self._queue = (
+            key("nv_inference_compute_infer_duration_us"),
+            key("nv_inference_queue_duration_us"),
+        )
 
     def request_started(self) -> None:
         with self.server._lock:  # also called from gRPC's handler threads
@@ -144,20 +159,33 @@ class _Collector:
 
     def collect(self) -> Any:
         models = self.metrics.models
-        pending = Metric("nv_inference_pending_request_count", "Instantaneous number of pending requests awaiting execution", "gauge")
+        pending = Metric(
+            "nv_inference_pending_request_count", "Instantaneous number of pending requests awaiting execution", "gauge"
+        )
         for m in models:
             pending.add_sample("nv_inference_pending_request_count", dict(m.labels), m.pending())
         yield pending
         drifting = [m for m in models if m.drift is not None]
         if not drifting:
             return
-        psi = Metric("torchkeel_input_psi", "Population stability index of recent inputs vs training, per feature", "gauge")
-        outside = Metric("torchkeel_input_out_of_range_ratio", "Share of recent input values outside the training range", "gauge")
-        score = Metric("torchkeel_input_drift_score", "Chi-square drift statistic per feature over its "
-                       "critical value (above 1: drifted)", "gauge")
+        psi = Metric(
+            "torchkeel_input_psi", "Population stability index of recent inputs vs training, per feature", "gauge"
+        )
+        outside = Metric(
+            "torchkeel_input_out_of_range_ratio", "Share of recent input values outside the training range", "gauge"
+        )
+        score = Metric(
+            "torchkeel_input_drift_score",
+            "Chi-square drift statistic per feature over its critical value (above 1: drifted)",
+            "gauge",
+        )
         samples = Metric("torchkeel_drift_window_samples", "Samples in the drift window", "gauge")
-        alert = Metric("torchkeel_drift_alert", "1 when the window holds enough samples and any feature's "
-                       "drift score is above 1 (false alarms at most 1e-6 per reading)", "gauge")
+        alert = Metric(
+            "torchkeel_drift_alert",
+            "1 when the window holds enough samples and any feature's "
+            "drift score is above 1 (false alarms at most 1e-6 per reading)",
+            "gauge",
+        )
         for m in drifting:
             assert m.drift is not None
             reading = m.drift.read()

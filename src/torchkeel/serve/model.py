@@ -68,23 +68,29 @@ class ServedModel:
             raise ConfigError(f"the export in '{export_dir}' failed its parity check; it is not served")
         self.path, self.options, self._images = Path(export_dir), options, images
         self.name, self.version = self.meta["name"], VERSION
-        self.tensors = [TensorSpec(t["name"], t["datatype"], t["shape"], t.get("dims"), t.get("range"))
-                        for t in self.meta["inputs"]]
+        self.tensors = [
+            TensorSpec(t["name"], t["datatype"], t["shape"], t.get("dims"), t.get("range")) for t in self.meta["inputs"]
+        ]
         self.tensor = self.tensors[0]
         self.outputs = [TensorSpec(t["name"], t["datatype"], t["shape"]) for t in self.meta["outputs"]]
         self.labels: list[str] | None = self.meta.get("labels")
         spec = self.meta.get("preprocess")
         self.preprocess = ImagePreprocess.from_spec(spec, f"'{self.path / 'model.json'}' preprocess") if spec else None
         self.inputs = [TensorSpec(IMAGE_INPUT, "BYTES", [-1]), self.tensor] if self.preprocess else list(self.tensors)
-        self.run = load_exported(self.meta["format"], self.path / self.meta["file"], [t.name for t in self.tensors],
-                                 self.outputs[0].name)
+        self.run = load_exported(
+            self.meta["format"], self.path / self.meta["file"], [t.name for t in self.tensors], self.outputs[0].name
+        )
         reference = self.meta.get("reference")
         self.drift = DriftMonitor(reference) if reference else None
         self._drift_input = (reference or {}).get("input", self.tensor.name)
         self.batcher = DynamicBatcher(
-            self.run, max_batch_size=options.max_batch_size, max_queue_delay_ms=options.max_queue_delay_ms,
-            max_queue=options.max_queue, queue_timeout_ms=options.queue_timeout_ms,
-            inline_max_ms=options.inline_max_ms, on_batch=self._on_batch,
+            self.run,
+            max_batch_size=options.max_batch_size,
+            max_queue_delay_ms=options.max_queue_delay_ms,
+            max_queue=options.max_queue,
+            queue_timeout_ms=options.queue_timeout_ms,
+            inline_max_ms=options.inline_max_ms,
+            on_batch=self._on_batch,
         )
         self.metrics = metrics.model(self.name, self.version, self.drift, pending=lambda: self.batcher.pending)
         self.ready = False
@@ -101,8 +107,13 @@ class ServedModel:
     def metadata(self) -> dict[str, Any]:
         """v2 model metadata: an image model advertises its ``image`` input (it also takes the tensor)."""
         shown = self.inputs[:1] if self.preprocess else self.inputs
-        return {"name": self.name, "versions": [self.version], "platform": PLATFORMS[self.meta["format"]],
-                "inputs": [spec_dict(t) for t in shown], "outputs": [spec_dict(t) for t in self.outputs]}
+        return {
+            "name": self.name,
+            "versions": [self.version],
+            "platform": PLATFORMS[self.meta["format"]],
+            "inputs": [spec_dict(t) for t in shown],
+            "outputs": [spec_dict(t) for t in self.outputs],
+        }
 
     def _on_batch(self, stats: BatchStats, inputs: Batch) -> None:
         self.metrics.batch_done(stats.batch_size, stats.num_requests, stats.compute_s, sum(stats.queue_s))
@@ -151,9 +162,12 @@ class ServedModel:
                 or 400 when the model takes no images.
         """
         if self.preprocess is None:
-            raise ProtocolError(400, f"model '{self.name}' takes {self.tensor.datatype} tensors of shape "
-                                     f"{self.tensor.shape}, not images: its export records no preprocess "
-                                     f"(keel export --image-mode ...)")
+            raise ProtocolError(
+                400,
+                f"model '{self.name}' takes {self.tensor.datatype} tensors of shape "
+                f"{self.tensor.shape}, not images: its export records no preprocess "
+                f"(keel export --image-mode ...)",
+            )
         return await asyncio.get_running_loop().run_in_executor(self._images, self._preprocessed, blobs, wheres)
 
     def _preprocessed(self, blobs: list[bytes], wheres: list[str]) -> np.ndarray:
@@ -166,8 +180,9 @@ class ServedModel:
             except ImageError as exc:
                 raise ProtocolError(400, f"{where}: {exc}") from None
             if list(array.shape) != shape:
-                raise ProtocolError(400, f"{where}: the image is {list(array.shape)} after preprocessing; "
-                                         f"the model takes {shape}")
+                raise ProtocolError(
+                    400, f"{where}: the image is {list(array.shape)} after preprocessing; the model takes {shape}"
+                )
             batch[i] = array
         return batch
 

@@ -48,8 +48,15 @@ class InferRequest:
     classification: dict[str, int] = field(default_factory=dict)  # output → k (Triton's classification extension)
 
 
-def parse_infer(body: bytes, header_length: str | None, inputs: list[TensorSpec], outputs: list[TensorSpec],
-                max_batch_size: int, allow_nonfinite: bool = False, one_of: bool = False) -> InferRequest:
+def parse_infer(
+    body: bytes,
+    header_length: str | None,
+    inputs: list[TensorSpec],
+    outputs: list[TensorSpec],
+    max_batch_size: int,
+    allow_nonfinite: bool = False,
+    one_of: bool = False,
+) -> InferRequest:
     """Parse and validate a v2 ``infer`` request against the model's input and output specs.
 
     ``one_of``: the request gives exactly one of ``inputs`` (an image model takes encoded images
@@ -92,7 +99,9 @@ def parse_infer(body: bytes, header_length: str | None, inputs: list[TensorSpec]
 class InputSet:
     """A request's input tensors, checked against the model's specs: the same checks for REST and gRPC."""
 
-    def __init__(self, specs: list[TensorSpec], max_batch_size: int, allow_nonfinite: bool, one_of: bool = False) -> None:
+    def __init__(
+        self, specs: list[TensorSpec], max_batch_size: int, allow_nonfinite: bool, one_of: bool = False
+    ) -> None:
         self.specs = {s.name: s for s in specs}
         self.max_batch_size, self.allow_nonfinite, self.one_of = max_batch_size, allow_nonfinite, one_of
         self.arrays: dict[str, np.ndarray] = {}
@@ -100,21 +109,29 @@ class InputSet:
     def header(self, where: str, name: Any, datatype: Any, shape: Any) -> tuple[TensorSpec, list[int]]:
         """The spec of the input ``name`` and its checked shape; a ProtocolError names what is wrong."""
         if not isinstance(name, str) or name not in self.specs:
-            raise ProtocolError(400, f"{where}.name {name!r} is not an input of the model; expected {sorted(self.specs)}")
+            raise ProtocolError(
+                400, f"{where}.name {name!r} is not an input of the model; expected {sorted(self.specs)}"
+            )
         if name in self.arrays:
             raise ProtocolError(400, f"{where}.name {name!r} is given twice; send each input once")
         spec = self.specs[name]
         if datatype != spec.datatype:
-            raise ProtocolError(400, f"{where}.datatype is {datatype!r}; the model's '{spec.name}' takes {spec.datatype}")
+            raise ProtocolError(
+                400, f"{where}.datatype is {datatype!r}; the model's '{spec.name}' takes {spec.datatype}"
+            )
         if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
             raise ProtocolError(400, f"{where}.shape must be a list of non-negative integers, got {shape!r}")
         expected = [str(d) if d >= 0 else "N" for d in spec.shape]
         if spec.datatype == "BYTES" and len(shape) == 2 and shape[1] == 1:
             shape = shape[:1]  # [N, 1] encoded items are N items
         if len(shape) != len(spec.shape) or any(d >= 0 and d != s for d, s in zip(spec.shape, shape)):
-            raise ProtocolError(400, f"{where}.shape is {shape}; the model's '{spec.name}' takes [{', '.join(expected)}]")
+            raise ProtocolError(
+                400, f"{where}.shape is {shape}; the model's '{spec.name}' takes [{', '.join(expected)}]"
+            )
         if not 1 <= shape[0] <= self.max_batch_size:
-            raise ProtocolError(400, f"{where}.shape[0] is {shape[0]}; send between 1 and {self.max_batch_size} samples")
+            raise ProtocolError(
+                400, f"{where}.shape[0] is {shape[0]}; send between 1 and {self.max_batch_size} samples"
+            )
         return spec, shape
 
     def add(self, where: str, spec: TensorSpec, array: np.ndarray) -> None:
@@ -128,7 +145,9 @@ class InputSet:
         """The arrays by input name, once all are there and agree on the batch size."""
         if self.one_of:
             if len(self.arrays) != 1:
-                raise ProtocolError(400, f"send exactly one of the inputs {sorted(self.specs)}, got {sorted(self.arrays)}")
+                raise ProtocolError(
+                    400, f"send exactly one of the inputs {sorted(self.specs)}, got {sorted(self.arrays)}"
+                )
         else:
             missing = sorted(set(self.specs) - set(self.arrays))
             if missing:
@@ -140,17 +159,21 @@ class InputSet:
         return self.arrays
 
 
-def _input_array(raw: dict[str, Any], where: str, spec: TensorSpec, shape: list[int], binary: memoryview,
-                 offset: int) -> tuple[np.ndarray, int]:
+def _input_array(
+    raw: dict[str, Any], where: str, spec: TensorSpec, shape: list[int], binary: memoryview, offset: int
+) -> tuple[np.ndarray, int]:
     count = int(np.prod(shape))
     datatype = spec.datatype
     params = _parameters(raw, f"{where}.parameters")
     if "binary_data_size" in params:
         size = params["binary_data_size"]
         if not is_int(size) or size < 0 or offset + size > len(binary):
-            raise ProtocolError(400, f"{where}.parameters.binary_data_size {size!r} does not fit the "
-                                     f"{len(binary) - offset} binary bytes left")
-        chunk = binary[offset: offset + size]
+            raise ProtocolError(
+                400,
+                f"{where}.parameters.binary_data_size {size!r} does not fit the "
+                f"{len(binary) - offset} binary bytes left",
+            )
+        chunk = binary[offset : offset + size]
         array = array_from_bytes(chunk, datatype, count, where)
         return array.reshape(shape), offset + size
     if "data" not in raw:
@@ -176,7 +199,9 @@ def classification(outputs: np.ndarray, labels: list[str] | None, k: int) -> np.
     return array
 
 
-def _requested_outputs(raw: Any, outputs: list[TensorSpec], binary_default: bool) -> tuple[dict[str, bool] | None, dict[str, int]]:
+def _requested_outputs(
+    raw: Any, outputs: list[TensorSpec], binary_default: bool
+) -> tuple[dict[str, bool] | None, dict[str, int]]:
     """The outputs asked for (name → binary) and those asked as classifications (name → k)."""
     if raw is None:
         return None, {}
@@ -202,12 +227,17 @@ def checked_output(name: Any, where: str, outputs: list[TensorSpec]) -> str:
 def checked_classification(k: Any, where: str, outputs: list[TensorSpec]) -> int:
     num_classes = outputs[0].shape[-1] if len(outputs[0].shape) == 2 else 0
     if not is_int(k) or not 1 <= k <= max(num_classes, 1) or num_classes <= 0:
-        raise ProtocolError(400, f"{where}.parameters.classification must be an integer from 1 to {num_classes} "
-                                 f"(the model's classes), got {k!r}")
+        raise ProtocolError(
+            400,
+            f"{where}.parameters.classification must be an integer from 1 to {num_classes} "
+            f"(the model's classes), got {k!r}",
+        )
     return k
 
 
-def encode_infer(model: str, version: str, request: InferRequest, results: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
+def encode_infer(
+    model: str, version: str, request: InferRequest, results: dict[str, np.ndarray]
+) -> tuple[bytes, dict[str, str]]:
     """The response body and extra headers; binary outputs follow the JSON header."""
     wanted = request.outputs if request.outputs is not None else {n: request.binary_default for n in results}
     entries, chunks = [], []
@@ -246,8 +276,11 @@ def parse_v1_instances(body: bytes, max_batch_size: int) -> tuple[list[Any], dic
 
 def v1_tensor(instances: list[Any], spec: TensorSpec, allow_nonfinite: bool = False) -> np.ndarray:
     """v1 instances of numbers → the batch, checked against the model's input ``spec``."""
-    array = numbers(instances, DTYPES[spec.datatype],
-                     f"'instances' must be numbers of shape {spec.shape[1:]} each (ragged or non-numeric)")
+    array = numbers(
+        instances,
+        DTYPES[spec.datatype],
+        f"'instances' must be numbers of shape {spec.shape[1:]} each (ragged or non-numeric)",
+    )
     wanted = spec.shape[1:]
     if array.ndim != len(spec.shape) or any(d >= 0 and d != s for d, s in zip(wanted, array.shape[1:])):
         raise ProtocolError(400, f"each instance has shape {list(array.shape[1:])}; the model takes {spec.shape[1:]}")
@@ -262,7 +295,9 @@ def v1_has_images(instances: list[Any]) -> bool:
     return isinstance(instances[0], dict) and ("image_bytes" in instances[0] or "b64" in instances[0])
 
 
-def v1_named_tensors(instances: list[Any], specs: list[TensorSpec], allow_nonfinite: bool = False) -> dict[str, np.ndarray]:
+def v1_named_tensors(
+    instances: list[Any], specs: list[TensorSpec], allow_nonfinite: bool = False
+) -> dict[str, np.ndarray]:
     """v1 instances of a model of named inputs, ``[{name: values, ...}, ...]`` → the batch by name.
 
     Every instance gives every input; the values of one input must have one shape across the
@@ -271,28 +306,39 @@ def v1_named_tensors(instances: list[Any], specs: list[TensorSpec], allow_nonfin
     names = [spec.name for spec in specs]
     for i, instance in enumerate(instances):
         if not isinstance(instance, dict):
-            raise ProtocolError(400, f"instances[{i}] must be an object of the model's inputs {names}, "
-                                     f"got {type(instance).__name__}")
+            raise ProtocolError(
+                400, f"instances[{i}] must be an object of the model's inputs {names}, got {type(instance).__name__}"
+            )
         missing, unknown = sorted(set(names) - set(instance)), sorted(set(instance) - set(names))
         if missing or unknown:
-            what = "; ".join(part for part in (f"lacks {missing}" if missing else "",
-                                               f"has no such inputs {unknown}" if unknown else "") if part)
+            what = "; ".join(
+                part
+                for part in (f"lacks {missing}" if missing else "", f"has no such inputs {unknown}" if unknown else "")
+                if part
+            )
             raise ProtocolError(400, f"instances[{i}] {what}; the model takes {names}")
     arrays = {}
     for spec in specs:
         first = np.shape(instances[0][spec.name])
         for i, instance in enumerate(instances[1:], start=1):
             if np.shape(instance[spec.name]) != first:
-                raise ProtocolError(400, f"instances[{i}].{spec.name} has shape {list(np.shape(instance[spec.name]))}, "
-                                         f"instances[0].{spec.name} {list(first)}; send values of one shape in a "
-                                         "request (pad sequences to one length)")
-        array = numbers([instance[spec.name] for instance in instances], DTYPES[spec.datatype],
-                         f"instances[*].{spec.name} must be numbers of type {spec.datatype}")
+                raise ProtocolError(
+                    400,
+                    f"instances[{i}].{spec.name} has shape {list(np.shape(instance[spec.name]))}, "
+                    f"instances[0].{spec.name} {list(first)}; send values of one shape in a "
+                    "request (pad sequences to one length)",
+                )
+        array = numbers(
+            [instance[spec.name] for instance in instances],
+            DTYPES[spec.datatype],
+            f"instances[*].{spec.name} must be numbers of type {spec.datatype}",
+        )
         wanted = spec.shape[1:]
         if array.ndim != len(spec.shape) or any(d >= 0 and d != s for d, s in zip(wanted, array.shape[1:])):
             shown = ["N" if d < 0 else d for d in wanted]
-            raise ProtocolError(400, f"instances[*].{spec.name} has shape {list(array.shape[1:])} each; the model "
-                                     f"takes {shown}")
+            raise ProtocolError(
+                400, f"instances[*].{spec.name} has shape {list(array.shape[1:])} each; the model takes {shown}"
+            )
         if not allow_nonfinite and not all_finite(array):
             raise ProtocolError(400, f"instances[*].{spec.name} hold NaN/Inf values; send finite numbers")
         check_range(array, spec, f"instances[*].{spec.name}")
@@ -335,7 +381,9 @@ def top_k(outputs: np.ndarray, labels: list[str] | None, k: int) -> list[dict[st
     probs /= probs.sum(axis=1, keepdims=True)
     best = np.argsort(-probs, axis=1)[:, :k]
     names = labels or [str(i) for i in range(outputs.shape[1])]
-    return [{"labels": [names[j] for j in row], "scores": [float(probs[i, j]) for j in row]} for i, row in enumerate(best)]
+    return [
+        {"labels": [names[j] for j in row], "scores": [float(probs[i, j]) for j in row]} for i, row in enumerate(best)
+    ]
 
 
 def label_scores(outputs: np.ndarray, labels: list[str] | None, k: int) -> list[list[dict[str, Any]]]:
@@ -348,8 +396,9 @@ def _json_object(data: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(data)
     except RecursionError:
-        raise ProtocolError(400, "the request body is nested too deeply to parse; send tensors as flat "
-                                 "'data' lists with a 'shape'") from None
+        raise ProtocolError(
+            400, "the request body is nested too deeply to parse; send tensors as flat 'data' lists with a 'shape'"
+        ) from None
     except ValueError as exc:  # also UnicodeDecodeError, and integers past Python's digit limit
         raise ProtocolError(400, f"the request body is not valid JSON ({first_line(exc)})") from None
     if not isinstance(doc, dict):

@@ -33,7 +33,9 @@ class Unavailable:
 class ModelRepository:
     """Loaded models by name, and the ones that failed to load."""
 
-    def __init__(self, sources: Sequence[str | Path], options: ServeOptions, metrics: ServerMetrics, images: Executor) -> None:
+    def __init__(
+        self, sources: Sequence[str | Path], options: ServeOptions, metrics: ServerMetrics, images: Executor
+    ) -> None:
         self.models: dict[str, ServedModel] = {}
         self.unavailable: list[Unavailable] = []
         for path, problem in _exports(sources):
@@ -43,12 +45,19 @@ class ModelRepository:
             try:
                 model = ServedModel(path, options, metrics, images)
             except Exception as exc:  # noqa: BLE001 - any failure to load is this model's, reported with it
-                self.unavailable.append(Unavailable(_name_of(path), str(path), f"{type(exc).__name__}: {first_line(exc)}"))
+                self.unavailable.append(
+                    Unavailable(_name_of(path), str(path), f"{type(exc).__name__}: {first_line(exc)}")
+                )
                 continue
             if model.name in self.models:
                 first = self.models[model.name].path
-                self.unavailable.append(Unavailable(model.name, str(path), f"the name '{model.name}' is already served "
-                                                    f"from '{first}'; give the run another name"))
+                self.unavailable.append(
+                    Unavailable(
+                        model.name,
+                        str(path),
+                        f"the name '{model.name}' is already served from '{first}'; give the run another name",
+                    )
+                )
                 continue
             self.models[model.name] = model
         if not self.models:
@@ -74,9 +83,13 @@ class ModelRepository:
 
     def index(self) -> list[dict[str, Any]]:
         """Triton's repository index: name, version, state (``READY``/``UNAVAILABLE``) and reason."""
-        rows = [{"name": m.name, "version": m.version, "state": "READY" if m.ready else "UNAVAILABLE", "reason": ""}
-                for m in self.models.values()]
-        rows += [{"name": u.name, "version": VERSION, "state": "UNAVAILABLE", "reason": u.reason} for u in self.unavailable]
+        rows = [
+            {"name": m.name, "version": m.version, "state": "READY" if m.ready else "UNAVAILABLE", "reason": ""}
+            for m in self.models.values()
+        ]
+        rows += [
+            {"name": u.name, "version": VERSION, "state": "UNAVAILABLE", "reason": u.reason} for u in self.unavailable
+        ]
         return sorted(rows, key=lambda r: r["name"])
 
     async def start(self) -> None:

@@ -20,7 +20,9 @@ class Server:
     def __init__(self, export_dirs: Sequence[str | Path], options: ServeOptions) -> None:
         self.options = options
         self.metrics = ServerMetrics()
-        self.images = ThreadPoolExecutor(max_workers=max(1, options.image_threads), thread_name_prefix="torchkeel-image")
+        self.images = ThreadPoolExecutor(
+            max_workers=max(1, options.image_threads), thread_name_prefix="torchkeel-image"
+        )
         self.repository = ModelRepository(export_dirs, options, self.metrics, self.images)
         self.grpc: Any = None
 

@@ -16,8 +16,17 @@ import numpy as np
 import torch
 
 DTYPES: dict[str, Any] = {
-    "BOOL": np.bool_, "UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
-    "INT64": np.int64, "FP16": np.float16, "FP32": np.float32, "FP64": np.float64, "BF16": None, "BYTES": object,
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+    "BF16": None,
+    "BYTES": object,
 }
 NUMPY_TO_V2 = {np.dtype(v): k for k, v in DTYPES.items() if v not in (None, object)}
 
@@ -53,8 +62,11 @@ def check_range(array: np.ndarray, spec: TensorSpec, where: str) -> None:
     low, high = int(array.min()), int(array.max())
     if low < spec.range[0] or high > spec.range[1]:
         value = low if low < spec.range[0] else high
-        raise ProtocolError(400, f"{where} holds {value}, outside [{spec.range[0]}, {spec.range[1]}] (the ids the "
-                                 f"model's embedding has rows for); send ids of the model's vocabulary")
+        raise ProtocolError(
+            400,
+            f"{where} holds {value}, outside [{spec.range[0]}, {spec.range[1]}] (the ids the "
+            f"model's embedding has rows for); send ids of the model's vocabulary",
+        )
 
 
 def check_shared_dims(arrays: dict[str, np.ndarray], specs: dict[str, TensorSpec], where: str = "inputs") -> None:
@@ -67,8 +79,11 @@ def check_shared_dims(arrays: dict[str, np.ndarray], specs: dict[str, TensorSpec
                 continue
             if dim in seen and seen[dim][1] != array.shape[axis]:
                 other, size = seen[dim]
-                raise ProtocolError(400, f"{where} disagree on '{dim}': '{other}' has {size}, '{name}' has "
-                                         f"{array.shape[axis]} (axis {axis}); send them of one length")
+                raise ProtocolError(
+                    400,
+                    f"{where} disagree on '{dim}': '{other}' has {size}, '{name}' has "
+                    f"{array.shape[axis]} (axis {axis}); send them of one length",
+                )
             seen.setdefault(dim, (name, array.shape[axis]))
 
 
@@ -82,8 +97,9 @@ def array_from_bytes(chunk: memoryview | bytes, datatype: str, count: int, where
         return torch.frombuffer(bytearray(chunk), dtype=torch.bfloat16).float().numpy()
     dtype = np.dtype(DTYPES[datatype])
     if len(chunk) != dtype.itemsize * count:
-        raise ProtocolError(400, f"{where}: {len(chunk)} binary bytes for {count} {datatype} values "
-                                 f"(need {dtype.itemsize * count})")
+        raise ProtocolError(
+            400, f"{where}: {len(chunk)} binary bytes for {count} {datatype} values (need {dtype.itemsize * count})"
+        )
     return np.frombuffer(chunk, dtype=dtype).copy()
 
 
@@ -92,10 +108,12 @@ def _length_prefixed(chunk: memoryview, count: int, where: str) -> np.ndarray:
     for i in range(count):
         if offset + 4 > len(chunk):
             raise ProtocolError(400, f"{where}: the binary data ends before BYTES item {i} of {count}")
-        size = int.from_bytes(chunk[offset: offset + 4], "little")
+        size = int.from_bytes(chunk[offset : offset + 4], "little")
         if offset + 4 + size > len(chunk):
-            raise ProtocolError(400, f"{where}: BYTES item {i} declares {size} bytes; {len(chunk) - offset - 4} are left")
-        items.append(bytes(chunk[offset + 4: offset + 4 + size]))
+            raise ProtocolError(
+                400, f"{where}: BYTES item {i} declares {size} bytes; {len(chunk) - offset - 4} are left"
+            )
+        items.append(bytes(chunk[offset + 4 : offset + 4 + size]))
         offset += 4 + size
     if offset != len(chunk):
         raise ProtocolError(400, f"{where}: {len(chunk) - offset} bytes after the {count} BYTES items")

@@ -46,29 +46,47 @@ class Training:
     scheduler: Any
 
 
-def build_training(cfg: KeelConfig, job: TrainingJob, model: torch.nn.Module | None = None,
-                   train_data: Any = None, val_data: Any = None,
-                   loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *,
-                   report: Reporter | None = None) -> Training:
+def build_training(
+    cfg: KeelConfig,
+    job: TrainingJob,
+    model: torch.nn.Module | None = None,
+    train_data: Any = None,
+    val_data: Any = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    *,
+    report: Reporter | None = None,
+) -> Training:
     """Seed, data, model, loss, optimizer, schedule — in this order (a hand loop that follows it
     draws the same random numbers). Objects given take the place of the config's import paths;
     ``report`` hears of graph breaks and compile times."""
     seed_everything(cfg.seed, cfg.deterministic)
     rank, device = job.rank, job.device
-    data = build_loaders(cfg.data, batch_size=cfg.train.batch_size, seed=cfg.seed, device=device,
-                         train_data=train_data, val_data=val_data, rank=rank.rank, world_size=rank.world_size)
+    data = build_loaders(
+        cfg.data,
+        batch_size=cfg.train.batch_size,
+        seed=cfg.seed,
+        device=device,
+        train_data=train_data,
+        val_data=val_data,
+        rank=rank.rank,
+        world_size=rank.world_size,
+    )
     model = (model if model is not None else build_model(cfg.model)).to(device)
     if cfg.model.init_from:
         path = cfg.model.init_from
-        skipped = load_model_weights(model, load_weights(path), strict=cfg.model.init_strict,
-                                     source=f"weights in '{path}'")
+        skipped = load_model_weights(
+            model, load_weights(path), strict=cfg.model.init_strict, source=f"weights in '{path}'"
+        )
         if skipped:
             print(f"keel: warning: model.init_from '{path}': not loaded: {', '.join(skipped)}", file=sys.stderr)
     wrapped = job.wrap(model, precision=cfg.precision, batch_size=cfg.train.batch_size, accumulate=cfg.train.accumulate)
     job.seed_rank(cfg.seed)
     c = cfg.compile
-    forward_model = CompiledOrEager(wrapped, c.backend, mode=c.mode, fullgraph=c.fullgraph, dynamic=c.dynamic,
-                                    report=report) if c.enabled else wrapped
+    forward_model = (
+        CompiledOrEager(wrapped, c.backend, mode=c.mode, fullgraph=c.fullgraph, dynamic=c.dynamic, report=report)
+        if c.enabled
+        else wrapped
+    )
     objective = build_objective(cfg.loss, loss_fn, model)
     val_scores = MetricSet.from_config(cfg.metrics, device)
     train_scores = MetricSet.from_config(cfg.metrics, device, on="train")
@@ -78,21 +96,36 @@ def build_training(cfg: KeelConfig, job: TrainingJob, model: torch.nn.Module | N
     # The schedule's length: exact when no sample is bad (every epoch's plan is known); the
     # loop itself ends with the data, and the last step's learning rate is the floor.
     steps = total_steps(data.train.num_batches, cfg.train.accumulate, cfg.train.max_epochs, cfg.train.max_steps)
-    scheduler = build_scheduler(optimizer, warmup_steps=cfg.schedule.warmup_steps, total_steps=steps,
-                                decay=cfg.schedule.decay, min_lr=cfg.schedule.min_lr)
-    return Training(data, model, forward_model, objective, val_scores, train_scores, params, ema, optimizer,
-                    steps, scheduler)
+    scheduler = build_scheduler(
+        optimizer,
+        warmup_steps=cfg.schedule.warmup_steps,
+        total_steps=steps,
+        decay=cfg.schedule.decay,
+        min_lr=cfg.schedule.min_lr,
+    )
+    return Training(
+        data, model, forward_model, objective, val_scores, train_scores, params, ema, optimizer, steps, scheduler
+    )
 
 
-def step_options(cfg: KeelConfig, training: Training, precision: Precision, job: TrainingJob,
-                 **hooks: Any) -> dict[str, Any]:
+def step_options(
+    cfg: KeelConfig, training: Training, precision: Precision, job: TrainingJob, **hooks: Any
+) -> dict[str, Any]:
     """``train_step``'s keyword arguments that every step of the run shares: the config's, and
     ``hooks`` (``before_forward``, ``agree``) as given."""
     scores = training.train_scores
-    return dict(params=training.params, precision=precision, device=job.device, scheduler=training.scheduler,
-                clip_grad_norm_max=cfg.train.clip_grad_norm, check_finite=cfg.guard.enabled,
-                split_on_oom=cfg.oom.auto_split, sync=job.sync, on_outputs=scores.update if scores is not None else None,
-                **hooks)
+    return dict(
+        params=training.params,
+        precision=precision,
+        device=job.device,
+        scheduler=training.scheduler,
+        clip_grad_norm_max=cfg.train.clip_grad_norm,
+        check_finite=cfg.guard.enabled,
+        split_on_oom=cfg.oom.auto_split,
+        sync=job.sync,
+        on_outputs=scores.update if scores is not None else None,
+        **hooks,
+    )
 
 
 def resolve_device(name: str, rank: RankInfo | None = None) -> torch.device:
@@ -136,8 +169,9 @@ def build_model(cfg: ModelConfig) -> torch.nn.Module:
     return model
 
 
-def build_objective(cfg: LossConfig, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                    model: torch.nn.Module | None = None) -> Objective:
+def build_objective(
+    cfg: LossConfig, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, model: torch.nn.Module | None = None
+) -> Objective:
     """The ``Objective``: ``loss.step_fn`` if set, else ``loss_fn`` (or ``loss.target``), with
     ``loss.count_key``; ``model`` decides ``loss.shift_labels: null``."""
     shift = cfg.shift_labels if cfg.shift_labels is not None else model is not None and predicts_next_token(model)

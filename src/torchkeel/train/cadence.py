@@ -25,8 +25,9 @@ from collections.abc import Callable
 class SaveCadence:
     """Decides whether a time- or epoch-based checkpoint is due; told the cost of each save."""
 
-    def __init__(self, every_s: float = 600.0, max_overhead: float = 0.02,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, every_s: float = 600.0, max_overhead: float = 0.02, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.every_s = every_s
         self.max_overhead = max_overhead
         self.clock = clock

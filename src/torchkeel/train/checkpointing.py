@@ -48,12 +48,18 @@ class RunState:
     loader: Any
 
     def progress(self) -> dict[str, Any]:
-        return {**self.counters.state_dict(), "diagnosis": self.protections.diagnosis,
-                "early_stop": self.stopper.state_dict() if self.stopper else None}
+        return {
+            **self.counters.state_dict(),
+            "diagnosis": self.protections.diagnosis,
+            "early_stop": self.stopper.state_dict() if self.stopper else None,
+        }
 
     def protection_state(self) -> dict[str, Any]:
-        return {**self.protections.state_dict(), "incidents": dict(self.incidents.counts),
-                "shown_bad": self.bad_samples.state_dict()}
+        return {
+            **self.protections.state_dict(),
+            "incidents": dict(self.incidents.counts),
+            "shown_bad": self.bad_samples.state_dict(),
+        }
 
     def load(self, progress: dict[str, Any], protections: dict[str, Any]) -> None:
         self.counters.load_state_dict(progress)
@@ -70,11 +76,13 @@ class RunState:
 class RunCheckpoints:
     """Saves and restores a Trainer's run in ``directory``, with ``cfg``'s retention and cadence."""
 
-    def __init__(self, cfg: CheckpointConfig, directory: Path, job: TrainingJob, *,
-                 hook: PointHook | None = None) -> None:
+    def __init__(
+        self, cfg: CheckpointConfig, directory: Path, job: TrainingJob, *, hook: PointHook | None = None
+    ) -> None:
         self.cfg, self.job = cfg, job
-        self.store = CheckpointStore(directory, keep_last=cfg.keep_last, save_top_k=cfg.save_top_k,
-                                     monitor=cfg.monitor, mode=cfg.mode, hook=hook)
+        self.store = CheckpointStore(
+            directory, keep_last=cfg.keep_last, save_top_k=cfg.save_top_k, monitor=cfg.monitor, mode=cfg.mode, hook=hook
+        )
         # Sharded saves are collective: every rank writes its shards at the same time.
         self.saver = AsyncSaver(self.store) if cfg.async_save and not job.sharded else None
         self.cadence = SaveCadence(cfg.every_s, cfg.max_overhead)
@@ -87,8 +95,14 @@ class RunCheckpoints:
         """The checkpoint to resume from (``"auto"``: the newest valid one, or ``None``)."""
         return find_checkpoint(self.store, resume, warn)
 
-    def resumable(self, resume: str | Path | None, config: dict[str, Any], *, allow_change: bool,
-                  warn: Callable[[str], None] | None) -> tuple[Checkpoint | None, list[str]]:
+    def resumable(
+        self,
+        resume: str | Path | None,
+        config: dict[str, Any],
+        *,
+        allow_change: bool,
+        warn: Callable[[str], None] | None,
+    ) -> tuple[Checkpoint | None, list[str]]:
         """``find``'s checkpoint (none when ``resume`` is not set) and the config changes it allows
         (``check_resume_config``: a change in what the run computes is refused unless ``allow_change``)."""
         found = self.find(resume, warn or (lambda message: None)) if resume else None
@@ -104,8 +118,9 @@ class RunCheckpoints:
     def is_every_steps(self, step: int) -> bool:
         return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
 
-    def save(self, parts: TrainingParts, run: RunState, *, held: list[Any], meta: dict[str, Any],
-             wait: bool = False) -> None:
+    def save(
+        self, parts: TrainingParts, run: RunState, *, held: list[Any], meta: dict[str, Any], wait: bool = False
+    ) -> None:
         """Checkpoint the run. Every rank takes part (its RNG, and its position in the data less
         ``held``, the batches read ahead and not trained on); rank 0 writes, except each rank's
         shards under FSDP. ``wait``: the checkpoint is on disk when this returns."""
@@ -114,14 +129,22 @@ class RunCheckpoints:
         job, is_main = self.job, self.job.rank.is_main
         with job.watch("saving a checkpoint", step):
             # Under torchrun every rank's RNG and position; in one process capture_training_state's suffice.
-            ranks = job.gather({"rng": capture_rng() if job.active else None,
-                                "data": run.loader.state_dict(unconsumed=held)})
+            ranks = job.gather(
+                {"rng": capture_rng() if job.active else None, "data": run.loader.state_dict(unconsumed=held)}
+            )
             state: dict[str, Any] = {}
             if is_main:
                 assert ranks is not None
                 progress["data"] = ranks[0]["data"] if len(ranks) == 1 else [r["data"] for r in ranks]
-                state = capture_training_state(parts.model, parts.optimizer, parts.scheduler, parts.scaler,
-                                               progress, run.protection_state(), weights=not job.sharded)
+                state = capture_training_state(
+                    parts.model,
+                    parts.optimizer,
+                    parts.scheduler,
+                    parts.scaler,
+                    progress,
+                    run.protection_state(),
+                    weights=not job.sharded,
+                )
                 if len(ranks) > 1:
                     state["ranks"] = {"rng": [r["rng"] for r in ranks]}
                 if parts.ema is not None:
@@ -140,8 +163,15 @@ class RunCheckpoints:
                 self.store.save(state, **kwargs)
         self.cadence.saved(time.perf_counter() - start)
 
-    def restore(self, found: Checkpoint, parts: TrainingParts, run: RunState, seed: int, *,
-                warn: Callable[[str], None] | None = None) -> int | None:
+    def restore(
+        self,
+        found: Checkpoint,
+        parts: TrainingParts,
+        run: RunState,
+        seed: int,
+        *,
+        warn: Callable[[str], None] | None = None,
+    ) -> int | None:
         """Load ``found`` into ``parts``, ``run`` and this rank's RNG. Returns ``None``, or the number
         of ranks that wrote it when each rank's random stream could not be continued (reseeded),
         which ``warn`` hears of.
@@ -155,7 +185,8 @@ class RunCheckpoints:
             raise CheckpointError(
                 f"checkpoint '{found.path}' was written with {written}, this run uses dist.strategy="
                 f"{job.cfg.strategy}: resume with the strategy it was written with (on any number of "
-                "ranks), or start from its weights with model.init_from")
+                "ranks), or start from its weights with model.init_from"
+            )
         if found.shards is not None:
             load_sharded(found, parts.model, parts.optimizer)
         progress = restore_training_state(found.state, parts.model, parts.optimizer, parts.scheduler, parts.scaler)
@@ -170,8 +201,10 @@ class RunCheckpoints:
             job.seed_rank(seed + progress["step"])
             written = max(1, len(per_rank_rng))
             if warn is not None:
-                warn(f"the checkpoint was written by {written} rank{'s' * (written > 1)}, this run has {world}: "
-                     "each rank's random stream (dropout) starts afresh")
+                warn(
+                    f"the checkpoint was written by {written} rank{'s' * (written > 1)}, this run has {world}: "
+                    "each rank's random stream (dropout) starts afresh"
+                )
             return written
         return None
 

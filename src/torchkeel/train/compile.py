@@ -22,6 +22,7 @@ Reporter = Callable[[str, str, dict[str, Any]], None]
 
 class CompileError(KeelError):
     """``compile.fullgraph`` is on and the model's graph breaks (the message names where)."""
+
     exit_code = 1
 
 
@@ -37,9 +38,13 @@ def explain_breaks(module: torch.nn.Module, *args: Any, **kwargs: Any) -> list[d
             report = torch._dynamo.explain(module)(*args, **kwargs)
         for reason in report.break_reasons:
             frames = [f for f in (reason.user_stack or []) if is_user_file(f.filename)]
-            breaks.append({"reason": _first_reason(str(reason.reason)),
-                           "file": display_path(frames[-1].filename) if frames else None,
-                           "line": frames[-1].lineno if frames else None})
+            breaks.append(
+                {
+                    "reason": _first_reason(str(reason.reason)),
+                    "file": display_path(frames[-1].filename) if frames else None,
+                    "line": frames[-1].lineno if frames else None,
+                }
+            )
     except Exception as exc:  # noqa: BLE001 - a model dynamo cannot trace at all
         breaks.append({"reason": f"{type(exc).__name__}: {_message(exc)}", "file": None, "line": None})
     finally:
@@ -57,15 +62,25 @@ class CompiledOrEager(torch.nn.Module):
     same inputs: an error that is the model's own is raised again by the eager call and reaches
     the user unchanged. Out-of-memory errors are never retried here.
     """
-    def __init__(self, module: torch.nn.Module, backend: Any = "inductor", *, mode: str | None = None,
-                 fullgraph: bool = False, dynamic: bool | None = None, report: Reporter | None = None) -> None:
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        backend: Any = "inductor",
+        *,
+        mode: str | None = None,
+        fullgraph: bool = False,
+        dynamic: bool | None = None,
+        report: Reporter | None = None,
+    ) -> None:
         super().__init__()
         self.module = module
         self.mode = None if mode in (None, "default") else mode
         self.fullgraph = fullgraph
         self.report = report
-        self.compiled: Any = torch.compile(module.forward, backend=backend, mode=self.mode, fullgraph=fullgraph,
-                                           dynamic=dynamic)
+        self.compiled: Any = torch.compile(
+            module.forward, backend=backend, mode=self.mode, fullgraph=fullgraph, dynamic=dynamic
+        )
         self.is_compiled = True
         self.compile_s: float | None = None
 
@@ -81,8 +96,10 @@ class CompiledOrEager(torch.nn.Module):
                 raise
             except Exception as exc:  # noqa: BLE001 - any compiler failure means: run eager
                 self.is_compiled = False
-                message = (f"torch.compile failed ({type(exc).__name__}: {_message(exc)}); continuing in eager "
-                           "mode. Set compile.enabled=false to skip compilation.")
+                message = (
+                    f"torch.compile failed ({type(exc).__name__}: {_message(exc)}); continuing in eager "
+                    "mode. Set compile.enabled=false to skip compilation."
+                )
                 if self.report is not None:
                     self.report("compile", message, {"fallback": "eager", "error": type(exc).__name__})
                 else:
@@ -91,8 +108,11 @@ class CompiledOrEager(torch.nn.Module):
                 if first:
                     self.compile_s = time.perf_counter() - start
                     if self.report is not None:
-                        self.report("compile", f"compiled in {self.compile_s:.1f} s (mode {self.mode or 'default'})",
-                                    {"compile_s": round(self.compile_s, 3), "mode": self.mode or "default"})
+                        self.report(
+                            "compile",
+                            f"compiled in {self.compile_s:.1f} s (mode {self.mode or 'default'})",
+                            {"compile_s": round(self.compile_s, 3), "mode": self.mode or "default"},
+                        )
                 return out
         return self.module(*args, **kwargs)
 
@@ -101,9 +121,11 @@ class CompiledOrEager(torch.nn.Module):
         if breaks and self.fullgraph:
             b = breaks[0]
             where = f" at {b['file']}:{b['line']}" if b.get("file") else ""
-            raise CompileError(f"compile.fullgraph is on and the graph breaks{where}: {b['reason']}; remove the "
-                               "break (no .item()/print/data-dependent Python branch in forward) or set "
-                               "compile.fullgraph=false")
+            raise CompileError(
+                f"compile.fullgraph is on and the graph breaks{where}: {b['reason']}; remove the "
+                "break (no .item()/print/data-dependent Python branch in forward) or set "
+                "compile.fullgraph=false"
+            )
         for b in breaks:
             where = f" at {b['file']}:{b['line']}" if b.get("file") else ""
             if self.report is not None:

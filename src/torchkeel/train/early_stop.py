@@ -51,8 +51,10 @@ class EarlyStopping:
             ConfigError: the monitored metric is not among the validation's metrics.
         """
         if self.monitor not in metrics:
-            raise ConfigError(f"train.early_stop.monitor={self.monitor!r} is not a validation metric; "
-                              f"this run logs {', '.join(sorted(metrics)) or 'none'}")
+            raise ConfigError(
+                f"train.early_stop.monitor={self.monitor!r} is not a validation metric; "
+                f"this run logs {', '.join(sorted(metrics)) or 'none'}"
+            )
         value = float(metrics[self.monitor])
         sign = 1.0 if self.mode == "min" else -1.0
         improved = not math.isnan(value) and (self.best is None or sign * (self.best - value) > self.min_delta)
@@ -61,8 +63,10 @@ class EarlyStopping:
         else:
             self.bad_validations += 1
             if self.bad_validations >= self.patience:
-                self.stop_reason = (f"{self.monitor} did not improve on {self.best:.6g} (step {self.best_step}) "
-                                    f"by more than {self.min_delta:g} in {self.bad_validations} validations")
+                self.stop_reason = (
+                    f"{self.monitor} did not improve on {self.best:.6g} (step {self.best_step}) "
+                    f"by more than {self.min_delta:g} in {self.bad_validations} validations"
+                )
         return improved
 
     def after(self, metrics: dict[str, float], step: int, *, defer: bool = False) -> tuple[bool, bool]:
@@ -79,8 +83,12 @@ class EarlyStopping:
         return {"reason": self.stop_reason, "best_step": self.best_step, "best": self.best}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "best_step": self.best_step, "bad_validations": self.bad_validations,
-                "stop_reason": self.stop_reason}
+        return {
+            "best": self.best,
+            "best_step": self.best_step,
+            "bad_validations": self.bad_validations,
+            "stop_reason": self.stop_reason,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.best_step = state["best"], state["best_step"]

@@ -19,11 +19,11 @@ EMA_PREFIX = "module."  # AveragedModel's state dict: n_averaged and module.<nam
 class WeightAverage:
     """Example::
 
-        ema = WeightAverage(model, decay=0.999)
-        for step, batch in enumerate(batches, 1):
-            train_one_step(model, batch)
-            ema.update(step)
-        evaluate(ema.module, ...)
+    ema = WeightAverage(model, decay=0.999)
+    for step, batch in enumerate(batches, 1):
+        train_one_step(model, batch)
+        ema.update(step)
+    evaluate(ema.module, ...)
     """
 
     def __init__(self, model: torch.nn.Module, decay: float, start_step: int = 0) -> None:
@@ -51,4 +51,4 @@ class WeightAverage:
 
 def averaged_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The model state dict inside a ``WeightAverage.state_dict()`` (``n_averaged`` left out)."""
-    return {k[len(EMA_PREFIX):]: v for k, v in state.items() if k.startswith(EMA_PREFIX)}
+    return {k[len(EMA_PREFIX) :]: v for k, v in state.items() if k.startswith(EMA_PREFIX)}

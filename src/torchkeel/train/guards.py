@@ -82,8 +82,9 @@ class Snapshot:
         """``Snapshot.take(step, model=m, optimizer=o, scheduler=s)``; ``None`` objects are skipped.
         ``reuse``: a snapshot nobody reads any more, whose memory the copy goes into."""
         old = reuse.states if reuse is not None else {}
-        return cls(step, {name: snapshot(obj.state_dict(), old.get(name)) for name, obj in objects.items()
-                          if obj is not None})
+        return cls(
+            step, {name: snapshot(obj.state_dict(), old.get(name)) for name, obj in objects.items() if obj is not None}
+        )
 
     def restore(self, **objects: Any) -> None:
         for name, obj in objects.items():
@@ -127,4 +128,3 @@ class SpikeDetector:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.average, self.count = state["average"], state["count"]
-

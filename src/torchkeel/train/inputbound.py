@@ -79,5 +79,10 @@ class InputBoundDetector:
         if self.reported or share <= self.threshold:
             return None
         self.reported = True
-        return {"wait_fraction": round(share, 4), "steps": steps, "wait_s_per_step": round(wait / steps, 6),
-                "step_s": round(elapsed / steps, 6), "compute_s_per_step": round((elapsed - wait) / steps, 6)}
+        return {
+            "wait_fraction": round(share, 4),
+            "steps": steps,
+            "wait_s_per_step": round(wait / steps, 6),
+            "step_s": round(elapsed / steps, 6),
+            "compute_s_per_step": round((elapsed - wait) / steps, 6),
+        }

@@ -54,12 +54,17 @@ class TensorBoardLogger:
             self.writer.add_summary(text("config", f"```\n{config_text}\n```"), 0)
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
-        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=value) for tag, value in values.items()])
+        summary = self._summary(
+            value=[self._summary.Value(tag=tag, simple_value=value) for tag, value in values.items()]
+        )
         self.pending.append((summary, step))
         # Handed to the writer thread in bursts (its checksums are pure Python and hold the GIL):
         # at a validation row, every FLUSH_ROWS rows, every FLUSH_S seconds, and at close.
-        if any(tag.startswith("val/") for tag in values) or len(self.pending) >= FLUSH_ROWS or \
-                time.monotonic() - self.flushed_at >= FLUSH_S:
+        if (
+            any(tag.startswith("val/") for tag in values)
+            or len(self.pending) >= FLUSH_ROWS
+            or time.monotonic() - self.flushed_at >= FLUSH_S
+        ):
             self.flush()
 
     def log_incident(self, row: dict[str, Any]) -> None:
@@ -83,8 +88,9 @@ class RunLoggers:
         self.loggers = loggers
 
     @classmethod
-    def from_config(cls, logging_config: Any, run_dir: Path, config: dict[str, Any], config_text: str,
-                    resume_step: int | None) -> RunLoggers:
+    def from_config(
+        cls, logging_config: Any, run_dir: Path, config: dict[str, Any], config_text: str, resume_step: int | None
+    ) -> RunLoggers:
         loggers: list[Logger] = []
         if logging_config.tensorboard:
             loggers.append(TensorBoardLogger(run_dir / "tensorboard", config_text=config_text, purge_step=resume_step))
@@ -92,9 +98,11 @@ class RunLoggers:
             logger = build_target(spec, {}, f"logging.loggers[{i}]", call_args=(run_dir, config))
             missing = [m for m in ("log_metrics", "log_incident", "close") if not callable(getattr(logger, m, None))]
             if missing:
-                raise ConfigError(f"logging.loggers[{i}]={spec!r} returned a {type(logger).__name__} without "
-                                  f"{', '.join(missing)}; a logger needs log_metrics(step, values), "
-                                  "log_incident(row) and close()")
+                raise ConfigError(
+                    f"logging.loggers[{i}]={spec!r} returned a {type(logger).__name__} without "
+                    f"{', '.join(missing)}; a logger needs log_metrics(step, values), "
+                    "log_incident(row) and close()"
+                )
             loggers.append(logger)
         return cls(loggers)
 
@@ -103,8 +111,11 @@ class RunLoggers:
         if not self.loggers or "step" not in row:
             return
         kind = row.get("kind", "train")
-        values = {f"{kind}/{k}": float(v) for k, v in row.items()
-                  if k not in _NOT_SCALARS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        values = {
+            f"{kind}/{k}": float(v)
+            for k, v in row.items()
+            if k not in _NOT_SCALARS and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if values:
             for logger in self.loggers:
                 logger.log_metrics(int(row["step"]), values)

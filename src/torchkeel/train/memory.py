@@ -65,8 +65,10 @@ class MemoryStats:
     def row(self) -> dict[str, Any]:
         """The metrics.jsonl fields (``None`` ones left out)."""
         values = {
-            "rss_bytes": self.rss_bytes, "cuda_allocated_bytes": self.cuda_allocated_bytes,
-            "cuda_reserved_bytes": self.cuda_reserved_bytes, "cuda_peak_allocated_bytes": self.cuda_peak_allocated_bytes,
+            "rss_bytes": self.rss_bytes,
+            "cuda_allocated_bytes": self.cuda_allocated_bytes,
+            "cuda_reserved_bytes": self.cuda_reserved_bytes,
+            "cuda_peak_allocated_bytes": self.cuda_peak_allocated_bytes,
             "fragmentation": None if self.fragmentation is None else round(self.fragmentation, 4),
         }
         return {k: v for k, v in values.items() if v is not None}
@@ -97,18 +99,25 @@ class MemoryMonitor:
         cuda = self.probe.cuda(self.device)
         stats = MemoryStats(self.probe.rss_bytes())
         if cuda is not None:
-            stats = MemoryStats(stats.rss_bytes, cuda["allocated"], cuda["reserved"], cuda["peak_allocated"], cuda["total"])
+            stats = MemoryStats(
+                stats.rss_bytes, cuda["allocated"], cuda["reserved"], cuda["peak_allocated"], cuda["total"]
+            )
         crossed: dict[str, str] = {}
         if self.warn_rss_gb is not None and stats.rss_bytes > self.warn_rss_gb * 2**30:
-            crossed["rss"] = f"process RSS {stats.rss_bytes / 2**30:.2f} GiB is above memory.warn_rss_gb={self.warn_rss_gb}"
+            crossed["rss"] = (
+                f"process RSS {stats.rss_bytes / 2**30:.2f} GiB is above memory.warn_rss_gb={self.warn_rss_gb}"
+            )
         if stats.cuda_total_bytes and stats.cuda_reserved_bytes is not None:
             fraction = stats.cuda_reserved_bytes / stats.cuda_total_bytes
             if fraction > self.warn_cuda_fraction:
                 frag = stats.fragmentation or 0.0
                 crossed["cuda"] = (
                     f"CUDA reserved memory is {fraction:.0%} of the device (fragmentation {frag:.0%}); "
-                    + ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces fragmentation"
-                       if frag > 0.3 else "a larger batch may run out of memory")
+                    + (
+                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces fragmentation"
+                        if frag > 0.3
+                        else "a larger batch may run out of memory"
+                    )
                 )
         warnings = [text for key, text in crossed.items() if key not in self._above]
         self._above = set(crossed)
@@ -225,7 +234,7 @@ class LeakDetector:
         elif step < self._next_step or self._cost > self.max_overhead * elapsed:
             return None  # not yet: the census would cost more than its share of the time
         cuda = self.probe.cuda(self.device)
-        self.history = (self.history + [tensor_census(step, cuda["allocated"] if cuda else None)])[-self.window:]
+        self.history = (self.history + [tensor_census(step, cuda["allocated"] if cuda else None)])[-self.window :]
         self._last_end = self.clock()
         self._cost = self._last_end - start
         self._next_step = step + self.every_steps
@@ -240,11 +249,12 @@ class LeakDetector:
         value = cuda["allocated"] if cuda else self.probe.rss_bytes()
         if self._window_start is None or now - self._window_start >= self.window_s:
             if self._window_start is not None:
-                self._window_maxes = (self._window_maxes + [self._window_max])[-(self.rising_windows + 1):]
+                self._window_maxes = (self._window_maxes + [self._window_max])[-(self.rising_windows + 1) :]
             self._window_start, self._window_max = now, value
             maxes = self._window_maxes
             rising = len(maxes) > self.rising_windows and all(
-                b - a > self.min_growth_bytes for a, b in zip(maxes, maxes[1:]))
+                b - a > self.min_growth_bytes for a, b in zip(maxes, maxes[1:])
+            )
             if rising and self.suspected_at_step is None:
                 self.suspected_at_step = step
         else:
@@ -269,14 +279,19 @@ class LeakDetector:
         first, last = self.history[0], self.history[-1]
         on_cuda = first.cuda_allocated_bytes is not None
         signals = ["cuda_allocated_bytes"] if on_cuda else ["graph_nodes", "num_tensors"]
-        growing = [s for s in signals if all(getattr(a, s) < getattr(b, s) for a, b in zip(self.history, self.history[1:]))]
+        growing = [
+            s for s in signals if all(getattr(a, s) < getattr(b, s) for a, b in zip(self.history, self.history[1:]))
+        ]
         if not growing:
             return None
         self.reported = True
         steps = max(last.step - first.step, 1)
         grown = (last.groups - first.groups).most_common(5)
-        added_bytes = (last.cuda_allocated_bytes - first.cuda_allocated_bytes if on_cuda
-                       else last.tensor_bytes - first.tensor_bytes)
+        added_bytes = (
+            last.cuda_allocated_bytes - first.cuda_allocated_bytes
+            if on_cuda
+            else last.tensor_bytes - first.tensor_bytes
+        )
         return {
             "signal": growing[0],
             "steps": [first.step, last.step],
@@ -286,8 +301,14 @@ class LeakDetector:
             "tensors_per_step": (last.num_tensors - first.num_tensors) / steps,
             "bytes_per_step": added_bytes / steps,
             "top_groups": [
-                {"shape": list(k[0]), "dtype": k[1], "device": k[2], "holds_graph": k[3], "added": n,
-                 "added_bytes": last.group_bytes[k] - first.group_bytes[k]}
+                {
+                    "shape": list(k[0]),
+                    "dtype": k[1],
+                    "device": k[2],
+                    "holds_graph": k[3],
+                    "added": n,
+                    "added_bytes": last.group_bytes[k] - first.group_bytes[k],
+                }
                 for k, n in grown
             ],
         }

@@ -51,8 +51,10 @@ class MetricSet:
         for i, entry in chosen:
             metric = build_target(entry.target, entry.args, f"metrics[{i}]")
             if not all(callable(getattr(metric, attr, None)) for attr in ("update", "compute", "reset")):
-                raise ConfigError(f"metrics[{i}].target={entry.target!r} returned a {type(metric).__name__} without "
-                                  "update/compute/reset; use a torchmetrics Metric class")
+                raise ConfigError(
+                    f"metrics[{i}].target={entry.target!r} returned a {type(metric).__name__} without "
+                    "update/compute/reset; use a torchmetrics Metric class"
+                )
             built[entry.name] = metric
         return cls(built, device, prefix=f"{on}_")
 
@@ -67,8 +69,10 @@ class MetricSet:
             value = metric.compute()
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
-                    raise ConfigError(f"metric '{name}' computes a tensor of shape {tuple(value.shape)}; configure it "
-                                      "to return one number (e.g. average='macro')")
+                    raise ConfigError(
+                        f"metric '{name}' computes a tensor of shape {tuple(value.shape)}; configure it "
+                        "to return one number (e.g. average='macro')"
+                    )
                 value = value.item()
             values[self.prefix + name] = float(value)
             metric.reset()

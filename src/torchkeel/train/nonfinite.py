@@ -39,9 +39,14 @@ def diagnose_nonfinite(
     """
     saved_grads = {name: p.grad for name, p in model.named_parameters()}
     result: dict[str, Any] = {
-        "first_module": None, "module_class": None, "module_input_nonfinite": None,
-        "input_nonfinite_samples": [], "target_nonfinite_samples": [], "loss_nonfinite": False,
-        "nonfinite_grads": [], "backward_anomaly": None,
+        "first_module": None,
+        "module_class": None,
+        "module_input_nonfinite": None,
+        "input_nonfinite_samples": [],
+        "target_nonfinite_samples": [],
+        "loss_nonfinite": False,
+        "nonfinite_grads": [],
+        "backward_anomaly": None,
     }
     try:
         with leaving_no_trace(model):  # RNG states and batch-norm statistics as they were
@@ -77,7 +82,9 @@ def _replay(model, batch, objective, precision, device, result) -> bool:
             handle.remove()
     result["loss_nonfinite"] = result["loss_nonfinite"] or not bool(torch.isfinite(loss).all())
     loss.backward()
-    bad = [name for name, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    bad = [
+        name for name, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+    ]
     result["nonfinite_grads"] = sorted(set(result["nonfinite_grads"]) | set(bad))
     if not (bad or result["loss_nonfinite"]):
         return False
@@ -136,6 +143,8 @@ def _summary(r: dict[str, Any]) -> str:
     if r["backward_anomaly"]:
         parts.append(f"backward: {r['backward_anomaly']}")
     if r["nonfinite_grads"]:
-        parts.append(f"non-finite gradients in {', '.join(r['nonfinite_grads'][:5])}"
-                     + (f" and {len(r['nonfinite_grads']) - 5} more" if len(r["nonfinite_grads"]) > 5 else ""))
+        parts.append(
+            f"non-finite gradients in {', '.join(r['nonfinite_grads'][:5])}"
+            + (f" and {len(r['nonfinite_grads']) - 5} more" if len(r["nonfinite_grads"]) > 5 else "")
+        )
     return "; ".join(parts) or "the replay was finite: the non-finite values did not reproduce"

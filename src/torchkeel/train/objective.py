@@ -88,8 +88,10 @@ class Objective:
             return float(num_samples(batch))
         if not isinstance(batch, Mapping) or self.count_key not in batch:
             keys = ", ".join(map(str, batch)) if isinstance(batch, Mapping) else type(batch).__name__
-            raise DataError(f"loss.count_key={self.count_key!r} is not a key of the batch ({keys}); "
-                            "name the batch key that counts the loss's elements")
+            raise DataError(
+                f"loss.count_key={self.count_key!r} is not a key of the batch ({keys}); "
+                "name the batch key that counts the loss's elements"
+            )
         count = batch[self.count_key]
         if not isinstance(count, torch.Tensor):
             return float(count)
@@ -98,7 +100,9 @@ class Objective:
             return float((labels != self.ignore_index).sum())  # CPU: no device sync
         return float(count.sum())
 
-    def __call__(self, model: torch.nn.Module, batch: Any, device: torch.device, non_blocking: bool = False) -> LossOutput:
+    def __call__(
+        self, model: torch.nn.Module, batch: Any, device: torch.device, non_blocking: bool = False
+    ) -> LossOutput:
         """Forward one micro-batch (still on the CPU as the loader gave it) and compute its loss."""
         if self.step_fn is not None:
             return _step_output(self.step_fn(model, to_device(batch, device, non_blocking)))
@@ -131,9 +135,11 @@ def _model_loss(model: torch.nn.Module, batch: Mapping[str, Any]) -> LossOutput:
     if loss is None and isinstance(out, Mapping):
         loss = out.get("loss")
     if not isinstance(loss, torch.Tensor):
-        raise DataError(f"a dict batch ({', '.join(map(str, batch))}) runs as model(**batch), and the model returned "
-                        f"{type(out).__name__} without a loss; put the labels in the batch (labels=...), or set "
-                        "loss.step_fn to compute the loss yourself")
+        raise DataError(
+            f"a dict batch ({', '.join(map(str, batch))}) runs as model(**batch), and the model returned "
+            f"{type(out).__name__} without a loss; put the labels in the batch (labels=...), or set "
+            "loss.step_fn to compute the loss yourself"
+        )
     logits = getattr(out, "logits", None)
     if logits is None and isinstance(out, Mapping):
         logits = out.get("logits")
@@ -150,7 +156,12 @@ def check_labels(outputs: Any, targets: Any, loss_fn: Any) -> None:
     """
     if not (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
         return
-    if targets.is_floating_point() or targets.dtype == torch.bool or targets.numel() == 0 or targets.device.type != "cpu":
+    if (
+        targets.is_floating_point()
+        or targets.dtype == torch.bool
+        or targets.numel() == 0
+        or targets.device.type != "cpu"
+    ):
         return  # a target already on the device is not checked: that would be a device sync
     is_plain = outputs.dim() == 2 and targets.dim() == 1
     if not (is_plain or (outputs.dim() == targets.dim() + 1 and _is_class_loss(loss_fn))):
@@ -169,7 +180,9 @@ def check_labels(outputs: Any, targets: Any, loss_fn: Any) -> None:
 
 def _is_class_loss(loss_fn: Any) -> bool:
     return isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)) or loss_fn in (
-        torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss)
+        torch.nn.functional.cross_entropy,
+        torch.nn.functional.nll_loss,
+    )
 
 
 def _step_output(result: Any) -> LossOutput:

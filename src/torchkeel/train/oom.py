@@ -41,7 +41,9 @@ def memory_figures(device: torch.device) -> str:
     """A short description of memory use on ``device`` for error messages."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return (f"allocated {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB, "
-                f"reserved {torch.cuda.memory_reserved(device) / 2**30:.2f} GiB, "
-                f"free {free / 2**30:.2f} of {total / 2**30:.2f} GiB")
+        return (
+            f"allocated {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB, "
+            f"reserved {torch.cuda.memory_reserved(device) / 2**30:.2f} GiB, "
+            f"free {free / 2**30:.2f} of {total / 2**30:.2f} GiB"
+        )
     return f"process RSS {rss_bytes() / 2**30:.2f} GiB"

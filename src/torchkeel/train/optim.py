@@ -17,9 +17,7 @@ def build_optimizer(cfg: OptimConfig, params: Sequence[torch.nn.Parameter]) -> t
     """``cfg.target`` (if set) or the built-in ``cfg.name``, with ``lr``, ``weight_decay`` and ``args``."""
     common = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
     if cfg.target is not None:
-        optimizer = build_target(
-            cfg.target, cfg.args, "optim", call_args=(list(params),), call_kwargs=common
-        )
+        optimizer = build_target(cfg.target, cfg.args, "optim", call_args=(list(params),), call_kwargs=common)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
                 f"optim.target={cfg.target!r} returned {type(optimizer).__name__}; "

@@ -76,8 +76,6 @@ def make_precision(name: str, device: torch.device) -> Precision:
     scaler = None
     if name == "fp16":
         if device.type != "cuda":
-            raise ConfigError(
-                f"precision fp16 needs a CUDA device (got {device.type}); use precision=bf16"
-            )
+            raise ConfigError(f"precision fp16 needs a CUDA device (got {device.type}); use precision=bf16")
         scaler = torch.amp.GradScaler("cuda")
     return Precision(device_type=device.type, dtype=dtype, scaler=scaler)

@@ -65,19 +65,36 @@ class Protections:
     the run waits on its input.
     """
 
-    def __init__(self, cfg: KeelConfig, parts: TrainingParts, objective: Objective, precision: Precision,
-                 device: torch.device, num_workers: int, memory_probe: MemoryProbe | None = None) -> None:
+    def __init__(
+        self,
+        cfg: KeelConfig,
+        parts: TrainingParts,
+        objective: Objective,
+        precision: Precision,
+        device: torch.device,
+        num_workers: int,
+        memory_probe: MemoryProbe | None = None,
+    ) -> None:
         g, mem = cfg.guard, cfg.memory
         self.cfg, self.parts, self.objective, self.precision, self.device = cfg, parts, objective, precision, device
         self.num_workers = num_workers
         self.guard = NonFiniteGuard(g.on_nonfinite, g.max_consecutive, g.lr_backoff, g.max_rollbacks)
         self.spikes = SpikeDetector(g.spike_factor) if g.spike_factor else None
-        self.memory = MemoryMonitor(device, warn_rss_gb=mem.warn_rss_gb, warn_cuda_fraction=mem.warn_cuda_fraction,
-                                    probe=memory_probe)
-        self.leaks = LeakDetector(
-            every_steps=mem.leak_every_steps, warmup_steps=mem.leak_warmup_steps, window=mem.leak_window,
-            max_overhead=mem.leak_max_overhead, device=device, probe=memory_probe,
-        ) if mem.leak_check else None
+        self.memory = MemoryMonitor(
+            device, warn_rss_gb=mem.warn_rss_gb, warn_cuda_fraction=mem.warn_cuda_fraction, probe=memory_probe
+        )
+        self.leaks = (
+            LeakDetector(
+                every_steps=mem.leak_every_steps,
+                warmup_steps=mem.leak_warmup_steps,
+                window=mem.leak_window,
+                max_overhead=mem.leak_max_overhead,
+                device=device,
+                probe=memory_probe,
+            )
+            if mem.leak_check
+            else None
+        )
         self.input_bound = InputBoundDetector()
         self.diagnosis: dict[str, Any] | None = None  # of the first non-finite step
         # The two latest good states: a rollback returns to the older one, since by the time a
@@ -90,8 +107,9 @@ class Protections:
         if self.cfg.guard.enabled and self.cfg.guard.snapshot_every:
             p = self.parts
             reuse = self.snapshots[0] if len(self.snapshots) == 2 else None
-            taken = Snapshot.take(step, reuse, model=p.model, optimizer=p.optimizer, scheduler=p.scheduler,
-                                  scaler=p.scaler)
+            taken = Snapshot.take(
+                step, reuse, model=p.model, optimizer=p.optimizer, scheduler=p.scheduler, scaler=p.scaler
+            )
             self.snapshots = [*self.snapshots[-1:], taken]
 
     def after_step(self, result: StepResult, group: Sequence[Any], step: int, wait_s: float) -> Observed:
@@ -103,14 +121,25 @@ class Protections:
         add = found.incidents.append
         waiting = self.input_bound.observe(wait_s)
         if waiting is not None:
-            add(Incident("input_bound", f"input-bound: {waiting['wait_fraction']:.0%} of the time went to waiting "
-                         f"for the next batch ({waiting['wait_s_per_step'] * 1e3:.1f} ms a step, the step itself "
-                         f"{waiting['compute_s_per_step'] * 1e3:.1f} ms); raise data.num_workers (now "
-                         f"{self.num_workers}), make __getitem__ cheaper, or cache the decoded data", waiting))
+            add(
+                Incident(
+                    "input_bound",
+                    f"input-bound: {waiting['wait_fraction']:.0%} of the time went to waiting "
+                    f"for the next batch ({waiting['wait_s_per_step'] * 1e3:.1f} ms a step, the step itself "
+                    f"{waiting['compute_s_per_step'] * 1e3:.1f} ms); raise data.num_workers (now "
+                    f"{self.num_workers}), make __getitem__ cheaper, or cache the decoded data",
+                    waiting,
+                )
+            )
         if result.num_oom_splits:
-            add(Incident("oom_split", f"out of memory: the step was redone in micro-batches of "
-                         f"{result.micro_batch_size} samples, kept for the following steps",
-                         {"micro_batch_size": result.micro_batch_size, "splits": result.num_oom_splits}))
+            add(
+                Incident(
+                    "oom_split",
+                    f"out of memory: the step was redone in micro-batches of "
+                    f"{result.micro_batch_size} samples, kept for the following steps",
+                    {"micro_batch_size": result.micro_batch_size, "splits": result.num_oom_splits},
+                )
+            )
         if result.status == "nonfinite":
             self._on_nonfinite(group, found)
         else:
@@ -121,8 +150,14 @@ class Protections:
         if self.spikes is not None and result.loss_value is not None:
             average = self.spikes.observe(result.loss_value)
             if average is not None:
-                add(Incident("spike", f"loss {result.loss_value:.4g} is above {self.spikes.factor} x its "
-                             f"running average {average:.4g}", {"loss": result.loss_value, "average": average}))
+                add(
+                    Incident(
+                        "spike",
+                        f"loss {result.loss_value:.4g} is above {self.spikes.factor} x its "
+                        f"running average {average:.4g}",
+                        {"loss": result.loss_value, "average": average},
+                    )
+                )
         every = self.cfg.memory.every_steps
         if every and step % every == 0:
             stats, warnings = self.memory.sample()
@@ -138,24 +173,35 @@ class Protections:
         p = self.parts
         if self.cfg.guard.diagnose and self.diagnosis is None:  # the first non-finite step only
             diagnosis = self.diagnosis = diagnose_nonfinite(
-                p.model, group, self.objective, precision=self.precision, device=self.device)
+                p.model, group, self.objective, precision=self.precision, device=self.device
+            )
         action = self.guard.observe(False, can_roll_back=bool(self.snapshots))
-        found.incidents.append(Incident("nonfinite", f"non-finite loss or gradients: step skipped ({action.value})"
-                          + (f"; {diagnosis['summary']}" if diagnosis else ""),
-                          {"action": action.value, "diagnosis": diagnosis}))
+        found.incidents.append(
+            Incident(
+                "nonfinite",
+                f"non-finite loss or gradients: step skipped ({action.value})"
+                + (f"; {diagnosis['summary']}" if diagnosis else ""),
+                {"action": action.value, "diagnosis": diagnosis},
+            )
+        )
         if action is Action.ROLLBACK:
             del self.snapshots[1:]
             good = self.snapshots[0]
             good.restore(model=p.model, optimizer=p.optimizer, scheduler=p.scheduler, scaler=p.scaler)
             apply_lr_scale(p.scheduler, p.optimizer, self.guard.lr_scale)
-            found.incidents.append(Incident("rollback", f"rolled back to the state of step {good.step}; learning rate "
-                                  f"scaled to {self.guard.lr_scale:g} x",
-                                  {"to_step": good.step, "lr_scale": self.guard.lr_scale}))
+            found.incidents.append(
+                Incident(
+                    "rollback",
+                    f"rolled back to the state of step {good.step}; learning rate scaled to {self.guard.lr_scale:g} x",
+                    {"to_step": good.step, "lr_scale": self.guard.lr_scale},
+                )
+            )
         elif action is Action.FAIL:
             first = self.diagnosis["summary"] if self.diagnosis else "no diagnosis"
             found.error = TrainingDiverged(
                 f"training diverged: {self.guard.num_skipped} non-finite steps, {self.guard.num_rollbacks} "
-                f"rollbacks; {first}. Lower optim.lr, check the data and incidents.jsonl", self.diagnosis,
+                f"rollbacks; {first}. Lower optim.lr, check the data and incidents.jsonl",
+                self.diagnosis,
             )
 
     def state_dict(self) -> dict[str, Any]:
@@ -169,11 +215,19 @@ class Protections:
 
 def _leak_incident(finding: dict[str, Any]) -> Incident:
     top = finding["top_groups"][0] if finding["top_groups"] else None
-    what = f"; most added: {top['added']} tensors of shape {top['shape']} {top['dtype']}" + (
-        " holding autograd graphs" if top["holds_graph"] else "") if top else ""
-    return Incident("leak", f"memory grows every census ({finding['signal']}): "
-                    f"{finding['graph_nodes_per_step']:.1f} graph nodes and {finding['tensors_per_step']:.2f} "
-                    f"tensors per step{what} — a tensor kept across steps (total_loss += loss?)", finding)
+    what = (
+        f"; most added: {top['added']} tensors of shape {top['shape']} {top['dtype']}"
+        + (" holding autograd graphs" if top["holds_graph"] else "")
+        if top
+        else ""
+    )
+    return Incident(
+        "leak",
+        f"memory grows every census ({finding['signal']}): "
+        f"{finding['graph_nodes_per_step']:.1f} graph nodes and {finding['tensors_per_step']:.2f} "
+        f"tensors per step{what} — a tensor kept across steps (total_loss += loss?)",
+        finding,
+    )
 
 
 class BadSampleReport:
@@ -198,9 +252,14 @@ class BadSampleReport:
             if rank != self.job.rank.rank:
                 loader.bad.add_others(bad)
             for where, error in bad:
-                found.incidents.append(Incident("bad_sample", f"skipped a bad sample: {where}: {error}",
-                                                {"where": where, "error": error, "rank": rank},
-                                                quiet=where in self.shown))
+                found.incidents.append(
+                    Incident(
+                        "bad_sample",
+                        f"skipped a bad sample: {where}: {error}",
+                        {"where": where, "error": error, "rank": rank},
+                        quiet=where in self.shown,
+                    )
+                )
                 self.shown.add(where)
         try:
             loader.bad.check()

@@ -13,11 +13,28 @@ from torchkeel.config.load import config_hash
 from torchkeel.errors import ConfigError
 
 # What a run computes: a change here means the resumed run is no longer the uninterrupted one.
-EXACT = ("seed", "deterministic", "precision", "model", "data", "loss", "optim", "schedule", "train.batch_size",
-         "train.accumulate", "train.clip_grad_norm")
+EXACT = (
+    "seed",
+    "deterministic",
+    "precision",
+    "model",
+    "data",
+    "loss",
+    "optim",
+    "schedule",
+    "train.batch_size",
+    "train.accumulate",
+    "train.clip_grad_norm",
+)
 # ... except how data is loaded, not which: these never change the batches.
-NOT_EXACT = ("data.num_workers", "data.prefetch_factor", "data.max_bad_fraction", "data.val", "model.init_from",
-             "model.init_strict")
+NOT_EXACT = (
+    "data.num_workers",
+    "data.prefetch_factor",
+    "data.max_bad_fraction",
+    "data.val",
+    "model.init_from",
+    "model.init_strict",
+)
 # The schedule is planned over the run's length: a change re-plans the learning rate from here.
 REPLANS = ("train.max_epochs", "train.max_steps")
 
@@ -39,7 +56,9 @@ def find_checkpoint(store: CheckpointStore, resume: str | Path, warn: Callable[[
     return found
 
 
-def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+def config_changes(
+    saved: Mapping[str, Any], current: Mapping[str, Any], prefix: str = ""
+) -> list[tuple[str, Any, Any]]:
     """``(dotted key, saved value, current value)`` for every key that differs, deepest keys first named."""
     changes = []
     for key in sorted(set(saved) | set(current)):
@@ -54,14 +73,16 @@ def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any], prefix:
 
 def breaks_exactness(key: str) -> bool:
     """Whether a change of ``key`` changes what the resumed run computes (data, model, batch, seed…)."""
+
     def within(prefixes: tuple[str, ...]) -> bool:
         return any(key == p or key.startswith(p + ".") for p in prefixes)
 
     return within(EXACT) and not within(NOT_EXACT)
 
 
-def check_resume_config(manifest: Mapping[str, Any], current: Mapping[str, Any], *, allow: bool,
-                        checkpoint: str | Path) -> list[str]:
+def check_resume_config(
+    manifest: Mapping[str, Any], current: Mapping[str, Any], *, allow: bool, checkpoint: str | Path
+) -> list[str]:
     """Compare the config of a resume with the one in its checkpoint's manifest.
 
     Returns the lines to print: every differing key, old → new. A change that breaks
@@ -73,16 +94,20 @@ def check_resume_config(manifest: Mapping[str, Any], current: Mapping[str, Any],
     saved = manifest.get("config")
     if saved is None:  # a checkpoint from before configs were kept in the manifest: only its hash
         if manifest.get("config_hash") not in (None, config_hash(current)):
-            return [f"the config differs from the one checkpoint '{checkpoint}' was saved with (which keys, a "
-                    "checkpoint this old does not say)"]
+            return [
+                f"the config differs from the one checkpoint '{checkpoint}' was saved with (which keys, a "
+                "checkpoint this old does not say)"
+            ]
         return []
     changes = config_changes(saved, current)
     breaking = [key for key, _, _ in changes if breaks_exactness(key)]
     if breaking and not allow:
         shown = "; ".join(f"{k}: {_short(o)} -> {_short(n)}" for k, o, n in changes if k in breaking)
-        raise ConfigError(f"--resume: the config differs from checkpoint '{checkpoint}' in what the run computes "
-                          f"({shown}); resume with the checkpoint's config, start a new run (another name), "
-                          "or pass --allow-config-change to continue anyway (no longer the uninterrupted run)")
+        raise ConfigError(
+            f"--resume: the config differs from checkpoint '{checkpoint}' in what the run computes "
+            f"({shown}); resume with the checkpoint's config, start a new run (another name), "
+            "or pass --allow-config-change to continue anyway (no longer the uninterrupted run)"
+        )
     lines = []
     for key, old, new in changes:
         note = ""

@@ -45,8 +45,9 @@ class PreviousRun:
         self.aside.rename(self.run_dir)
 
 
-def prepare_run_dir(out_dir: str | Path, name: str, *, overwrite: bool = False,
-                    resume: bool = False) -> tuple[Path, PreviousRun | None]:
+def prepare_run_dir(
+    out_dir: str | Path, name: str, *, overwrite: bool = False, resume: bool = False
+) -> tuple[Path, PreviousRun | None]:
     """Create ``out_dir/name``; return it and, after ``overwrite`` replaced a run, that run set aside.
 
     With ``resume`` an existing run directory is reused.
@@ -108,15 +109,15 @@ class RunFiles:
         self._start = time.perf_counter()
         self.summary: dict[str, Any] = {}
 
-    def open(self, config: dict[str, Any], *, resume: bool, resume_step: int | None, overwrite: bool,
-             logging: Any) -> None:
+    def open(
+        self, config: dict[str, Any], *, resume: bool, resume_step: int | None, overwrite: bool, logging: Any
+    ) -> None:
         """Create (or reuse, on a resume) the directory; drop rows a killed run wrote after ``resume_step``."""
         self._start = time.perf_counter()
         if not self.is_main:
             return
         text = yaml.safe_dump(config, sort_keys=False)
-        _, self._previous = prepare_run_dir(self.run_dir.parent, self.run_dir.name, overwrite=overwrite,
-                                            resume=resume)
+        _, self._previous = prepare_run_dir(self.run_dir.parent, self.run_dir.name, overwrite=overwrite, resume=resume)
         write_text_atomic(self.run_dir / "config.yaml", text)
         for name in ("metrics.jsonl", "incidents.jsonl"):
             drop_rows_after(self.run_dir / name, resume_step or 0)
@@ -198,7 +199,9 @@ class RunFiles:
         return True
 
     @contextmanager
-    def ending(self, totals: Callable[[], dict[str, Any]], distinct: Callable[[], dict[str, int]]) -> Iterator[dict[str, Any]]:
+    def ending(
+        self, totals: Callable[[], dict[str, Any]], distinct: Callable[[], dict[str, int]]
+    ) -> Iterator[dict[str, Any]]:
         """Around a run: yields its summary for the block to set ``status`` in; however the block
         ends, ``summary.json`` gets the status (``failed`` with ``error``, ``interrupted``) and
         ``totals()``, and the run ``--overwrite`` set aside is discarded or put back."""
@@ -218,7 +221,10 @@ class RunFiles:
         finally:
             self.summary = self.close({**summary, **totals()}, distinct())
             if self.settle(self.summary["status"]) and error is not None:
-                error.__notes__ = [*getattr(error, "__notes__", []), f"the previous run was put back in '{self.run_dir}'"]
+                error.__notes__ = [
+                    *getattr(error, "__notes__", []),
+                    f"the previous run was put back in '{self.run_dir}'",
+                ]
 
     def close(self, summary: dict[str, Any], distinct: dict[str, int] | None = None) -> dict[str, Any]:
         """Print the incidents' line, close the loggers and write ``summary.json``; returns ``summary``."""

@@ -73,8 +73,17 @@ def train_row(result: Any, counters: Any, lr: float, samples_per_s: float, score
     metrics = {k: v.item() for k, v in (result.metrics or {}).items()}  # host sync, log steps only
     if scores is not None:
         metrics.update(scores.compute())
-    return {"kind": "train", "step": counters.step, "epoch": counters.epoch, "loss": loss, "lr": lr,
-            "grad_norm": grad_norm, "samples": counters.samples, "samples_per_s": samples_per_s, **metrics}
+    return {
+        "kind": "train",
+        "step": counters.step,
+        "epoch": counters.epoch,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "samples": counters.samples,
+        "samples_per_s": samples_per_s,
+        **metrics,
+    }
 
 
 class Throughput:
@@ -99,13 +108,17 @@ class Progress:
     ``initial``: the step a resumed run starts at (the bar counts from there).
     """
 
-    def __init__(self, total_steps: int, *, enabled: bool = True, stream: TextIO | None = None,
-                 initial: int = 0) -> None:
+    def __init__(
+        self, total_steps: int, *, enabled: bool = True, stream: TextIO | None = None, initial: int = 0
+    ) -> None:
         self.stream = stream or sys.stderr
         self.enabled = enabled
         self.is_tty = enabled and self.stream.isatty()
-        self.bar = tqdm(total=total_steps, initial=initial, file=self.stream, unit="step",
-                        dynamic_ncols=True) if self.is_tty else None
+        self.bar = (
+            tqdm(total=total_steps, initial=initial, file=self.stream, unit="step", dynamic_ncols=True)
+            if self.is_tty
+            else None
+        )
         self.total_steps = total_steps
 
     def advance(self, steps: int) -> None:

@@ -61,9 +61,7 @@ def build_scheduler(
 
 
 def _factor(step: int, *, warmup_steps: int, total_steps: int, decay: str, min_ratio: float) -> float:
-    return lr_at(
-        step, lr=1.0, warmup_steps=warmup_steps, total_steps=total_steps, decay=decay, min_lr=min_ratio
-    )
+    return lr_at(step, lr=1.0, warmup_steps=warmup_steps, total_steps=total_steps, decay=decay, min_lr=min_ratio)
 
 
 def end_at_floor(scheduler: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer) -> None:

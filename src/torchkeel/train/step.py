@@ -118,8 +118,21 @@ def train_step(
             seen.clear()
         if sync is not None:  # every rank tries; all redo the step if any ran out of memory
             sums, micro_batch_size, agreed, redo = _synced(
-                model, group, sizes, weights, objective, precision, device, micro_batch_size, before_forward,
-                params, sync, split_on_oom, agree, seen)
+                model,
+                group,
+                sizes,
+                weights,
+                objective,
+                precision,
+                device,
+                micro_batch_size,
+                before_forward,
+                params,
+                sync,
+                split_on_oom,
+                agree,
+                seen,
+            )
             if not redo:
                 break
             optimizer.zero_grad(set_to_none=True)
@@ -127,8 +140,18 @@ def train_step(
             continue
         try:
             sums = _forward_backward(
-                model, group, sizes, weights, objective, precision, device, micro_batch_size, before_forward, params,
-                seen=seen)
+                model,
+                group,
+                sizes,
+                weights,
+                objective,
+                precision,
+                device,
+                micro_batch_size,
+                before_forward,
+                params,
+                seen=seen,
+            )
             agreed = list(agree()) if agree is not None else []
             break
         except torch.OutOfMemoryError:
@@ -146,7 +169,8 @@ def train_step(
     if check_finite:
         # Host sync, the one per step: may this step be applied? Loss and norm come along.
         (loss_value, norm_value), (loss_ok, grads_ok) = read_finite(
-            torch.stack([loss_sum, grad_norm.float()]), agreed=sync is not None)
+            torch.stack([loss_sum, grad_norm.float()]), agreed=sync is not None
+        )
         if not (loss_ok and grads_ok):
             status = "overflow" if loss_ok and precision.scaler is not None else "nonfinite"
     if status == "nonfinite":
@@ -160,10 +184,17 @@ def train_step(
         for outputs, targets in seen:
             on_outputs(outputs, targets)
     return StepResult(
-        loss=loss_sum, grad_norm=grad_norm, num_samples=sum(sizes) if sync is None else sync.samples,
-        num_micro_batches=len(group), status=status,
-        loss_value=loss_value, grad_norm_value=norm_value, micro_batch_size=micro_batch_size,
-        num_oom_splits=num_splits, metrics=sums.metrics, agreed=agreed,
+        loss=loss_sum,
+        grad_norm=grad_norm,
+        num_samples=sum(sizes) if sync is None else sync.samples,
+        num_micro_batches=len(group),
+        status=status,
+        loss_value=loss_value,
+        grad_norm_value=norm_value,
+        micro_batch_size=micro_batch_size,
+        num_oom_splits=num_splits,
+        metrics=sums.metrics,
+        agreed=agreed,
     )
 
 
@@ -200,8 +231,20 @@ def _synced(
     sums = None
     try:
         sums = _forward_backward(
-            model, group, sizes, weights, objective, precision, device, micro_batch_size, before_forward, params,
-            sync=sync, pieces_per_batch=per_batch, seen=seen)
+            model,
+            group,
+            sizes,
+            weights,
+            objective,
+            precision,
+            device,
+            micro_batch_size,
+            before_forward,
+            params,
+            sync=sync,
+            pieces_per_batch=per_batch,
+            seen=seen,
+        )
     except torch.OutOfMemoryError:
         oom = True
     if oom:
@@ -209,8 +252,19 @@ def _synced(
         free_memory(device)
         empty = [empty_like_batch(batch) for batch in group]
         sums = _forward_backward(
-            model, empty, [0] * len(group), [0.0] * len(group), objective, precision, device, micro_batch_size,
-            None, params, sync=sync, pieces_per_batch=per_batch)
+            model,
+            empty,
+            [0] * len(group),
+            [0.0] * len(group),
+            objective,
+            precision,
+            device,
+            micro_batch_size,
+            None,
+            params,
+            sync=sync,
+            pieces_per_batch=per_batch,
+        )
         proposal = max(sizes) if micro_batch_size is None else micro_batch_size
         proposal = smaller_size(proposal, device) if proposal > 1 else 0
     else:
@@ -226,8 +280,10 @@ def _synced(
         if not split_on_oom:
             raise torch.OutOfMemoryError(f"out of memory on rank {', '.join(map(str, failed))} (oom.auto_split is off)")
         if min(proposals) == 0:
-            raise SampleTooLarge(f"out of memory with a micro-batch of one sample on rank {failed[0]}; use a smaller "
-                                 "model, lower precision (bf16) or dist.activation_checkpointing")
+            raise SampleTooLarge(
+                f"out of memory with a micro-batch of one sample on rank {failed[0]}; use a smaller "
+                "model, lower precision (bf16) or dist.activation_checkpointing"
+            )
         return sums, int(min(proposals)), agreed, True
     factor = sync.world_size * sync.nominal / max(sum(counts), 1e-12)
     if factor != 1.0:
@@ -290,8 +346,9 @@ def _forward_backward(
                 offset += n
                 if n:
                     if summed is not None and summed != out.is_sum:
-                        raise ValueError("loss.step_fn returned a mean for one micro-batch and a (sum, count) for "
-                                         "another")
+                        raise ValueError(
+                            "loss.step_fn returned a mean for one micro-batch and a (sum, count) for another"
+                        )
                     summed = out.is_sum
                     if seen is not None:
                         outputs = out.outputs.detach() if isinstance(out.outputs, torch.Tensor) else out.outputs

@@ -56,11 +56,22 @@ class Trainer:
         print(summary["status"], summary["val_accuracy"])
     """
 
-    def __init__(self, config: KeelConfig, *, model: torch.nn.Module | None = None, train_data: Any = None,
-                 val_data: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                 resume: str | Path | None = None, allow_config_change: bool = False, overwrite: bool = False,
-                 progress: bool = True, checkpoint_hook: PointHook | None = None,
-                 oom_hook: Callable[[int], None] | None = None, memory_probe: MemoryProbe | None = None) -> None:
+    def __init__(
+        self,
+        config: KeelConfig,
+        *,
+        model: torch.nn.Module | None = None,
+        train_data: Any = None,
+        val_data: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        resume: str | Path | None = None,
+        allow_config_change: bool = False,
+        overwrite: bool = False,
+        progress: bool = True,
+        checkpoint_hook: PointHook | None = None,
+        oom_hook: Callable[[int], None] | None = None,
+        memory_probe: MemoryProbe | None = None,
+    ) -> None:
         self.config, self.rank = (cfg := config.validate()), RankInfo.from_env()
         self.device = resolve_device(cfg.device, self.rank)
         self.precision = make_precision(cfg.precision, self.device)
@@ -155,7 +166,8 @@ class Trainer:
             self._ahead = Lookahead(groups)
             for group, at_epoch_end in self._ahead:
                 is_last = (at_epoch_end and c.epoch + 1 == train.max_epochs) or (
-                    train.max_steps is not None and c.step + 1 == train.max_steps)
+                    train.max_steps is not None and c.step + 1 == train.max_steps
+                )
                 if is_last and c.step + 1 < self.total_steps:
                     end_at_floor(self.scheduler, self.optimizer)  # fewer steps than planned (bad samples)
                 is_log = (c.step + 1) % train.log_every == 0 or is_last
@@ -211,8 +223,9 @@ class Trainer:
         """``train_step`` with the run's settings; a label out of range is named with its sample."""
         fitted = self.counters.micro_batch_size
         try:
-            return train_step(self.forward_model, self.optimizer, group, self.objective, micro_batch_size=fitted,
-                              **self.step_options)
+            return train_step(
+                self.forward_model, self.optimizer, group, self.objective, micro_batch_size=fitted, **self.step_options
+            )
         except LabelOutOfRange as exc:
             origin = self.train_loader.origin(group[exc.micro_batch], exc.sample)
             exc.add_note(f"step {self.counters.step + 1}, micro-batch {exc.micro_batch}: {origin or 'origin unknown'}")
@@ -229,9 +242,15 @@ class Trainer:
             return
         with self.job.watch("validation", c.step):
             model = self.ema.module if self.ema is not None else self.job.evaluation_model(self.model)
-            c.val_metrics = evaluate(model, self.job.batches(self.val_loader.epoch(0), self.val_loader.streaming),
-                                     self.objective, device=self.device, precision=self.precision, across_ranks=True,
-                                     metrics=self.val_scores)
+            c.val_metrics = evaluate(
+                model,
+                self.job.batches(self.val_loader.epoch(0), self.val_loader.streaming),
+                self.objective,
+                device=self.device,
+                precision=self.precision,
+                across_ranks=True,
+                metrics=self.val_scores,
+            )
             self.files.record(self.counters.step, self.bad_samples.collect(self.val_loader))
         self.files.log({"kind": "val", "step": c.step, "epoch": c.epoch, **c.val_metrics})
 
@@ -244,8 +263,9 @@ class Trainer:
         if self.stopper is None or self.val_loader is None:
             return False
         # A mid-epoch validation at the epoch's last batch leaves the save to the epoch end.
-        save, self._best_unsaved = self.stopper.after(self.counters.val_metrics, self.counters.step,
-                                                      defer=at_epoch_end and bool(self.config.train.val_every))
+        save, self._best_unsaved = self.stopper.after(
+            self.counters.val_metrics, self.counters.step, defer=at_epoch_end and bool(self.config.train.val_every)
+        )
         if save:
             self._save()
         if self.stopper.stop_reason:

@@ -72,10 +72,16 @@ def evaluate(
     if metrics is not None:
         is_classification = False
     names = sorted(metric_sums)
-    sums = torch.stack([loss_sum, torch.as_tensor(count, device=device).double(), correct.double(),
-                        torch.tensor(float(samples), device=device, dtype=torch.float64),
-                        torch.tensor(float(not is_classification), device=device, dtype=torch.float64),
-                        *[metric_sums[name].double() for name in names]])
+    sums = torch.stack(
+        [
+            loss_sum,
+            torch.as_tensor(count, device=device).double(),
+            correct.double(),
+            torch.tensor(float(samples), device=device, dtype=torch.float64),
+            torch.tensor(float(not is_classification), device=device, dtype=torch.float64),
+            *[metric_sums[name].double() for name in names],
+        ]
+    )
     if across_ranks and dist.is_available() and dist.is_initialized():
         dist.all_reduce(sums)
     values = sums.tolist()  # host sync, once per validation

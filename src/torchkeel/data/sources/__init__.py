@@ -53,7 +53,9 @@ class Source(Protocol):
     def units(self) -> list[Unit]:
         """The units of work, each with its number of samples."""
 
-    def read(self, unit: int, first: int, rng: np.random.Generator | None, *, as_samples: bool) -> Iterator[Rows | Sample | Bad]:
+    def read(
+        self, unit: int, first: int, rng: np.random.Generator | None, *, as_samples: bool
+    ) -> Iterator[Rows | Sample | Bad]:
         """Unit ``unit`` in its seeded order (``rng``; ``None``: file order), from position
         ``first`` to its end."""
 

@@ -60,8 +60,10 @@ class ParquetSource:
             raise MissingExtraError("data", "pyarrow", "format: parquet") from None
         self.paths = expand_paths(paths, key, ".parquet")
         if (input is None) == (not columns):
-            raise ConfigError("data.input or data.columns (not both): the feature columns of (input, target) "
-                              "samples, or the columns of dict samples")
+            raise ConfigError(
+                "data.input or data.columns (not both): the feature columns of (input, target) "
+                "samples, or the columns of dict samples"
+            )
         self.input = [] if input is None else [input] if isinstance(input, str) else list(input)
         self.keys = list(columns or [])
         self.target = target
@@ -70,13 +72,19 @@ class ParquetSource:
         self.fixed_length = fixed_length
         dataset = ds.dataset(self.paths, format="parquet")
         names = set(dataset.schema.names)
-        for what, column in [*(("input", c) for c in self.input), *(("columns", c) for c in self.keys),
-                             ("target", target), ("bucket_by", bucket_by)]:
+        for what, column in [
+            *(("input", c) for c in self.input),
+            *(("columns", c) for c in self.keys),
+            ("target", target),
+            ("bucket_by", bucket_by),
+        ]:
             if column is not None and column not in names:
-                raise ConfigError(f"data.{what}: column '{column}' is not in '{self.paths[0]}' "
-                                  f"(columns: {', '.join(sorted(names))})")
-        self.columns = list(dict.fromkeys([*self.input, *self.keys, *([target] if target else []),
-                                           *([bucket_by] if bucket_by else [])]))
+                raise ConfigError(
+                    f"data.{what}: column '{column}' is not in '{self.paths[0]}' (columns: {', '.join(sorted(names))})"
+                )
+        self.columns = list(
+            dict.fromkeys([*self.input, *self.keys, *([target] if target else []), *([bucket_by] if bucket_by else [])])
+        )
         self._units: list[Unit] = []
         self._groups: list[tuple[int, int, int]] = []  # (file, row group, first row in the file)
         for file_index, fragment in enumerate(dataset.get_fragments()):
@@ -100,7 +108,9 @@ class ParquetSource:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fragments": None}
 
-    def read(self, unit: int, first: int, rng: np.random.Generator | None, *, as_samples: bool) -> Iterator[Rows | Sample | Bad]:
+    def read(
+        self, unit: int, first: int, rng: np.random.Generator | None, *, as_samples: bool
+    ) -> Iterator[Rows | Sample | Bad]:
         table = self._read_table(unit)
         n = table.num_rows
         order = self._order(table, rng)
@@ -128,8 +138,9 @@ class ParquetSource:
             x = ragged[i] if ragged is not None else inputs[i]
             yield Sample(x if targets is None else (x, targets[i]), pos + 1, self.where(unit, row))
 
-    def _dicts(self, table: Any, unit: int, positions: np.ndarray, rows: np.ndarray,
-               as_samples: bool) -> Iterator[Rows | Sample]:
+    def _dicts(
+        self, table: Any, unit: int, positions: np.ndarray, rows: np.ndarray, as_samples: bool
+    ) -> Iterator[Rows | Sample]:
         """Dict samples of ``keys``: one block when every column is regular, else row by row."""
         parts = {name: self._column_tensor(table, [name], rows) for name in self.keys}
         if not as_samples and all(ragged is None for _, ragged in parts.values()):
@@ -175,11 +186,16 @@ class ParquetSource:
                 if len(values) > 1:
                     common = int(values[np.argmax(counts)])
                     for row in np.flatnonzero(lengths != common).tolist():
-                        reasons.setdefault(row, f"column '{name}' holds {int(lengths[row])} values in this "
-                                                f"row, {common} in the others of its row group")
+                        reasons.setdefault(
+                            row,
+                            f"column '{name}' holds {int(lengths[row])} values in this "
+                            f"row, {common} in the others of its row group",
+                        )
         return reasons
 
-    def _column_tensor(self, table: Any, names: list[str], rows: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    def _column_tensor(
+        self, table: Any, names: list[str], rows: np.ndarray
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """Rows ``rows`` of ``names`` as one tensor ``[rows, features]`` (or ``[rows]`` for one
         scalar column); a ragged list column comes back as a list of tensors instead."""
         import pyarrow as pa
@@ -195,7 +211,7 @@ class ParquetSource:
                 index = offsets[rows][:, None] + np.arange(wanted[0])
                 return torch.from_numpy(values[index]), None
             values = values if values.flags.writeable else values.copy()  # slices of Arrow's buffer are read-only
-            return torch.empty(0), [torch.from_numpy(values[offsets[r]:offsets[r + 1]]) for r in rows.tolist()]
+            return torch.empty(0), [torch.from_numpy(values[offsets[r] : offsets[r + 1]]) for r in rows.tolist()]
         arrays = [_numpy(c) for c in columns]
         if len(arrays) == 1:
             return torch.from_numpy(arrays[0][rows]), None
@@ -212,7 +228,9 @@ def _without_nulls(array: Any) -> Any:
     import pyarrow as pa
 
     kind = array.type
-    if not array.null_count or not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
+    if not array.null_count or not (
+        pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+    ):
         return array  # list columns: flatten() leaves null entries out
     return array.fill_null(pa.scalar(False if pa.types.is_boolean(kind) else 0, type=kind))
 

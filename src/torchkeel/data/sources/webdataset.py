@@ -68,7 +68,9 @@ class WebDatasetSource:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_decoder": None}
 
-    def read(self, unit: int, first: int, rng: np.random.Generator | None, *, as_samples: bool = True) -> Iterator[Sample | Bad]:
+    def read(
+        self, unit: int, first: int, rng: np.random.Generator | None, *, as_samples: bool = True
+    ) -> Iterator[Sample | Bad]:
         path = self.paths[unit]
         position = 0
         raw = _raw_samples(path)
@@ -88,8 +90,11 @@ class WebDatasetSource:
                     yield Bad(where, f"{what}{type(cause).__name__}: {first_line(cause)}", position)
         except (tarfile.TarError, OSError, ValueError) as exc:
             # The shard itself is damaged: the samples after this point cannot be read.
-            yield Bad(f"{path} after sample {position}", f"{type(exc).__name__}: {first_line(exc)}",
-                      self._units[unit].num_samples)
+            yield Bad(
+                f"{path} after sample {position}",
+                f"{type(exc).__name__}: {first_line(exc)}",
+                self._units[unit].num_samples,
+            )
 
     def _decode(self, sample: dict[str, Any]) -> dict[str, Any]:
         if self._decoder is None:

@@ -48,8 +48,11 @@ class BackwardListener:
         if not light:
             probe.guarded(self._before_backward, loss_finite)
         traced = facts.backward_calls < 50 or facts.backward_calls % 20 == 0
-        hooks = GradTracer(roots) if (not light and loss_finite and traced
-                                       and not facts.events.get("nonfinite-grad")) else None
+        hooks = (
+            GradTracer(roots)
+            if (not light and loss_finite and traced and not facts.events.get("nonfinite-grad"))
+            else None
+        )
         try:
             result = original(tensors, *args, **kwargs)
         except RuntimeError as exc:
@@ -60,9 +63,16 @@ class BackwardListener:
                 probe.guarded(self._graph_reused, exc)
             elif not light and "does not require grad and does not have a grad_fn" in text:
                 params = probe.all_params()
-                probe.record("loss-without-graph", LossWithoutGraph(
-                    step=probe.next_step, grad_enabled=torch.is_grad_enabled(), num_params=len(params),
-                    num_trainable=sum(p.requires_grad for p in params), **(user_site() or {})))
+                probe.record(
+                    "loss-without-graph",
+                    LossWithoutGraph(
+                        step=probe.next_step,
+                        grad_enabled=torch.is_grad_enabled(),
+                        num_params=len(params),
+                        num_trainable=sum(p.requires_grad for p in params),
+                        **(user_site() or {}),
+                    ),
+                )
             raise
         finally:
             if hooks is not None:
@@ -79,8 +89,9 @@ class BackwardListener:
         probe = self.probe
         if not loss_finite:
             probe.modules.scan_calls()
-            probe.record("nonfinite-loss", NonfiniteLoss(step=probe.next_step, op=probe.step_nonfinite_op,
-                                                         site=user_site()))
+            probe.record(
+                "nonfinite-loss", NonfiniteLoss(step=probe.next_step, op=probe.step_nonfinite_op, site=user_site())
+            )
             probe.watch_ops = False
 
     def _check_grads(self, tracer: GradTracer | None) -> None:
@@ -98,9 +109,16 @@ class BackwardListener:
             owner = owners.get(id(p))
             if owner is not None and probe.name_of(owner) not in modules:
                 modules.append(probe.name_of(owner))
-        probe.record("nonfinite-grad", NonfiniteGrad(
-            step=probe.next_step, parameters=[names.get(id(p), "?") for p in bad][:10], num_parameters=len(bad),
-            modules=modules[:10], backward_op=tracer.found if tracer else None))
+        probe.record(
+            "nonfinite-grad",
+            NonfiniteGrad(
+                step=probe.next_step,
+                parameters=[names.get(id(p), "?") for p in bad][:10],
+                num_parameters=len(bad),
+                modules=modules[:10],
+                backward_op=tracer.found if tracer else None,
+            ),
+        )
 
     def _inplace_error(self, roots: list[torch.Tensor], exc: RuntimeError) -> None:
         message = str(exc).split("\n")[0]
@@ -113,7 +131,7 @@ class BackwardListener:
                     getattr(node, attr)
                 except RuntimeError as err:
                     if "inplace" in str(err):
-                        culprit = {"backward_op": type(node).__name__, "saved": attr[len("_saved_"):]}
+                        culprit = {"backward_op": type(node).__name__, "saved": attr[len("_saved_") :]}
                         trace = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
                         if trace:
                             culprit.update(forward_site(trace))
@@ -124,16 +142,21 @@ class BackwardListener:
                 break
         if culprit and culprit.get("function") == "forward":
             culprit["module"] = self._module_at(culprit)
-        self.probe.record("inplace-modified", InplaceModified(step=self.probe.next_step, error=message,
-                                                              **(culprit or {})))
+        self.probe.record(
+            "inplace-modified", InplaceModified(step=self.probe.next_step, error=message, **(culprit or {}))
+        )
 
     def _graph_reused(self, exc: RuntimeError) -> None:
         """backward() reached a graph an earlier backward already freed: find the tensor from an
         earlier step that this step's graph still hangs on (a hidden state carried across steps)."""
         probe = self.probe
         found, _ = census(probe.next_step, probe.tracked, probe.last_census, want_holder=True)
-        probe.record("graph-reused", GraphReused(step=probe.next_step, holder=found["holder"],
-                                                 error=str(exc).split("\n")[0][:300], **(user_site() or {})))
+        probe.record(
+            "graph-reused",
+            GraphReused(
+                step=probe.next_step, holder=found["holder"], error=str(exc).split("\n")[0][:300], **(user_site() or {})
+            ),
+        )
 
     def _module_at(self, site: dict[str, Any]) -> str | None:
         """The module whose ``forward`` holds ``file:line``."""
@@ -145,6 +168,10 @@ class BackwardListener:
                     path = inspect.getsourcefile(type(sub).forward)
                 except (OSError, TypeError):
                     continue
-                if path and display_path(path) == site.get("file") and start <= site.get("line", -1) < start + len(lines):
+                if (
+                    path
+                    and display_path(path) == site.get("file")
+                    and start <= site.get("line", -1) < start + len(lines)
+                ):
                     return probe.name_of(sub)
         return None

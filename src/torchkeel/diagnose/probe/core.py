@@ -37,8 +37,10 @@ class Probe:
         compiling: leave out what torch.compile cannot trace through (``keel diagnose --compile``);
             a script that calls torch.compile gets the same from that call on.
     """
-    def __init__(self, *, max_steps: int | None = None, anomaly_steps: int = 2, light: bool = False,
-                 compiling: bool = False) -> None:
+
+    def __init__(
+        self, *, max_steps: int | None = None, anomaly_steps: int = 2, light: bool = False, compiling: bool = False
+    ) -> None:
         self.max_steps, self.anomaly_steps, self.light, self.compiling = max_steps, anomaly_steps, light, compiling
         self.facts = Facts()
         self.busy = False  # inside an observation: the probe's own torch calls are not observed
@@ -167,8 +169,9 @@ class Probe:
 
     def all_params(self) -> list[torch.nn.Parameter]:
         """The optimizers' parameters, else the models'."""
-        return [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]] or \
-            [p for root, _ in self.roots.values() for p in root.parameters()]
+        return [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]] or [
+            p for root, _ in self.roots.values() for p in root.parameters()
+        ]
 
     def track(self, obj: Any) -> None:
         for t in tensors_in(obj):

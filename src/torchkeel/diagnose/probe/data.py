@@ -63,9 +63,14 @@ class LoaderListener:
                 except TypeError:
                     size = None
                 listener.loaders[id(loader)] = {
-                    "dataset_class": type(loader.dataset).__name__, "dataset_size": size,
-                    "batch_size": loader.batch_size, "drop_last": loader.drop_last,
-                    "num_workers": loader.num_workers, "batches": 0, "wait_s": 0.0}
+                    "dataset_class": type(loader.dataset).__name__,
+                    "dataset_size": size,
+                    "batch_size": loader.batch_size,
+                    "drop_last": loader.drop_last,
+                    "num_workers": loader.num_workers,
+                    "batches": 0,
+                    "wait_s": 0.0,
+                }
             listener.loader_of[id(it)] = listener.loaders[id(loader)]
             return it
 
@@ -94,7 +99,12 @@ class LoaderListener:
 
     def finish(self) -> None:
         probe = self.probe
-        loop = self.last_batch_at - self.first_batch_at - probe.overhead_s - self.startup_s \
-            if self.first_batch_at else 0.0
-        probe.facts.data = {"wait_s": self.wait_s - self.startup_s, "startup_s": self.startup_s,
-                            "loaders": list(self.loaders.values()), "loop_s": max(0.0, loop)}
+        loop = (
+            self.last_batch_at - self.first_batch_at - probe.overhead_s - self.startup_s if self.first_batch_at else 0.0
+        )
+        probe.facts.data = {
+            "wait_s": self.wait_s - self.startup_s,
+            "startup_s": self.startup_s,
+            "loaders": list(self.loaders.values()),
+            "loop_s": max(0.0, loop),
+        }

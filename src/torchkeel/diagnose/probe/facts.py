@@ -21,9 +21,10 @@ class Facts:
     """Everything observed, as plain data. Module and parameter names are qualified by the
     variable the script holds the model in (``model.encoder.0.weight``). ``events`` maps a kind
     of ``diagnose.events.KINDS`` to its first few events."""
+
     steps: int = 0
     backward_calls: int = 0
-    losses: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # {"step", "value"}
+    losses: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # {"step", "value"}
     events: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)
     optimizers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     grad_norms: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # {"step", "total", "layers"}

@@ -36,6 +36,7 @@ _DROPOUT = torch.nn.modules.dropout._DropoutNd
 
 class _Mode(TorchFunctionMode):
     """Sees every torch function call; hands the interesting ones to the listener."""
+
     def __init__(self, listener: ModuleListener) -> None:
         super().__init__()
         self.listener, self.probe = listener, listener.probe
@@ -69,8 +70,11 @@ class ModuleListener:
         # them from an earlier step is state carried across steps with its graph (an RNN's hidden).
         self.root_outputs: dict[int, tuple[weakref.ref, int]] = {}
         self.loss_checks: dict[Callable, Callable] = {
-            F.cross_entropy: self.check_classification, F.nll_loss: self.check_classification,
-            F.binary_cross_entropy: self.check_binary, F.binary_cross_entropy_with_logits: self.check_binary}
+            F.cross_entropy: self.check_classification,
+            F.nll_loss: self.check_classification,
+            F.binary_cross_entropy: self.check_binary,
+            F.binary_cross_entropy_with_logits: self.check_binary,
+        }
         self._mode: _Mode | None = None
         self._mode_on = True
         self._unsafe: list[Callable[[], None]] = []  # what torch.compile cannot trace through
@@ -79,8 +83,11 @@ class ModuleListener:
         mod = torch.nn.modules.module
         self._mode = _Mode(self)
         self._mode.__enter__()
-        self._unsafe = [mod.register_module_forward_pre_hook(self._forward_pre).remove,
-                        mod.register_module_forward_hook(self._forward_post, always_call=True).remove, self.mode_off]
+        self._unsafe = [
+            mod.register_module_forward_pre_hook(self._forward_pre).remove,
+            mod.register_module_forward_hook(self._forward_post, always_call=True).remove,
+            self.mode_off,
+        ]
 
     def uninstall(self) -> None:
         while self._unsafe:
@@ -122,8 +129,11 @@ class ModuleListener:
             return
         if self.stack and self.stack[-1] is module:
             self.stack.pop()
-        if id(module) not in self.leaf_order and next(module.children(), None) is None and \
-                next(module.parameters(recurse=False), None) is not None:
+        if (
+            id(module) not in self.leaf_order
+            and next(module.children(), None) is None
+            and next(module.parameters(recurse=False), None) is not None
+        ):
             self.leaf_order[id(module)] = module
         events = probe.facts.events
         if not events.get("nonfinite-forward"):
@@ -147,26 +157,56 @@ class ModuleListener:
             label = variable_name(module, user_frame()) or type(module).__name__
             probe.roots[id(module)] = (module, label)
         if not torch.is_grad_enabled() and module.training and len(events.get("eval-in-train-mode", [])) < 5:
-            active = [probe.name_of(m) for m in module.modules()
-                      if m.training and ((isinstance(m, _DROPOUT) and m.p > 0) or isinstance(m, _BN))]
+            active = [
+                probe.name_of(m)
+                for m in module.modules()
+                if m.training and ((isinstance(m, _DROPOUT) and m.p > 0) or isinstance(m, _BN))
+            ]
             site = user_site()
             if active and site is not None:
-                probe.record("eval-in-train-mode", EvalInTrainMode(
-                    module=probe.name_of(module), step=step, train_mode_layers=active[:10],
-                    inference_mode=torch.is_inference_mode_enabled(), **site))
+                probe.record(
+                    "eval-in-train-mode",
+                    EvalInTrainMode(
+                        module=probe.name_of(module),
+                        step=step,
+                        train_mode_layers=active[:10],
+                        inference_mode=torch.is_inference_mode_enabled(),
+                        **site,
+                    ),
+                )
         for i, t in enumerate(tensors_in(args)):
             ref, made = self.root_outputs.get(id(t), (None, None))
-            if ref is not None and ref() is t and t.grad_fn is not None and made <= probe.facts.steps \
-                    and not events.get("carried-state"):
-                probe.record("carried-state", CarriedState(
-                    module=probe.name_of(module), argument=i, made_at_step=made, step=step,
-                    variable=variable_name(t, user_frame()), **(user_site() or {})))
+            if (
+                ref is not None
+                and ref() is t
+                and t.grad_fn is not None
+                and made <= probe.facts.steps
+                and not events.get("carried-state")
+            ):
+                probe.record(
+                    "carried-state",
+                    CarriedState(
+                        module=probe.name_of(module),
+                        argument=i,
+                        made_at_step=made,
+                        step=step,
+                        variable=variable_name(t, user_frame()),
+                        **(user_site() or {}),
+                    ),
+                )
         if not events.get("nonfinite-input"):
             for i, t in enumerate(tensors_in(args)):
                 if is_nonfinite(t) and t.grad_fn is None and not t.requires_grad:
-                    probe.record("nonfinite-input", NonfiniteInput(
-                        module=probe.name_of(module), argument=i, step=step, **nonfinite_layout(t),
-                        **(user_site() or {})))
+                    probe.record(
+                        "nonfinite-input",
+                        NonfiniteInput(
+                            module=probe.name_of(module),
+                            argument=i,
+                            step=step,
+                            **nonfinite_layout(t),
+                            **(user_site() or {}),
+                        ),
+                    )
                     break
 
     def _batchnorm_input(self, module: torch.nn.Module, args: Any) -> None:
@@ -174,10 +214,17 @@ class ModuleListener:
         if x is None or x.dim() < 2 or x.shape[0] != 1:
             return
         probe = self.probe
-        probe.record("batchnorm-batch-one", BatchnormBatchOne(
-            module=probe.name_of(module), step=probe.next_step, input_shape=list(x.shape),
-            values_per_channel=x.numel() // max(x.shape[1], 1), loader=probe.data.current_loader(),
-            **(user_site() or {})))
+        probe.record(
+            "batchnorm-batch-one",
+            BatchnormBatchOne(
+                module=probe.name_of(module),
+                step=probe.next_step,
+                input_shape=list(x.shape),
+                values_per_channel=x.numel() // max(x.shape[1], 1),
+                loader=probe.data.current_loader(),
+                **(user_site() or {}),
+            ),
+        )
 
     # ---------------------------------------------------------------- non-finite outputs
     def scan_calls(self) -> None:
@@ -198,9 +245,14 @@ class ModuleListener:
             return  # not where it started: an earlier op or the batch made it non-finite
         probe = self.probe
         bad_params = [n for n, p in module.named_parameters() if is_nonfinite(p)]
-        event = NonfiniteForward(module=probe.name_of(module), module_class=type(module).__name__,
-                                 step=probe.next_step, params_nonfinite=bad_params[:10], training=module.training,
-                                 output=nonfinite_layout(next(t for t in outs if is_nonfinite(t))))
+        event = NonfiniteForward(
+            module=probe.name_of(module),
+            module_class=type(module).__name__,
+            step=probe.next_step,
+            params_nonfinite=bad_params[:10],
+            training=module.training,
+            output=nonfinite_layout(next(t for t in outs if is_nonfinite(t))),
+        )
         if not bad_params:
             event["op"] = self._replay_for_op(module, args)
         probe.record("nonfinite-forward", event)
@@ -234,11 +286,14 @@ class ModuleListener:
         step = probe.next_step
         if not bad_inputs:
             probe.step_nonfinite_op = {"op": op_name(func), "step": step, **site}
-        elif all(t.grad_fn is None and not t.requires_grad for t in bad_inputs) and \
-                not probe.facts.events.get("nonfinite-input"):
+        elif all(t.grad_fn is None and not t.requires_grad for t in bad_inputs) and not probe.facts.events.get(
+            "nonfinite-input"
+        ):
             probe.step_nonfinite_op = {"op": op_name(func), "step": step, "from_data": True, **site}
-            probe.record("nonfinite-input", NonfiniteInput(op=op_name(func), step=step,
-                                                           **nonfinite_layout(bad_inputs[0]), **site))
+            probe.record(
+                "nonfinite-input",
+                NonfiniteInput(op=op_name(func), step=step, **nonfinite_layout(bad_inputs[0]), **site),
+            )
 
     # ---------------------------------------------------------------- loss arguments
     def check_classification(self, func: Callable, args: Any, kwargs: dict) -> None:
@@ -257,17 +312,39 @@ class ModuleListener:
                 low, high = int(valid.min()), int(valid.max())
                 if low < 0 or high >= num_classes:
                     bad = valid[(valid < 0) | (valid >= num_classes)]
-                    probe.record("label-out-of-range", LabelOutOfRange(
-                        loss=loss, value=high if high >= num_classes else low, num_classes=int(num_classes),
-                        num_bad_targets=int(bad.numel()), min_target=low, max_target=high, step=step, **site))
-        if logits.dim() >= 2 and logits.is_floating_point() and \
-                not probe.facts.events.get("probabilities-into-cross-entropy"):
+                    probe.record(
+                        "label-out-of-range",
+                        LabelOutOfRange(
+                            loss=loss,
+                            value=high if high >= num_classes else low,
+                            num_classes=int(num_classes),
+                            num_bad_targets=int(bad.numel()),
+                            min_target=low,
+                            max_target=high,
+                            step=step,
+                            **site,
+                        ),
+                    )
+        if (
+            logits.dim() >= 2
+            and logits.is_floating_point()
+            and not probe.facts.events.get("probabilities-into-cross-entropy")
+        ):
             x = logits.detach()
             if x.shape[1] > 1 and bool((x >= 0).all()) and float((x.sum(dim=1) - 1).abs().max()) < 1e-3:
                 producer = type(logits.grad_fn).__name__ if logits.grad_fn is not None else None
-                probe.record("probabilities-into-cross-entropy", ProbabilitiesIntoCrossEntropy(
-                    loss=loss, rows=int(x.shape[0]), num_classes=int(x.shape[1]),
-                    max_row_sum_error=float((x.sum(dim=1) - 1).abs().max()), produced_by=producer, step=step, **site))
+                probe.record(
+                    "probabilities-into-cross-entropy",
+                    ProbabilitiesIntoCrossEntropy(
+                        loss=loss,
+                        rows=int(x.shape[0]),
+                        num_classes=int(x.shape[1]),
+                        max_row_sum_error=float((x.sum(dim=1) - 1).abs().max()),
+                        produced_by=producer,
+                        step=step,
+                        **site,
+                    ),
+                )
 
     def check_binary(self, func: Callable, args: Any, kwargs: dict) -> None:
         bound = dict(zip(("input", "target"), args))
@@ -279,14 +356,33 @@ class ModuleListener:
         site, step = user_site() or {}, probe.next_step
         low, high = float(target.min()), float(target.max())
         if low < 0 or high > 1:
-            probe.record("label-out-of-range", LabelOutOfRange(
-                loss=func.__name__, value=high if high > 1 else low, num_classes=2, min_target=low, max_target=high,
-                num_bad_targets=int(((target < 0) | (target > 1)).sum()), step=step, **site))
+            probe.record(
+                "label-out-of-range",
+                LabelOutOfRange(
+                    loss=func.__name__,
+                    value=high if high > 1 else low,
+                    num_classes=2,
+                    min_target=low,
+                    max_target=high,
+                    num_bad_targets=int(((target < 0) | (target > 1)).sum()),
+                    step=step,
+                    **site,
+                ),
+            )
         producer = type(x.grad_fn).__name__ if x.grad_fn is not None else None
         if func is F.binary_cross_entropy_with_logits and producer and "Sigmoid" in producer:
-            probe.record("probabilities-into-cross-entropy", ProbabilitiesIntoCrossEntropy(
-                loss=func.__name__, rows=int(x.shape[0]) if x.dim() else 1, num_classes=2, max_row_sum_error=None,
-                produced_by=producer, step=step, **site))
+            probe.record(
+                "probabilities-into-cross-entropy",
+                ProbabilitiesIntoCrossEntropy(
+                    loss=func.__name__,
+                    rows=int(x.shape[0]) if x.dim() else 1,
+                    num_classes=2,
+                    max_row_sum_error=None,
+                    produced_by=producer,
+                    step=step,
+                    **site,
+                ),
+            )
 
     def finish(self) -> None:
         """The order in which leaf layers with parameters first ran, by name."""

@@ -37,7 +37,7 @@ class OptimizerListener:
         self.moved: dict[int, list[bool]] = {}
         self.snapshots: dict[int, list[torch.Tensor]] = {}
         self.zero_grad_checks: list[ZeroGradCheck] = []
-        self.consumed: dict[int, set[int]] = {}   # optimizer → params whose gradient it stepped with
+        self.consumed: dict[int, set[int]] = {}  # optimizer → params whose gradient it stepped with
         self.stale_params: dict[int, set[int]] = {}  # optimizer → params whose gradient adds onto a stepped one
         self.num_steps_of: dict[int, int] = {}
         self.backward_since_step = 0
@@ -87,17 +87,25 @@ class OptimizerListener:
                     probe.on_exit(p.register_hook(self._arrival(p, key)).remove)
         elif len(self.zero_grad_checks) < 200:
             stale = [p for g in optimizer.param_groups for p in g["params"] if id(p) in self.stale_params[key]]
-            self.zero_grad_checks.append(ZeroGradCheck(
-                step=step, optimizer=type(optimizer).__name__,
-                optimizer_index=next(i for i, o in enumerate(probe.optimizers) if o is optimizer),
-                param=probe.param_names().get(id(stale[0]), f"<tensor {tuple(stale[0].shape)}>") if stale else None))
+            self.zero_grad_checks.append(
+                ZeroGradCheck(
+                    step=step,
+                    optimizer=type(optimizer).__name__,
+                    optimizer_index=next(i for i, o in enumerate(probe.optimizers) if o is optimizer),
+                    param=probe.param_names().get(id(stale[0]), f"<tensor {tuple(stale[0].shape)}>") if stale else None,
+                )
+            )
         self.stale_params[key] = set()
         site = user_site()
         sites = self.since_backward.setdefault(key, [])
         sites.append(site)
         if len(sites) > 1 and probe.facts.backward_calls > 0:
-            probe.record("double-step", DoubleStep(step=step, steps_since_backward=len(sites),
-                                                   call_sites=[site_text(s) for s in sites], sites=sites))
+            probe.record(
+                "double-step",
+                DoubleStep(
+                    step=step, steps_since_backward=len(sites), call_sites=[site_text(s) for s in sites], sites=sites
+                ),
+            )
         params = [p for g in optimizer.param_groups for p in g["params"]]
         history = self.grad_none.setdefault(key, [])
         if len(history) < 3:
@@ -109,8 +117,13 @@ class OptimizerListener:
             with_grad = [p for p in params if p.grad is not None]
             if with_grad:
                 norms = torch.stack([g.detach().double().norm() for g in (p.grad for p in with_grad)]).tolist()
-                probe.facts.grad_norms.append({"step": step, "optimizer": len(probe.optimizers) - 1,
-                                               "norms": dict(zip([id(p) for p in with_grad], norms))})
+                probe.facts.grad_norms.append(
+                    {
+                        "step": step,
+                        "optimizer": len(probe.optimizers) - 1,
+                        "norms": dict(zip([id(p) for p in with_grad], norms)),
+                    }
+                )
         self.backward_since_step = 0
 
     def _step_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -132,6 +145,7 @@ class OptimizerListener:
     def _arrival(self, p: torch.Tensor, key: int) -> Callable:
         """A gradient arrives for ``p``. If the gradient already there was stepped with and never
         zeroed, the next step of this optimizer uses a stale sum (unless it is zeroed before)."""
+
         def hook(grad: torch.Tensor) -> None:
             try:
                 if id(p) not in self.consumed[key]:
@@ -143,6 +157,7 @@ class OptimizerListener:
                     self.stale_params[key].add(id(p))
             except Exception:  # noqa: BLE001 - runs inside the script's backward: never raise there
                 pass
+
         return hook
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -157,8 +172,12 @@ class OptimizerListener:
         if facts.steps in _CENSUS_STEPS:
             start = time.perf_counter()
             before = facts.censuses[-2:]
-            growing = len(before) == 2 and before[0]["num_tensors"] < before[1]["num_tensors"] or \
-                len(before) == 2 and before[0]["max_graph_nodes"] < before[1]["max_graph_nodes"]
+            growing = (
+                len(before) == 2
+                and before[0]["num_tensors"] < before[1]["num_tensors"]
+                or len(before) == 2
+                and before[0]["max_graph_nodes"] < before[1]["max_graph_nodes"]
+            )
             found, probe.tracked = census(facts.steps, probe.tracked, probe.last_census, want_holder=growing)
             probe.last_census = list(probe.tracked)
             facts.censuses.append(found)
@@ -177,17 +196,26 @@ class OptimizerListener:
             for p in params:
                 if id(p) in never:
                     owner = owners.get(id(p))
-                    none_params.append({"parameter": names.get(id(p), f"<tensor {tuple(p.shape)}>"),
-                                        "module": probe.name_of(owner) if owner is not None else None,
-                                        "module_used": owner is not None and id(owner) in probe.used})
-            f.optimizers.append({
-                "index": i, "class": type(opt).__name__, "num_params": len(params),
-                "num_trainable": sum(p.requires_grad for p in params),
-                "lrs": [float(g["lr"]) for g in opt.param_groups],
-                "num_model_params": sum(id(p) in used_params for p in params),
-                "grad_none": none_params, "grad_none_steps": len(history),
-                "moved": self.moved.get(id(opt), []),
-            })
+                    none_params.append(
+                        {
+                            "parameter": names.get(id(p), f"<tensor {tuple(p.shape)}>"),
+                            "module": probe.name_of(owner) if owner is not None else None,
+                            "module_used": owner is not None and id(owner) in probe.used,
+                        }
+                    )
+            f.optimizers.append(
+                {
+                    "index": i,
+                    "class": type(opt).__name__,
+                    "num_params": len(params),
+                    "num_trainable": sum(p.requires_grad for p in params),
+                    "lrs": [float(g["lr"]) for g in opt.param_groups],
+                    "num_model_params": sum(id(p) in used_params for p in params),
+                    "grad_none": none_params,
+                    "grad_none_steps": len(history),
+                    "moved": self.moved.get(id(opt), []),
+                }
+            )
         probe.modules.finish()
         leaves = probe.modules.leaf_order.values()
         layer_of = {id(p): probe.name_of(m) for m in leaves for p in m.parameters(recurse=False)}

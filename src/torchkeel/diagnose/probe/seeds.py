@@ -30,14 +30,21 @@ class SeedListener:
         def wrap(label: str, original: Callable) -> Callable:
             def seed(*args: Any, **kwargs: Any) -> Any:
                 value = args[0] if args else kwargs.get("seed")
-                calls.append({"function": label, "seeded": value is not None, "site": user_site(sys._getframe(1)),
-                              "value": value if isinstance(value, (int, float, str)) or value is None else repr(value)[:80]})
+                calls.append(
+                    {
+                        "function": label,
+                        "seeded": value is not None,
+                        "site": user_site(sys._getframe(1)),
+                        "value": value if isinstance(value, (int, float, str)) or value is None else repr(value)[:80],
+                    }
+                )
                 result = original(*args, **kwargs)
                 if label == "random.seed":
                     self.seeds["random_start"] = random.getstate()
                 elif label == "numpy.random.seed":
                     self.seeds["numpy_start"] = np.random.get_state()[1].tobytes()
                 return result
+
             return seed
 
         patch = self.probe.patch

@@ -7,8 +7,20 @@ from collections.abc import Iterator
 
 from torchkeel.lint.engine import Source, call_name, keyword, last
 
-_PY_RANDOM = {"random", "randint", "uniform", "gauss", "choice", "choices", "shuffle", "sample", "normalvariate",
-              "randrange", "betavariate", "expovariate"}
+_PY_RANDOM = {
+    "random",
+    "randint",
+    "uniform",
+    "gauss",
+    "choice",
+    "choices",
+    "shuffle",
+    "sample",
+    "normalvariate",
+    "randrange",
+    "betavariate",
+    "expovariate",
+}
 
 
 def _workers(call: ast.Call) -> ast.expr | None:
@@ -20,10 +32,19 @@ def _workers(call: ast.Call) -> ast.expr | None:
 
 def workers_without_main_guard(source: Source) -> Iterator[tuple[ast.AST, str]]:
     for call in source.calls():
-        if last(call_name(call)) == "DataLoader" and _workers(call) is not None and source.function_of(call) is None \
-                and not source.in_main_guard(call):
-            yield call, ("DataLoader(num_workers>0) at module level outside `if __name__ == \"__main__\":`: with the "
-                         "spawn start method (Windows, macOS) every worker re-runs this file")
+        if (
+            last(call_name(call)) == "DataLoader"
+            and _workers(call) is not None
+            and source.function_of(call) is None
+            and not source.in_main_guard(call)
+        ):
+            yield (
+                call,
+                (
+                    'DataLoader(num_workers>0) at module level outside `if __name__ == "__main__":`: with the '
+                    "spawn start method (Windows, macOS) every worker re-runs this file"
+                ),
+            )
 
 
 def lambda_in_loader(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -31,8 +52,7 @@ def lambda_in_loader(source: Source) -> Iterator[tuple[ast.AST, str]]:
         if last(call_name(call)) == "DataLoader" and _workers(call) is not None:
             for key in ("collate_fn", "worker_init_fn"):
                 if isinstance(keyword(call, key), ast.Lambda):
-                    yield call, (f"{key}=lambda cannot be pickled into worker processes under the spawn start "
-                                 "method")
+                    yield call, (f"{key}=lambda cannot be pickled into worker processes under the spawn start method")
 
 
 def _in_getitem(source: Source, node: ast.AST) -> bool:
@@ -44,9 +64,16 @@ def random_in_getitem(source: Source) -> Iterator[tuple[ast.AST, str]]:
         name = call_name(call)
         if not _in_getitem(source, call):
             continue
-        if (name.startswith("random.") and last(name) in _PY_RANDOM) or name.startswith(("np.random.", "numpy.random.")):
-            yield call, (f"{name}() in __getitem__ draws from a generator that torch does not seed per "
-                         "DataLoader worker: augmentations repeat across workers or differ between runs")
+        if (name.startswith("random.") and last(name) in _PY_RANDOM) or name.startswith(
+            ("np.random.", "numpy.random.")
+        ):
+            yield (
+                call,
+                (
+                    f"{name}() in __getitem__ draws from a generator that torch does not seed per "
+                    "DataLoader worker: augmentations repeat across workers or differ between runs"
+                ),
+            )
 
 
 def cuda_in_getitem(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -54,10 +81,18 @@ def cuda_in_getitem(source: Source) -> Iterator[tuple[ast.AST, str]]:
         if not _in_getitem(source, call):
             continue
         name, text = call_name(call), ast.unparse(call)
-        if last(name) == "cuda" or (last(name) == "to" and "cuda" in text) or \
-                ("cuda" in ast.unparse(keyword(call, "device")) if keyword(call, "device") is not None else False):
-            yield call, ("CUDA in __getitem__: DataLoader workers cannot use CUDA (forked processes fail to "
-                         "initialise it); return CPU tensors and move the batch in the training loop")
+        if (
+            last(name) == "cuda"
+            or (last(name) == "to" and "cuda" in text)
+            or ("cuda" in ast.unparse(keyword(call, "device")) if keyword(call, "device") is not None else False)
+        ):
+            yield (
+                call,
+                (
+                    "CUDA in __getitem__: DataLoader workers cannot use CUDA (forked processes fail to "
+                    "initialise it); return CPU tensors and move the batch in the training loop"
+                ),
+            )
 
 
 def _set_names(source: Source, scope: ast.AST) -> set[str]:
@@ -84,18 +119,31 @@ def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
         elif isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
             iters = [g.iter for g in node.generators]
         for it in iters:
-            inner = it.args[0] if isinstance(it, ast.Call) and call_name(it) in {"enumerate", "list", "tuple"} and it.args else it
+            inner = (
+                it.args[0]
+                if isinstance(it, ast.Call) and call_name(it) in {"enumerate", "list", "tuple"} and it.args
+                else it
+            )
             if _is_set(inner) or (isinstance(inner, ast.Name) and inner.id in sets):
-                yield it, ("iterating over a set: the order of strings changes with every process (PYTHONHASHSEED), "
-                           "so indices built from it differ between runs; iterate over sorted(...)")
+                yield (
+                    it,
+                    (
+                        "iterating over a set: the order of strings changes with every process (PYTHONHASHSEED), "
+                        "so indices built from it differ between runs; iterate over sorted(...)"
+                    ),
+                )
 
 
 def _is_set(node: ast.AST) -> bool:
-    return isinstance(node, (ast.Set, ast.SetComp)) or (isinstance(node, ast.Call) and call_name(node) in {"set", "frozenset"})
+    return isinstance(node, (ast.Set, ast.SetComp)) or (
+        isinstance(node, ast.Call) and call_name(node) in {"set", "frozenset"}
+    )
 
 
 def sampler_without_set_epoch(source: Source) -> Iterator[tuple[ast.AST, str]]:
     samplers = [c for c in source.calls() if last(call_name(c)) == "DistributedSampler"]
     if samplers and not any(last(call_name(c)) == "set_epoch" for c in source.calls()):
-        yield samplers[0], ("DistributedSampler without sampler.set_epoch(epoch): every epoch shuffles the data in "
-                            "the same order")
+        yield (
+            samplers[0],
+            ("DistributedSampler without sampler.set_epoch(epoch): every epoch shuffles the data in the same order"),
+        )

@@ -16,5 +16,7 @@ def set_device_after_init(source: Source) -> Iterator[tuple[ast.AST, str]]:
         inits = [c for c in body_calls if last(call_name(c)) == "init_process_group"]
         for call in body_calls:
             if call_name(call).endswith("cuda.set_device") and inits and call.lineno > inits[0].lineno:
-                yield call, ("torch.cuda.set_device() after init_process_group(): NCCL has already bound every rank to "
-                             "GPU 0")
+                yield (
+                    call,
+                    ("torch.cuda.set_device() after init_process_group(): NCCL has already bound every rank to GPU 0"),
+                )

@@ -9,16 +9,31 @@ from collections.abc import Iterator
 
 from torchkeel.lint.engine import Source, call_name, dotted, last
 
-_OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "LBFGS",
-               "SparseAdam", "ASGD", "Rprop", "Adafactor", "Muon")
+_OPTIMIZERS = (
+    "SGD",
+    "Adam",
+    "AdamW",
+    "RMSprop",
+    "Adagrad",
+    "Adadelta",
+    "Adamax",
+    "NAdam",
+    "RAdam",
+    "LBFGS",
+    "SparseAdam",
+    "ASGD",
+    "Rprop",
+    "Adafactor",
+    "Muon",
+)
 
 
 @dataclasses.dataclass
 class Event:
-    kind: str            # backward | step | zero_grad | sched
-    target: str          # the optimizer / scheduler name ("" when unknown)
+    kind: str  # backward | step | zero_grad | sched
+    target: str  # the optimizer / scheduler name ("" when unknown)
     node: ast.AST
-    depth: int           # 0 in the loop's own body, 1+ inside a nested loop
+    depth: int  # 0 in the loop's own body, 1+ inside a nested loop
     has_closure: bool = False
 
 
@@ -36,7 +51,8 @@ def is_optimizer(source: Source, name: str) -> bool:
 def is_scheduler(source: Source, name: str) -> bool:
     short = last(name).lower()
     return "sched" in short or source.assigned_from(
-        name, lambda v: isinstance(v, ast.Call) and "lr_scheduler" in call_name(v))
+        name, lambda v: isinstance(v, ast.Call) and "lr_scheduler" in call_name(v)
+    )
 
 
 def loop_events(source: Source, body: list[ast.stmt], depth: int = 0, inlined: int = 0) -> list[Event]:
@@ -66,7 +82,9 @@ def loop_events(source: Source, body: list[ast.stmt], depth: int = 0, inlined: i
                 if fn.name not in {"__init__", "forward"}:
                     events += loop_events(source, fn.body, d, inlined + 1)
     for node in ast.walk(ast.Module(body=body, type_ignores=[])):
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "grad" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Attribute) and t.attr == "grad" for t in node.targets
+        ):
             events.append(Event("zero_grad", "", node, depth))
     return events
 
@@ -105,8 +123,13 @@ def double_step(source: Source) -> Iterator[tuple[ast.AST, str]]:
             steps = [e for e in events if e.kind == "step" and last(e.target) == target and e.depth == 0]
             if backwards and len(steps) > backwards and not any(e.has_closure for e in steps):
                 lines = ", ".join(str(e.node.lineno) for e in steps)
-                yield steps[1].node, (f"{target}.step() runs {len(steps)} times per iteration (lines {lines}) "
-                                      f"for {backwards} backward(): the optimizer steps twice")
+                yield (
+                    steps[1].node,
+                    (
+                        f"{target}.step() runs {len(steps)} times per iteration (lines {lines}) "
+                        f"for {backwards} backward(): the optimizer steps twice"
+                    ),
+                )
 
 
 def missing_zero_grad(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -125,24 +148,36 @@ def missing_zero_grad(source: Source) -> Iterator[tuple[ast.AST, str]]:
         for step in steps:
             if last(step.target) not in zeroed:
                 also = f" (zero_grad() runs only on {', '.join(sorted(zeroed))})" if zeroed else ""
-                yield step.node, (f"the loop calls backward() and {step.target}.step() but never "
-                                  f"{step.target}.zero_grad(){also}: gradients add up across steps")
+                yield (
+                    step.node,
+                    (
+                        f"the loop calls backward() and {step.target}.step() but never "
+                        f"{step.target}.zero_grad(){also}: gradients add up across steps"
+                    ),
+                )
                 break
 
 
 def zero_grad_between(source: Source) -> Iterator[tuple[ast.AST, str]]:
     for _, events in training_loops(source):
-        ordered = sorted((e for e in events if e.depth == 0 or e.kind != "step"), key=lambda e: (e.node.lineno, e.node.col_offset))
+        ordered = sorted(
+            (e for e in events if e.depth == 0 or e.kind != "step"), key=lambda e: (e.node.lineno, e.node.col_offset)
+        )
         seen_backward = False
         for i, e in enumerate(ordered):
             if e.kind == "backward":
                 seen_backward = True
             elif e.kind == "zero_grad" and seen_backward:
-                rest = ordered[i + 1:]
+                rest = ordered[i + 1 :]
                 nxt = next((x for x in rest if x.kind in ("step", "backward")), None)
                 if nxt is not None and nxt.kind == "step":
-                    yield e.node, ("zero_grad() runs after backward() and before step(): the optimizer steps "
-                                   "with zero gradients")
+                    yield (
+                        e.node,
+                        (
+                            "zero_grad() runs after backward() and before step(): the optimizer steps "
+                            "with zero gradients"
+                        ),
+                    )
                     break
 
 
@@ -154,8 +189,10 @@ def step_without_backward(source: Source) -> Iterator[tuple[ast.AST, str]]:
         outer = source.enclosing(loop, ast.For, ast.While, ast.AsyncFor)
         if outer is not None and any(e.kind == "backward" for e in loop_events(source, outer.body)):
             continue
-        yield steps[0].node, (f"{steps[0].target}.step() runs in a loop that never calls backward(): "
-                              "no parameter gets a gradient")
+        yield (
+            steps[0].node,
+            (f"{steps[0].target}.step() runs in a loop that never calls backward(): no parameter gets a gradient"),
+        )
 
 
 def scheduler_before_optimizer(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -163,10 +200,19 @@ def scheduler_before_optimizer(source: Source) -> Iterator[tuple[ast.AST, str]]:
         own = [e for e in events if e.depth == 0 and e.kind in ("step", "sched")]
         first_step = next((e for e in own if e.kind == "step"), None)
         first_sched = next((e for e in own if e.kind == "sched"), None)
-        if first_step and first_sched and (first_sched.node.lineno, first_sched.node.col_offset) < \
-                (first_step.node.lineno, first_step.node.col_offset):
-            yield first_sched.node, (f"{first_sched.target}.step() runs before {first_step.target}.step() in the "
-                                     "same iteration: the first learning rate of the schedule is skipped")
+        if (
+            first_step
+            and first_sched
+            and (first_sched.node.lineno, first_sched.node.col_offset)
+            < (first_step.node.lineno, first_step.node.col_offset)
+        ):
+            yield (
+                first_sched.node,
+                (
+                    f"{first_sched.target}.step() runs before {first_step.target}.step() in the "
+                    "same iteration: the first learning rate of the schedule is skipped"
+                ),
+            )
 
 
 def loss_accumulated(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -181,8 +227,13 @@ def loss_accumulated(source: Source) -> Iterator[tuple[ast.AST, str]]:
             continue
         scope = source.function_of(node) or source.tree
         if _is_loss_tensor(source, scope, value.id):
-            yield node, (f"{what} keeps the tensor '{value.id}' (and its autograd graph) alive across iterations: "
-                         "memory grows every step")
+            yield (
+                node,
+                (
+                    f"{what} keeps the tensor '{value.id}' (and its autograd graph) alive across iterations: "
+                    "memory grows every step"
+                ),
+            )
 
 
 def _is_loss_tensor(source: Source, scope: ast.AST, name: str) -> bool:
@@ -193,8 +244,14 @@ def _is_loss_tensor(source: Source, scope: ast.AST, name: str) -> bool:
             callee = call_name(node.value) if isinstance(node.value, ast.Call) else ""
             if isinstance(node.value, ast.BinOp) and isinstance(node.value.left, ast.Call):
                 callee = call_name(node.value.left)
-            if "loss" in callee.lower() or last(callee) in {"criterion", "cross_entropy", "mse_loss", "nll_loss",
-                                                              "l1_loss", "binary_cross_entropy",
-                                                              "binary_cross_entropy_with_logits"}:
+            if "loss" in callee.lower() or last(callee) in {
+                "criterion",
+                "cross_entropy",
+                "mse_loss",
+                "nll_loss",
+                "l1_loss",
+                "binary_cross_entropy",
+                "binary_cross_entropy_with_logits",
+            }:
                 return True
     return False

@@ -11,8 +11,24 @@ _HOST_SYNC = {"item", "cpu", "numpy", "tolist"}
 _FACTORIES = {"zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor"}
 # Ops whose backward needs their own output: modifying that output in place breaks backward.
 _SAVES_OUTPUT = {"sigmoid", "tanh", "exp", "softmax", "log_softmax", "relu", "elu", "selu", "sqrt", "rsqrt", "pow"}
-_INPLACE_METHODS = {"add_", "sub_", "mul_", "div_", "clamp_", "relu_", "sigmoid_", "tanh_", "exp_", "fill_",
-                    "zero_", "masked_fill_", "copy_", "pow_", "neg_", "abs_"}
+_INPLACE_METHODS = {
+    "add_",
+    "sub_",
+    "mul_",
+    "div_",
+    "clamp_",
+    "relu_",
+    "sigmoid_",
+    "tanh_",
+    "exp_",
+    "fill_",
+    "zero_",
+    "masked_fill_",
+    "copy_",
+    "pow_",
+    "neg_",
+    "abs_",
+}
 
 
 def _in_forward(source: Source, node: ast.AST) -> bool:
@@ -23,18 +39,38 @@ def _in_forward(source: Source, node: ast.AST) -> bool:
 def host_sync_in_forward(source: Source) -> Iterator[tuple[ast.AST, str]]:
     for call in source.calls():
         method = last(call_name(call))
-        if method in _HOST_SYNC and isinstance(call.func, ast.Attribute) and not call.args and _in_forward(source, call):
-            yield call, (f".{method}() inside forward() copies to the host every call: a GPU sync, and a graph "
-                         "break under torch.compile")
+        if (
+            method in _HOST_SYNC
+            and isinstance(call.func, ast.Attribute)
+            and not call.args
+            and _in_forward(source, call)
+        ):
+            yield (
+                call,
+                (
+                    f".{method}() inside forward() copies to the host every call: a GPU sync, and a graph "
+                    "break under torch.compile"
+                ),
+            )
 
 
 def factory_without_device(source: Source) -> Iterator[tuple[ast.AST, str]]:
     for call in source.calls():
         name = call_name(call)
-        if name.startswith("torch.") and last(name) in _FACTORIES and name.count(".") == 1 \
-                and keyword(call, "device") is None and _in_forward(source, call):
-            yield call, (f"{name}() inside forward() without device= creates the tensor on the CPU, whatever device "
-                         "the model runs on")
+        if (
+            name.startswith("torch.")
+            and last(name) in _FACTORIES
+            and name.count(".") == 1
+            and keyword(call, "device") is None
+            and _in_forward(source, call)
+        ):
+            yield (
+                call,
+                (
+                    f"{name}() inside forward() without device= creates the tensor on the CPU, whatever device "
+                    "the model runs on"
+                ),
+            )
 
 
 def inplace_on_activation(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -43,8 +79,12 @@ def inplace_on_activation(source: Source) -> Iterator[tuple[ast.AST, str]]:
             continue
         saved: dict[str, str] = {}
         for node in sorted((n for n in ast.walk(fn) if hasattr(n, "lineno")), key=lambda n: (n.lineno, n.col_offset)):
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and len(node.targets) == 1 \
-                    and isinstance(node.targets[0], ast.Name):
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Call)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+            ):
                 op = last(call_name(node.value))
                 if op in _SAVES_OUTPUT:
                     saved[node.targets[0].id] = op
@@ -55,11 +95,20 @@ def inplace_on_activation(source: Source) -> Iterator[tuple[ast.AST, str]]:
                 target = node.target.id
             elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript):
                 target = dotted(node.targets[0].value)
-            elif isinstance(node, ast.Call) and last(call_name(node)) in _INPLACE_METHODS and isinstance(node.func, ast.Attribute):
+            elif (
+                isinstance(node, ast.Call)
+                and last(call_name(node)) in _INPLACE_METHODS
+                and isinstance(node.func, ast.Attribute)
+            ):
                 target = dotted(node.func.value)
             if target in saved:
-                yield node, (f"'{target}' holds the output of {saved[target]}(), which its backward needs; modifying "
-                             "it in place makes backward() fail")
+                yield (
+                    node,
+                    (
+                        f"'{target}' holds the output of {saved[target]}(), which its backward needs; modifying "
+                        "it in place makes backward() fail"
+                    ),
+                )
                 saved.pop(target)
 
 
@@ -69,24 +118,35 @@ def forward_called_directly(source: Source) -> Iterator[tuple[ast.AST, str]]:
             receiver = call.func.value
             if isinstance(receiver, ast.Call) and call_name(receiver) == "super":
                 continue
-            yield call, (f"{dotted(call.func)}(...) skips the module's hooks (and torch.compile, DDP and FSDP wrappers); "
-                         f"call {dotted(receiver)}(...)")
+            yield (
+                call,
+                (
+                    f"{dotted(call.func)}(...) skips the module's hooks (and torch.compile, DDP and FSDP wrappers); "
+                    f"call {dotted(receiver)}(...)"
+                ),
+            )
 
 
 def bare_mode_switch(source: Source) -> Iterator[tuple[ast.AST, str]]:
     for node in ast.walk(source.tree):
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Attribute) and node.value.attr in {"eval", "train"}:
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr in {"eval", "train"}
+        ):
             yield node, f"{dotted(node.value)} is not called: the module stays in its current mode"
 
 
 def _grad_disabled(source: Source, node: ast.AST) -> bool:
     parent = source.parents.get(node)
     while parent is not None:
-        if isinstance(parent, ast.With) and any(last(call_name(i.context_expr)) in {"no_grad", "inference_mode"}
-                                                for i in parent.items):
+        if isinstance(parent, ast.With) and any(
+            last(call_name(i.context_expr)) in {"no_grad", "inference_mode"} for i in parent.items
+        ):
             return True
         if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
-                "no_grad" in dotted(d) or "inference_mode" in dotted(d) for d in parent.decorator_list):
+            "no_grad" in dotted(d) or "inference_mode" in dotted(d) for d in parent.decorator_list
+        ):
             return True
         parent = source.parents.get(parent)
     return False
@@ -96,8 +156,11 @@ def _model_calls(source: Source, root: ast.AST) -> list[ast.Call]:
     out = []
     for call in source.calls(root):
         name = call_name(call)
-        if isinstance(call.func, (ast.Name, ast.Attribute)) and any(
-                k in last(name).lower() for k in ("model", "net", "encoder", "classifier")) and "." not in name.replace("self.", ""):
+        if (
+            isinstance(call.func, (ast.Name, ast.Attribute))
+            and any(k in last(name).lower() for k in ("model", "net", "encoder", "classifier"))
+            and "." not in name.replace("self.", "")
+        ):
             out.append(call)
     return out
 
@@ -105,12 +168,18 @@ def _model_calls(source: Source, root: ast.AST) -> list[ast.Call]:
 def eval_without_eval(source: Source) -> Iterator[tuple[ast.AST, str]]:
     """Evaluation (a model called under no_grad/inference_mode) in a file that never calls .eval()."""
     if any(last(call_name(c)) == "eval" for c in source.calls()) or not any(
-            last(call_name(c)) == "backward" for c in source.calls()):
+        last(call_name(c)) == "backward" for c in source.calls()
+    ):
         return
     for call in _model_calls(source, source.tree):
         if _grad_disabled(source, call):
-            yield call, (f"{call_name(call)}(...) is evaluated under no_grad/inference_mode but the file never calls "
-                         ".eval(): dropout and batch-norm stay in training mode")
+            yield (
+                call,
+                (
+                    f"{call_name(call)}(...) is evaluated under no_grad/inference_mode but the file never calls "
+                    ".eval(): dropout and batch-norm stay in training mode"
+                ),
+            )
             return
 
 
@@ -125,27 +194,47 @@ def eval_without_no_grad(source: Source) -> Iterator[tuple[ast.AST, str]]:
         for loop in (n for n in ast.walk(fn) if isinstance(n, (ast.For, ast.While))):
             calls = [c for c in _model_calls(source, loop) if not _grad_disabled(source, c)]
             if calls and loop.lineno > evals[0].lineno:
-                yield calls[0], (f"{call_name(calls[0])}(...) runs in an evaluation loop without torch.no_grad() or "
-                                 "torch.inference_mode(): every batch builds an autograd graph")
+                yield (
+                    calls[0],
+                    (
+                        f"{call_name(calls[0])}(...) runs in an evaluation loop without torch.no_grad() or "
+                        "torch.inference_mode(): every batch builds an autograd graph"
+                    ),
+                )
                 break
 
 
 def softmax_into_cross_entropy(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    criteria = {name for name, values in source.assigned.items()
-                if any(isinstance(v, ast.Call) and last(call_name(v)) == "CrossEntropyLoss" for v in values)}
+    criteria = {
+        name
+        for name, values in source.assigned.items()
+        if any(isinstance(v, ast.Call) and last(call_name(v)) == "CrossEntropyLoss" for v in values)
+    }
     uses_ce = bool(criteria) or any(last(call_name(c)) == "cross_entropy" for c in source.calls())
     for call in source.calls():
         name = call_name(call)
-        if (last(name) == "cross_entropy" or name in criteria or
-                (isinstance(call.func, ast.Call) and last(call_name(call.func)) == "CrossEntropyLoss")) and call.args:
+        if (
+            last(name) == "cross_entropy"
+            or name in criteria
+            or (isinstance(call.func, ast.Call) and last(call_name(call.func)) == "CrossEntropyLoss")
+        ) and call.args:
             arg = call.args[0]
             if _is_softmax(source, arg, call):
-                yield call, (f"{name or 'CrossEntropyLoss()'}(...) gets softmax probabilities; it applies log_softmax "
-                             "itself, so the loss is wrong and its gradients tiny")
-        if uses_ce and last(name) == "Softmax" and isinstance(source.parents.get(call), ast.Call) and \
-                last(call_name(source.parents[call])) == "Sequential" and source.parents[call].args[-1] is call:
-            yield call, ("the model ends in nn.Softmax and the file trains it with cross entropy, which expects "
-                         "logits")
+                yield (
+                    call,
+                    (
+                        f"{name or 'CrossEntropyLoss()'}(...) gets softmax probabilities; it applies log_softmax "
+                        "itself, so the loss is wrong and its gradients tiny"
+                    ),
+                )
+        if (
+            uses_ce
+            and last(name) == "Softmax"
+            and isinstance(source.parents.get(call), ast.Call)
+            and last(call_name(source.parents[call])) == "Sequential"
+            and source.parents[call].args[-1] is call
+        ):
+            yield call, ("the model ends in nn.Softmax and the file trains it with cross entropy, which expects logits")
 
 
 def _is_softmax(source: Source, arg: ast.expr, at: ast.AST) -> bool:
@@ -153,8 +242,13 @@ def _is_softmax(source: Source, arg: ast.expr, at: ast.AST) -> bool:
         return last(call_name(arg)) == "softmax"
     if isinstance(arg, ast.Name):
         fn = source.function_of(at) or source.tree
-        values = [n.value for n in ast.walk(fn) if isinstance(n, ast.Assign) and getattr(n, "lineno", 0) < at.lineno
-                  and any(isinstance(t, ast.Name) and t.id == arg.id for t in n.targets)]
+        values = [
+            n.value
+            for n in ast.walk(fn)
+            if isinstance(n, ast.Assign)
+            and getattr(n, "lineno", 0) < at.lineno
+            and any(isinstance(t, ast.Name) and t.id == arg.id for t in n.targets)
+        ]
         return bool(values) and isinstance(values[-1], ast.Call) and last(call_name(values[-1])) == "softmax"
     return False
 
@@ -165,8 +259,13 @@ def backward_in_autocast(source: Source) -> Iterator[tuple[ast.AST, str]]:
             for call in source.calls(node):
                 name = call_name(call)
                 if last(name) == "backward" or (last(name) == "step" and "scaler" in name.lower()):
-                    yield call, (f"{name}() runs inside autocast: only the forward pass and the loss belong there; "
-                                 "backward ops run in the dtype autocast chose for the forward")
+                    yield (
+                        call,
+                        (
+                            f"{name}() runs inside autocast: only the forward pass and the loss belong there; "
+                            "backward ops run in the dtype autocast chose for the forward"
+                        ),
+                    )
 
 
 def clip_without_unscale(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -177,9 +276,16 @@ def clip_without_unscale(source: Source) -> Iterator[tuple[ast.AST, str]]:
         if not any(last(call_name(c)) == "scale" and "scaler" in call_name(c).lower() for c in calls):
             continue
         for clip in (c for c in calls if last(call_name(c)) in {"clip_grad_norm_", "clip_grad_value_"}):
-            if not any(last(call_name(c)) == "unscale_" and (c.lineno, c.col_offset) < (clip.lineno, clip.col_offset)
-                       for c in calls):
-                yield clip, (f"{call_name(clip)}() clips the gradients while they are still multiplied by the "
-                             "GradScaler's scale")
+            if not any(
+                last(call_name(c)) == "unscale_" and (c.lineno, c.col_offset) < (clip.lineno, clip.col_offset)
+                for c in calls
+            ):
+                yield (
+                    clip,
+                    (
+                        f"{call_name(clip)}() clips the gradients while they are still multiplied by the "
+                        "GradScaler's scale"
+                    ),
+                )
         if isinstance(fn, ast.Module):
             break
