@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import torchkeel as tk
+from torchkeel.train.objective import Objective
 
 NUM_SAMPLES = 232  # batch 64: 64, 64, 64, 40 — batch 16 × 4: the last group is 16, 16, 8
 
@@ -81,3 +82,41 @@ def test_groups_and_step_counts():
     assert tk.total_steps(10, 4, max_epochs=3, max_steps=None) == 9
     assert tk.total_steps(10, 4, max_epochs=3, max_steps=5) == 5
     assert tk.total_steps(10, 4, max_epochs=None, max_steps=50) == 50
+
+
+@pytest.mark.parametrize("summed", [False, True])
+def test_the_whole_batch_step_equals_the_general_loop_bitwise(summed):
+    """One micro-batch in one process takes a shorter path through train_step; it must give the
+    general loop's loss, metrics and weights exactly (``micro_batch_size`` = the batch forces the loop)."""
+
+    def step_fn(model, batch):
+        x, y = batch
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        if summed:
+            return losses.sum(), torch.tensor(float(len(y))), {"top": losses.max()}
+        return losses.mean(), {"top": losses.max()}
+
+    torch.manual_seed(3)
+    batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    results = []
+    for micro_batch_size in (None, 16):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        params = list(model.parameters())
+        result = tk.train_step(
+            model,
+            optimizer,
+            [batch],
+            Objective(step_fn=step_fn),
+            params=params,
+            precision=tk.Precision(),
+            device=torch.device("cpu"),
+            clip_grad_norm_max=1.0,
+            micro_batch_size=micro_batch_size,
+        )
+        results.append((result, [p.detach().clone() for p in params]))
+    (fast, fast_weights), (loop, loop_weights) = results
+    assert torch.equal(fast.loss, loop.loss) and torch.equal(fast.grad_norm, loop.grad_norm)
+    assert torch.equal(fast.metrics["top"], loop.metrics["top"])
+    assert all(torch.equal(a, b) for a, b in zip(fast_weights, loop_weights))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 
 import hand_written_loop
@@ -446,3 +447,35 @@ def test_trainer_reports_a_leak_and_memory_rows(tiny_config, tmp_path, leaky):
         assert leaks[0]["graph_nodes_per_step"] > 0 and "total_loss += loss" in leaks[0]["message"]
     memory = [r for r in tk.read_metrics(tmp_path / "runs" / "tiny" / "metrics.jsonl") if r["kind"] == "memory"]
     assert [r["step"] for r in memory] == [10, 20, 30, 40, 50, 60] and all(r["rss_bytes"] > 2**20 for r in memory)
+
+
+def test_the_cheap_leak_signal_is_read_at_most_once_per_signal_min_s():
+    now = [0.0]
+
+    class CountingProbe(FakeProbe):
+        reads = 0
+
+        def rss_bytes(self):
+            CountingProbe.reads += 1
+            return self.rss
+
+    detector = LeakDetector(
+        warmup_steps=0,
+        signal_every_steps=10,
+        signal_min_s=0.045,
+        max_overhead=0.0,
+        probe=CountingProbe(),
+        clock=lambda: now[0],
+    )
+    for step in range(1, 1001):  # 1,000 steps of 1 ms: 100 due by step count, 20 of them 45 ms apart
+        now[0] += 0.001
+        detector.observe(step)
+    assert CountingProbe.reads == 20
+
+
+def test_read_finite_takes_scalar_tensors_without_stacking_them():
+    from torchkeel.distributed import read_finite
+
+    host, finite = read_finite((torch.tensor(2.5), torch.tensor(float("nan"))))
+    assert host[0] == 2.5 and math.isnan(host[1]) and finite == [True, False]
+    assert read_finite(torch.tensor([1.0, float("inf")])) == ([1.0, float("inf")], [True, False])

@@ -109,9 +109,11 @@ class DefaultCollate:
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         first = samples[0]
-        if isinstance(first, Mapping):
-            _same_keys(samples)
         try:
+            if type(first) is tuple:  # the usual (input, target): checked first, it is every step's
+                return default_collate(samples if type(samples) is list else list(samples))
+            if isinstance(first, Mapping):
+                _same_keys(samples)
             if dataclasses.is_dataclass(first) and not isinstance(first, type):
                 return dataclasses.replace(
                     first,

@@ -102,6 +102,10 @@ class _Collate:
             items = [item for item in items if type(item) is not _BadItem]
             if not items:
                 return None, bad, []
+        try:
+            return self.collate(items), bad, indices
+        except Exception:  # noqa: BLE001 - collate_or_split tells a few unlike samples from data that needs pad
+            pass
         batch, odd, keep = collate_or_split(self.collate, items, lambda k: f"dataset index {indices[k]}")
         if odd:
             kept = set(keep)
@@ -199,8 +203,7 @@ class EpochLoader(HasLoaderOptions):
         self._sampler = _EpochSampler()
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._loader: DataLoader | None = None
-        self._origins: dict[int, list[int]] = {}
-        self._num_bad: dict[int, int] = {}
+        self._recent: dict[int, tuple[list[int], int]] = {}  # id(batch) -> (dataset indices, bad samples)
 
     def __len__(self) -> int:
         """Batches per epoch (the last one may be short, unless ``drop_last``)."""
@@ -270,8 +273,7 @@ class EpochLoader(HasLoaderOptions):
                 batch = template  # all bad: the other ranks still step, so this one does too
             if batch is not None:
                 if batch is not template:
-                    remember(self._origins, batch, kept)
-                    remember(self._num_bad, batch, len(bad))
+                    remember(self._recent, batch, (kept, len(bad)))
                 template = template if template is not None else empty_like_batch(batch)
                 count += 1
                 yield batch
@@ -281,7 +283,7 @@ class EpochLoader(HasLoaderOptions):
 
     def origin(self, batch: Any, index: int) -> str | None:
         """Which dataset index sample ``index`` of a recent batch is (``None``: unknown batch)."""
-        indices = self._origins.get(id(batch))
+        indices = self._recent.get(id(batch), (None, 0))[0]
         return f"dataset index {indices[index]}" if indices is not None and index < len(indices) else None
 
     @property
@@ -293,7 +295,7 @@ class EpochLoader(HasLoaderOptions):
         """The epoch's bad-sample count (the position itself is the caller's ``batch_in_epoch``);
         ``unconsumed``: batches handed out but not trained on, whose bad samples are not counted."""
         state = self.bad.state_dict()
-        state["num_bad"] -= sum(self._num_bad.get(id(batch), 0) for batch in unconsumed)
+        state["num_bad"] -= sum(self._recent.get(id(batch), (None, 0))[1] for batch in unconsumed)
         return state
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:

@@ -7,6 +7,7 @@ unconditionally and stay correct once they run under torchrun.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,15 +28,22 @@ def any_rank_flags(flags: list[bool], device: torch.device | None = None) -> lis
     return [bool(v) for v in values.tolist()]  # host sync: the decisions are needed on the host
 
 
-def read_finite(values: torch.Tensor, agreed: bool = False) -> tuple[list[float], list[bool]]:
-    """Read a 1-D tensor to the host and say, per entry, whether it is finite on every rank.
+def read_finite(values: torch.Tensor | Sequence[torch.Tensor], agreed: bool = False) -> tuple[list[float], list[bool]]:
+    """Read a 1-D tensor (or scalar tensors) to the host and say, per entry, whether it is
+    finite on every rank.
 
     One host sync. In a single process the check happens on the host; under torchrun the
     finiteness flags are agreed on the device first (one all-reduce), so that every rank
     decides the same even when only one rank's loss went NaN. ``agreed``: the values are
     already the same on every rank (reduced), so no collective is needed.
     """
-    if agreed or not (dist.is_available() and dist.is_initialized()):
+    local = agreed or not (dist.is_available() and dist.is_initialized())
+    if not isinstance(values, torch.Tensor):
+        if local and all(v.device.type == "cpu" for v in values):  # no sync to save: no stack either
+            host = [float(v) for v in values]
+            return host, [math.isfinite(v) for v in host]
+        values = torch.stack([v.float() for v in values])
+    if local:
         host = values.tolist()
         return host, [math.isfinite(v) for v in host]
     flags = agree_all(torch.isfinite(values)).to(values.dtype)

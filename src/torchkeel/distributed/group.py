@@ -28,6 +28,9 @@ class CollectiveTimeout(KeelError):
     """A collective waited past ``dist.timeout_s``: some rank stopped arriving."""
 
 
+_NOTHING = nullcontext()
+
+
 def default_backend(device: torch.device) -> str:
     """``nccl`` for CUDA devices, ``gloo`` otherwise."""
     return "nccl" if device.type == "cuda" else "gloo"
@@ -105,7 +108,7 @@ class JobGroup:
         """Turn a collective's timeout inside the block into a ``CollectiveTimeout`` that names
         the collective (``what``), the step and, where the backend can tell, the missing rank.
         In one process (no collectives) the block runs as it is."""
-        return self._watch(what, step) if self.active else nullcontext()
+        return self._watch(what, step) if self._monitor is not None else _NOTHING  # _monitor: active, open
 
     @contextmanager
     def _watch(self, what: str, step: int) -> Iterator[None]:

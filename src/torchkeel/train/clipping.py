@@ -23,7 +23,8 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float | None)
         return torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads])
         )
-    return _full(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm if type(norm) is torch.Tensor else _full(norm)
 
 
 def _is_sharded(tensor: torch.Tensor) -> bool:

@@ -11,6 +11,7 @@ every step's graph alive: the graph census grows by one step's graph per step.
 from __future__ import annotations
 
 import gc
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -166,8 +167,8 @@ class LeakDetector:
     A CPU census walks every object the garbage collector tracks (tens to hundreds of
     milliseconds in a large process), so it is spent where it pays:
 
-    - a cheap signal is read every ``signal_every_steps`` steps (0: never) — process RSS, or CUDA allocated
-      bytes on CUDA (microseconds). When its maximum rises by more than ``min_growth_bytes`` in
+    - a cheap signal is read every ``signal_every_steps`` steps (0: never), at most once per
+      ``signal_min_s`` seconds — process RSS, or CUDA allocated bytes on CUDA (microseconds). When its maximum rises by more than ``min_growth_bytes`` in
       each of ``rising_windows`` windows of ``window_s`` seconds, a leak is suspected and
       censuses come as often as ``suspect_overhead`` of the time allows, until 3 of them in a row
       confirm it (the cheap signal counts as the rest of the ``window``) — or one refutes it: the
@@ -190,6 +191,7 @@ class LeakDetector:
         max_overhead: float = 0.01,
         first_cost_s: float = 0.2,
         signal_every_steps: int = 10,
+        signal_min_s: float = 0.05,
         window_s: float = 2.0,
         rising_windows: int = 3,
         min_growth_bytes: int = 256 * 2**10,
@@ -201,7 +203,7 @@ class LeakDetector:
         self.every_steps = every_steps
         self.window = window
         self.max_overhead = max_overhead
-        self.signal_every_steps = signal_every_steps
+        self.signal_every_steps, self.signal_min_s = signal_every_steps, signal_min_s
         self.window_s = window_s
         self.rising_windows = rising_windows
         self.min_growth_bytes = min_growth_bytes
@@ -217,6 +219,7 @@ class LeakDetector:
         self._cost = first_cost_s
         self._last_end = self._started = clock()
         self._window_start: float | None = None
+        self._signal_at = -math.inf
         self._window_max = 0
         self._window_maxes: list[int] = []
 
@@ -225,7 +228,12 @@ class LeakDetector:
         if self.reported or step < self._warmup_steps:
             return None
         start = self.clock()
-        if self.signal_every_steps and step % self.signal_every_steps == 0:
+        if (
+            self.signal_every_steps
+            and step % self.signal_every_steps == 0
+            and start - self._signal_at >= self.signal_min_s
+        ):
+            self._signal_at = start
             self._watch(start, step)
         elapsed = start - self._last_end
         if self.suspected_at_step is not None:

@@ -87,18 +87,17 @@ def train_row(result: Any, counters: Any, lr: float, samples_per_s: float, score
 
 
 class Throughput:
-    """Samples per second over the steps since the last ``rate()`` (the window of one log row)."""
+    """Samples per second since the last ``rate()`` (the window of one log row), from the run's
+    running sample count (nothing to add per step)."""
 
-    def __init__(self) -> None:
-        self.samples, self.start = 0, time.perf_counter()
+    def __init__(self, samples: int = 0) -> None:
+        self.samples, self.start = samples, time.perf_counter()
 
-    def add(self, samples: int) -> None:
-        self.samples += samples
-
-    def rate(self) -> float:
+    def rate(self, samples: int) -> float:
+        """``samples``: the run's count now."""
         now = time.perf_counter()
-        rate = self.samples / max(now - self.start, 1e-9)
-        self.samples, self.start = 0, now
+        rate = (samples - self.samples) / max(now - self.start, 1e-9)
+        self.samples, self.start = samples, now
         return rate
 
 

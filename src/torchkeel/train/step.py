@@ -168,9 +168,7 @@ def train_step(
     status, loss_value, norm_value = "ok", None, None
     if check_finite:
         # Host sync, the one per step: may this step be applied? Loss and norm come along.
-        (loss_value, norm_value), (loss_ok, grads_ok) = read_finite(
-            torch.stack([loss_sum, grad_norm.float()]), agreed=sync is not None
-        )
+        (loss_value, norm_value), (loss_ok, grads_ok) = read_finite((loss_sum, grad_norm), agreed=sync is not None)
         if not (loss_ok and grads_ok):
             status = "overflow" if loss_ok and precision.scaler is not None else "nonfinite"
     if status == "nonfinite":
@@ -317,6 +315,8 @@ def _forward_backward(
     With ``sync`` the divisor is ``sync.nominal`` instead (the global count is known only after
     the all-gather) and this returns this rank's loss sum, metrics and count for ``_synced``.
     """
+    if sync is None and len(group) == 1 and micro_batch_size is None and before_forward is None and sizes[0]:
+        return _whole_batch(model, group[0], objective, precision, device, params, seen)
     non_blocking = device.type == "cuda"
     total = sum(weights) if sync is None else sync.nominal
     loss_sum: torch.Tensor | None = None
@@ -324,6 +324,7 @@ def _forward_backward(
     counted: torch.Tensor | float = 0.0
     summed: bool | None = None  # whether the pieces' losses are sums; None until one has samples
     whole = micro_batch_size is None and pieces_per_batch is None  # each batch is one piece
+    autocast = precision.autocast()  # entered once per piece
     for index, (batch, size, weight) in enumerate(zip(group, sizes, weights)):
         pieces = [batch] if whole else _pieces(batch, size, micro_batch_size, pieces_per_batch)
         offset = 0
@@ -338,7 +339,7 @@ def _forward_backward(
             is_last = index == len(group) - 1 and number == len(pieces) - 1
             with sync.micro_batch(is_last) if sync is not None else _NOTHING:
                 try:
-                    with precision.autocast():
+                    with autocast:
                         out = objective(model, piece, device, non_blocking)
                 except LabelOutOfRange as exc:
                     exc.micro_batch, exc.sample = index, exc.sample + offset
@@ -385,3 +386,30 @@ def _forward_backward(
         loss_sum = loss_sum / counted
         metric_sums = {name: value / counted for name, value in metric_sums.items()}
     return _Sums(loss_sum, metric_sums or None)
+
+
+def _whole_batch(
+    model: torch.nn.Module,
+    batch: Any,
+    objective: Objective,
+    precision: Precision,
+    device: torch.device,
+    params: Sequence[torch.nn.Parameter],
+    seen: list[tuple[Any, Any]] | None,
+) -> _Sums:
+    """``_forward_backward`` of the usual step (one process, one micro-batch that fits): the same
+    arithmetic as its loop with one piece of share 1, with less Python between the kernels."""
+    with precision.autocast():
+        out = objective(model, batch, device, device.type == "cuda")
+    precision.backward(out.loss)
+    if seen is not None:
+        seen.append((out.outputs.detach() if isinstance(out.outputs, torch.Tensor) else out.outputs, out.targets))
+    loss = out.loss.detach().float()
+    metrics = {k: torch.as_tensor(v, device=device).detach().float() for k, v in out.metrics.items()}
+    if not out.is_sum:
+        return _Sums(loss, metrics or None)
+    count = torch.clamp(torch.as_tensor(out.count, device=device).float(), min=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(count)
+    return _Sums(loss / count, {k: v / count for k, v in metrics.items()} or None)

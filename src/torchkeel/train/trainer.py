@@ -153,7 +153,8 @@ class Trainer:
         return {**self.counters.totals(), **self.files.totals()}
 
     def _train(self) -> None:
-        train, c, throughput = self.config.train, self.counters, Throughput()
+        train, c = self.config.train, self.counters
+        throughput = Throughput(c.samples)
         self.protections.take_snapshot(c.step)
         if self.stopper is not None and self.stopper.stop_reason:
             return  # resumed from the checkpoint where it stopped early: nothing left to do
@@ -177,7 +178,6 @@ class Trainer:
                 self.job.first_step_done()
                 c.step, c.batch_in_epoch = c.step + 1, c.batch_in_epoch + len(group)
                 c.samples += result.num_samples
-                throughput.add(result.num_samples)
                 if self.ema is not None and result.status == "ok":  # a skipped step is not averaged in
                     self.ema.update(c.step)
                 self.files.console.advance(1)
@@ -187,7 +187,7 @@ class Trainer:
                 self.files.record(c.step, self.protections.after_step(result, group, c.step, batches.take()))
                 c.micro_batch_size = result.micro_batch_size  # under torchrun the smallest that fit on any rank
                 if is_log:
-                    self.files.log(train_row(result, c, lr, throughput.rate(), self.train_scores))
+                    self.files.log(train_row(result, c, lr, throughput.rate(c.samples), self.train_scores))
                 if train.val_every and c.step % train.val_every == 0:
                     self._validate()
                     if self._after_validation(at_epoch_end=at_epoch_end):
