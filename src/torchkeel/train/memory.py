@@ -168,7 +168,8 @@ class LeakDetector:
     milliseconds in a large process), so it is spent where it pays:
 
     - a cheap signal is read every ``signal_every_steps`` steps (0: never), at most once per
-      ``signal_min_s`` seconds — process RSS, or CUDA allocated bytes on CUDA (microseconds). When its maximum rises by more than ``min_growth_bytes`` in
+      ``signal_min_s`` seconds — process RSS, or CUDA allocated bytes on CUDA (microseconds).
+      When its maximum rises by more than ``min_growth_bytes`` in
       each of ``rising_windows`` windows of ``window_s`` seconds, a leak is suspected and
       censuses come as often as ``suspect_overhead`` of the time allows, until 3 of them in a row
       confirm it (the cheap signal counts as the rest of the ``window``) — or one refutes it: the
