@@ -78,20 +78,9 @@ class CheckpointStore:
         """Write a checkpoint of ``state`` now, then prune; return its directory.
 
         The tensors are streamed from where they are (no copy of the state is made), so the
-        caller waits for the write and must not change them meanwhile; ``AsyncSaver`` does not wait.
+        caller waits for the write and must not change them meanwhile; ``AsyncSaver`` does not
+        wait: it calls this from its thread with a ``snapshot`` only it holds.
         """
-        return self.write(state, step=step, epoch=epoch, metrics=metrics, meta=meta)
-
-    def write(
-        self,
-        state: Mapping[str, Any],
-        *,
-        step: int,
-        epoch: int,
-        metrics: Mapping[str, float] | None = None,
-        meta: Mapping[str, Any] | None = None,
-    ) -> Path:
-        """What ``save`` does; ``AsyncSaver`` calls it from its thread with a ``snapshot`` only it holds."""
         self.directory.mkdir(parents=True, exist_ok=True)
         manifest = {"step": step, "epoch": epoch, "metrics": dict(metrics or {}), **(meta or {})}
         path = write_checkpoint(self.path_for(step), state, manifest, self.hook)
@@ -187,7 +176,7 @@ class AsyncSaver:
 
     def _run(self, state: Mapping[str, Any], kwargs: dict[str, Any]) -> None:
         try:
-            self.store.write(state, **kwargs)
+            self.store.save(state, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._error = exc
 

@@ -7,6 +7,7 @@ The only host sync is the guard's, once per step, when ``check_finite`` is on.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -62,6 +63,23 @@ class _Sums:
     """This rank's count (``sync`` only: the global divisor is known after the all-gather)."""
 
 
+@dataclass
+class _Work:
+    """What every attempt at one step's forward and backward shares (a redo after an
+    out-of-memory error changes only the micro-batch size)."""
+
+    model: torch.nn.Module
+    group: Sequence[Any]
+    sizes: Sequence[int]
+    weights: Sequence[float]
+    objective: Objective
+    precision: Precision
+    device: torch.device
+    params: Sequence[torch.nn.Parameter]
+    before_forward: Callable[[int], None] | None = None
+    seen: list[tuple[Any, Any]] | None = None
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -113,45 +131,19 @@ def train_step(
     weights = [objective.weight(batch) for batch in group] if objective.count_key else [float(n) for n in sizes]
     num_splits, agreed = 0, []
     seen: list[tuple[Any, Any]] | None = [] if on_outputs is not None else None
+    work = _Work(model, group, sizes, weights, objective, precision, device, params, before_forward, seen)
     while True:
         if seen is not None:
             seen.clear()
         if sync is not None:  # every rank tries; all redo the step if any ran out of memory
-            sums, micro_batch_size, agreed, redo = _synced(
-                model,
-                group,
-                sizes,
-                weights,
-                objective,
-                precision,
-                device,
-                micro_batch_size,
-                before_forward,
-                params,
-                sync,
-                split_on_oom,
-                agree,
-                seen,
-            )
+            sums, micro_batch_size, agreed, redo = _synced(work, micro_batch_size, sync, split_on_oom, agree)
             if not redo:
                 break
             optimizer.zero_grad(set_to_none=True)
             num_splits += 1
             continue
         try:
-            sums = _forward_backward(
-                model,
-                group,
-                sizes,
-                weights,
-                objective,
-                precision,
-                device,
-                micro_batch_size,
-                before_forward,
-                params,
-                seen=seen,
-            )
+            sums = _forward_backward(work, micro_batch_size)
             agreed = list(agree()) if agree is not None else []
             break
         except torch.OutOfMemoryError:
@@ -206,63 +198,31 @@ def _pieces(batch: Any, size: int, micro_batch_size: int | None, count: int | No
 
 
 def _synced(
-    model: torch.nn.Module,
-    group: Sequence[Any],
-    sizes: Sequence[int],
-    weights: Sequence[float],
-    objective: Objective,
-    precision: Precision,
-    device: torch.device,
+    work: _Work,
     micro_batch_size: int | None,
-    before_forward: Callable[[int], None] | None,
-    params: Sequence[torch.nn.Parameter],
     sync: GradSync,
     split_on_oom: bool,
     agree: Callable[[], Sequence[bool]] | None,
-    seen: list[tuple[Any, Any]] | None = None,
 ) -> tuple[_Sums, int | None, list[bool], bool]:
     """One data-parallel attempt at the step; returns the job's mean loss with this rank's
     metrics, the micro-batch size every rank continues with, the agreed flags, and whether every
     rank must redo the step."""
     per_batch = None if micro_batch_size is None else -(-sync.batch_size // micro_batch_size)
+    group, sizes, device = work.group, work.sizes, work.device
     oom = False
     sums = None
     try:
-        sums = _forward_backward(
-            model,
-            group,
-            sizes,
-            weights,
-            objective,
-            precision,
-            device,
-            micro_batch_size,
-            before_forward,
-            params,
-            sync=sync,
-            pieces_per_batch=per_batch,
-            seen=seen,
-        )
+        sums = _forward_backward(work, micro_batch_size, sync=sync, pieces_per_batch=per_batch)
     except torch.OutOfMemoryError:
         oom = True
     if oom:
         # Finish the step's collectives on empty pieces, so that no rank waits on this one.
         free_memory(device)
         empty = [empty_like_batch(batch) for batch in group]
-        sums = _forward_backward(
-            model,
-            empty,
-            [0] * len(group),
-            [0.0] * len(group),
-            objective,
-            precision,
-            device,
-            micro_batch_size,
-            None,
-            params,
-            sync=sync,
-            pieces_per_batch=per_batch,
+        nothing = dataclasses.replace(
+            work, group=empty, sizes=[0] * len(group), weights=[0.0] * len(group), before_forward=None, seen=None
         )
+        sums = _forward_backward(nothing, micro_batch_size, sync=sync, pieces_per_batch=per_batch)
         proposal = max(sizes) if micro_batch_size is None else micro_batch_size
         proposal = smaller_size(proposal, device) if proposal > 1 else 0
     else:
@@ -285,7 +245,7 @@ def _synced(
         return sums, int(min(proposals)), agreed, True
     factor = sync.world_size * sync.nominal / max(sum(counts), 1e-12)
     if factor != 1.0:
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [p.grad for p in work.params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, factor)
     loss = torch.tensor(sum(losses) * factor / sync.world_size, device=device)
@@ -293,19 +253,7 @@ def _synced(
 
 
 def _forward_backward(
-    model: torch.nn.Module,
-    group: Sequence[Any],
-    sizes: Sequence[int],
-    weights: Sequence[float],
-    objective: Objective,
-    precision: Precision,
-    device: torch.device,
-    micro_batch_size: int | None,
-    before_forward: Callable[[int], None] | None,
-    params: Sequence[torch.nn.Parameter],
-    sync: GradSync | None = None,
-    pieces_per_batch: int | None = None,
-    seen: list[tuple[Any, Any]] | None = None,
+    work: _Work, micro_batch_size: int | None, sync: GradSync | None = None, pieces_per_batch: int | None = None
 ) -> _Sums:
     """Forward and backward of every piece, weighted by its count; returns the mean loss and metrics.
 
@@ -315,8 +263,12 @@ def _forward_backward(
     With ``sync`` the divisor is ``sync.nominal`` instead (the global count is known only after
     the all-gather) and this returns this rank's loss sum, metrics and count for ``_synced``.
     """
+    model, group, sizes, weights, objective, precision, device, params, before_forward, seen = (
+        work.model, work.group, work.sizes, work.weights, work.objective, work.precision, work.device,
+        work.params, work.before_forward, work.seen,
+    )  # fmt: skip
     if sync is None and len(group) == 1 and micro_batch_size is None and before_forward is None and sizes[0]:
-        return _whole_batch(model, group[0], objective, precision, device, params, seen)
+        return _whole_batch(work)
     non_blocking = device.type == "cuda"
     total = sum(weights) if sync is None else sync.nominal
     loss_sum: torch.Tensor | None = None
@@ -388,17 +340,11 @@ def _forward_backward(
     return _Sums(loss_sum, metric_sums or None)
 
 
-def _whole_batch(
-    model: torch.nn.Module,
-    batch: Any,
-    objective: Objective,
-    precision: Precision,
-    device: torch.device,
-    params: Sequence[torch.nn.Parameter],
-    seen: list[tuple[Any, Any]] | None,
-) -> _Sums:
+def _whole_batch(work: _Work) -> _Sums:
     """``_forward_backward`` of the usual step (one process, one micro-batch that fits): the same
     arithmetic as its loop with one piece of share 1, with less Python between the kernels."""
+    model, objective, precision, device, seen = work.model, work.objective, work.precision, work.device, work.seen
+    batch = work.group[0]
     with precision.autocast():
         out = objective(model, batch, device, device.type == "cuda")
     precision.backward(out.loss)
@@ -409,7 +355,7 @@ def _whole_batch(
     if not out.is_sum:
         return _Sums(loss, metrics or None)
     count = torch.clamp(torch.as_tensor(out.count, device=device).float(), min=1.0)
-    for p in params:
+    for p in work.params:
         if p.grad is not None:
             p.grad.div_(count)
     return _Sums(loss / count, {k: v / count for k, v in metrics.items()} or None)
