@@ -134,10 +134,13 @@ class BatchSeeds:
         self._probed = 0
         self._drew: set[str] = set()
         self._active = list(_GENERATORS)
+        self.idle_pid: int | None = None
+        """The process that found the data code to draw from no generator: there nothing is seeded
+        or restored (a caller may skip the context); a worker, forked or spawned, has another pid."""
 
     def __call__(self, *key: int) -> contextlib.AbstractContextManager[None]:
-        if not self._active and self._probed >= self.PROBE_BATCHES and get_worker_info() is None:
-            return _NOTHING  # the data code draws from no generator: nothing to seed or restore
+        if self.idle_pid == os.getpid():
+            return _NOTHING
         return self._isolated(key)
 
     @contextlib.contextmanager
@@ -164,6 +167,7 @@ class BatchSeeds:
                 self._probed += 1
                 if self._probed == self.PROBE_BATCHES:
                     self._active = [name for name in self._active if name in self._drew]
+                    self.idle_pid = os.getpid() if not self._active else None
 
 
 class _PythonGlobal:

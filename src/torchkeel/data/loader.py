@@ -13,6 +13,7 @@ process, is told each epoch's order.
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -70,13 +71,18 @@ class _Guarded(Dataset):
             return _BadItem(index, f"{type(exc).__name__}: {first_line(exc)}")
 
     def __getitems__(self, indices: list[int]) -> "_Fetched":
-        """A batch's items in one call (the DataLoader's fetcher uses it); item by item only when
-        one of them raises, so the others are kept."""
+        """A batch's items in one call (the DataLoader's fetcher uses it)."""
+        if self.seeds.idle_pid == os.getpid():  # the data draws no random numbers: nothing to seed
+            return self._fetch(indices)
         with self.seeds(self.seed, self.rank, int(self.epoch[0]), indices[0]):
-            try:
-                return _Fetched([self.dataset[i] for i in indices], indices)
-            except Exception:
-                return _Fetched([self._item(i) for i in indices], indices, may_be_bad=True)
+            return self._fetch(indices)
+
+    def _fetch(self, indices: list[int]) -> "_Fetched":
+        """The items; item by item only when one of them raises, so the others are kept."""
+        try:
+            return _Fetched([self.dataset[i] for i in indices], indices)
+        except Exception:
+            return _Fetched([self._item(i) for i in indices], indices, may_be_bad=True)
 
 
 @dataclass

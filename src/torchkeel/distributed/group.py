@@ -110,6 +110,17 @@ class JobGroup:
         In one process (no collectives) the block runs as it is."""
         return self._watch(what, step) if self._monitor is not None else _NOTHING  # _monitor: active, open
 
+    def watch_step(self, step: int) -> AbstractContextManager[None]:
+        """``watch`` around training step ``step``; once a step has passed, ``first_step_done``.
+        In one process it is a shared no-op: this runs at every step."""
+        return self._watch_step(step) if self._monitor is not None else _NOTHING
+
+    @contextmanager
+    def _watch_step(self, step: int) -> Iterator[None]:
+        with self._watch("the training step (forward, backward, gradient sync)", step):
+            yield
+        self.first_step_done()
+
     @contextmanager
     def _watch(self, what: str, step: int) -> Iterator[None]:
         try:

@@ -96,6 +96,10 @@ class TrainingJob:
         """A timeout inside the block becomes a ``CollectiveTimeout`` naming ``what``, the step and the rank."""
         return self.group.watch(what, step)
 
+    def watch_step(self, step: int) -> AbstractContextManager[None]:
+        """``watch`` around training step ``step``, tightening the timeouts after the first."""
+        return self.group.watch_step(step)
+
     def first_step_done(self) -> None:
         self.group.first_step_done()
 

@@ -9,6 +9,7 @@ batch.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -32,7 +33,9 @@ class Lookahead:
     """Iterates ``groups`` one ahead, so that each comes with whether it is the last.
 
     While the caller works on a group, ``held`` is the next one, already read from the loader
-    but not trained on (a checkpoint must not count it as consumed).
+    but not trained on (a checkpoint must not count it as consumed). ``take_wait()`` is the time
+    spent reading since it was last called: how long training waited for its data (the first
+    read, which fills the pipeline, is left out).
 
     Example::
 
@@ -44,13 +47,21 @@ class Lookahead:
     def __init__(self, groups: Iterable[list[Any]]) -> None:
         self._groups = iter(groups)
         self.held: list[Any] | None = None
+        self.wait_s = 0.0
 
     def __iter__(self) -> Iterator[tuple[list[Any], bool]]:
         current = next(self._groups, None)
         while current is not None:
+            start = time.perf_counter()
             self.held = next(self._groups, None)
+            self.wait_s += time.perf_counter() - start
             yield current, self.held is None
             current, self.held = self.held, None
+
+    def take_wait(self) -> float:
+        """Seconds spent reading groups since the last call."""
+        wait, self.wait_s = self.wait_s, 0.0
+        return wait
 
 
 def steps_per_epoch(num_batches: int, accumulate: int) -> int:

@@ -113,7 +113,7 @@ class RunCheckpoints:
     def is_due(self, at_epoch_end: bool) -> bool:
         """Whether the time-based cadence asks for a save. Rank 0's clock decides; the other ranks
         learn it in the agreement that follows."""
-        return self.job.rank.is_main and self.cfg.enabled and self.cadence.is_due(at_epoch_end)
+        return self.cfg.enabled and self.job.rank.is_main and self.cadence.is_due(at_epoch_end)
 
     def is_every_steps(self, step: int) -> bool:
         return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0

@@ -126,9 +126,9 @@ def train_step(
     """
     if not group:
         raise ValueError("train_step needs at least one micro-batch")
-    objective = Objective.of(loss_fn)
-    sizes = [num_samples(batch) for batch in group]
-    weights = [objective.weight(batch) for batch in group] if objective.count_key else [float(n) for n in sizes]
+    objective = loss_fn if isinstance(loss_fn, Objective) else Objective(loss_fn)
+    sizes = list(map(num_samples, group))
+    weights = list(map(objective.weight, group)) if objective.count_key else list(map(float, sizes))
     num_splits, agreed = 0, []
     seen: list[tuple[Any, Any]] | None = [] if on_outputs is not None else None
     work = _Work(model, group, sizes, weights, objective, precision, device, params, before_forward, seen)

@@ -27,7 +27,6 @@ from torchkeel.train.build import build_training, resolve_device, step_options
 from torchkeel.train.checkpointing import RunCheckpoints, RunState
 from torchkeel.train.counters import RunCounters, TrainingParts
 from torchkeel.train.early_stop import EarlyStopping
-from torchkeel.train.inputbound import TimedBatches
 from torchkeel.train.memory import MemoryProbe
 from torchkeel.train.objective import LabelOutOfRange
 from torchkeel.train.precision import make_precision
@@ -160,7 +159,7 @@ class Trainer:
             return  # resumed from the checkpoint where it stopped early: nothing left to do
         # An epoch ends when its data does (on every rank together); only max_steps stops mid-epoch.
         while not self._is_at_max_steps() and (train.max_epochs is None or c.epoch < train.max_epochs):
-            batches = TimedBatches(self.train_loader.epoch(c.epoch, start_batch=c.batch_in_epoch))
+            batches = self.train_loader.epoch(c.epoch, start_batch=c.batch_in_epoch)
             self.protections.input_bound.start()
             # One group is read ahead, so that the epoch's last step is known when it is taken.
             groups = iter_groups(self.job.batches(batches, self.train_loader.streaming), train.accumulate)
@@ -173,9 +172,8 @@ class Trainer:
                     end_at_floor(self.scheduler, self.optimizer)  # fewer steps than planned (bad samples)
                 is_log = (c.step + 1) % train.log_every == 0 or is_last
                 lr = self.optimizer.param_groups[0]["lr"] if is_log else 0.0
-                with self.job.watch("the training step (forward, backward, gradient sync)", c.step + 1):
+                with self.job.watch_step(c.step + 1):
                     result = self._step(group)
-                self.job.first_step_done()
                 c.step, c.batch_in_epoch = c.step + 1, c.batch_in_epoch + len(group)
                 c.samples += result.num_samples
                 if self.ema is not None and result.status == "ok":  # a skipped step is not averaged in
@@ -184,7 +182,9 @@ class Trainer:
                 stop, due, any_bad = result.agreed
                 if any_bad:
                     self.files.record(c.step, self.bad_samples.collect(self.train_loader))
-                self.files.record(c.step, self.protections.after_step(result, group, c.step, batches.take()))
+                found = self.protections.after_step(result, group, c.step, self._ahead.take_wait())
+                if found.incidents or found.rows or found.error:  # most steps find nothing
+                    self.files.record(c.step, found)
                 c.micro_batch_size = result.micro_batch_size  # under torchrun the smallest that fit on any rank
                 if is_log:
                     self.files.log(train_row(result, c, lr, throughput.rate(c.samples), self.train_scores))
