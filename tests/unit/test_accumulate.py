@@ -120,3 +120,25 @@ def test_the_whole_batch_step_equals_the_general_loop_bitwise(summed):
     assert torch.equal(fast.loss, loop.loss) and torch.equal(fast.grad_norm, loop.grad_norm)
     assert torch.equal(fast.metrics["top"], loop.metrics["top"])
     assert all(torch.equal(a, b) for a, b in zip(fast_weights, loop_weights))
+
+
+def test_lookahead_times_its_reads_after_the_first(monkeypatch):
+    """The Trainer's wait for data is what Lookahead spends reading: each later group's read,
+    taken once; the first read (filling the pipeline) is left out."""
+    import types
+
+    from torchkeel.train import accumulate
+
+    now = [0.0]
+    monkeypatch.setattr(accumulate, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def groups():
+        for cost in (5.0, 1.0, 2.0):  # seconds each read "takes"
+            now[0] += cost
+            yield [cost]
+
+    ahead = accumulate.Lookahead(groups())
+    waits = []
+    for group, is_last in ahead:
+        waits.append((group, is_last, ahead.take_wait()))
+    assert waits == [([5.0], False, 1.0), ([1.0], False, 2.0), ([2.0], True, 0.0)]
