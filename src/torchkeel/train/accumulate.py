@@ -15,10 +15,13 @@ from typing import Any
 
 
 def iter_groups(batches: Iterable[Any], accumulate: int) -> Iterator[list[Any]]:
-    """Yield lists of up to ``accumulate`` consecutive batches; the last list may be shorter."""
+    """Lists of up to ``accumulate`` consecutive batches; the last list may be shorter."""
     if accumulate == 1:
-        yield from ([batch] for batch in batches)
-        return
+        return map(list, zip(batches))  # [batch] each, made without a Python frame per batch
+    return _groups(batches, accumulate)
+
+
+def _groups(batches: Iterable[Any], accumulate: int) -> Iterator[list[Any]]:
     group: list[Any] = []
     for batch in batches:
         group.append(batch)
