@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
+import importlib.metadata
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -146,12 +148,97 @@ class Source:
         """True when some assignment to ``name`` (a simple or ``self.x`` name) has a value matching."""
         return any(predicate(value) for value in self.assigned.get(name, []))
 
+    def loop_names(self, node: ast.AST) -> set[str]:
+        """Names bound by the ``for`` loops and comprehensions around ``node`` in its function."""
+        names: set[str] = set()
+        parent = self.parents.get(node)
+        while parent is not None and not isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if isinstance(parent, (ast.For, ast.AsyncFor)):
+                names |= {n.id for n in ast.walk(parent.target) if isinstance(n, ast.Name)}
+            elif isinstance(parent, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+                names |= {n.id for g in parent.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+            parent = self.parents.get(parent)
+        return names
+
+    def reaches(self, expr: ast.AST, predicate: Callable[[ast.AST], bool], depth: int = 4) -> bool:
+        """True when a node of ``expr`` matches ``predicate``, directly or in the values assigned to
+        the names it uses (``depth`` assignments deep): data flow by name, file-wide."""
+        for node in ast.walk(expr):
+            if predicate(node):
+                return True
+            if (
+                depth
+                and isinstance(node, ast.Name)
+                and any(self.reaches(v, predicate, depth - 1) for v in self.assigned.get(node.id, []))
+            ):
+                return True
+        return False
+
+    def sibling(self, module: str) -> Source | None:
+        """The parsed file of a module imported from this file's folder (``from model import Net``),
+        or None when there is none (the module is installed, or does not parse)."""
+        return _sibling(os.path.dirname(os.path.abspath(self.path)), module)
+
+    def folder_calls(self, names: set[str]) -> bool:
+        """True when this file or a ``.py`` file next to it calls a function named in ``names``
+        (``torch.manual_seed`` in the training script next to ``datasets.py``)."""
+        if any(last(call_name(c)) in names for c in self.calls()):
+            return True
+        return _folder_calls(os.path.dirname(os.path.abspath(self.path)), frozenset(names))
+
+    def imported_from(self, name: str) -> str | None:
+        """The module that ``from MODULE import name`` in this file names, or None."""
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if any((a.asname or a.name) == name for a in node.names):
+                    return node.module
+        return None
+
     def is_module_class(self, name: str) -> bool:
         """A class defined here that subclasses something ending in ``Module`` (nn.Module)."""
         for node in ast.walk(self.tree):
             if isinstance(node, ast.ClassDef) and node.name == name:
                 return any(dotted(b).endswith("Module") for b in node.bases)
         return False
+
+
+@functools.lru_cache(maxsize=64)
+def _sibling(folder: str, module: str) -> Source | None:
+    relative = module.replace(".", os.sep)
+    for candidate in (os.path.join(folder, relative + ".py"), os.path.join(folder, relative, "__init__.py")):
+        if os.path.isfile(candidate):
+            try:
+                with open(candidate, encoding="utf-8", errors="replace") as fh:
+                    return Source(candidate, fh.read())
+            except (SyntaxError, ValueError):
+                return None
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _folder_calls(folder: str, names: frozenset[str]) -> bool:
+    pattern = re.compile(r"\b(?:%s)\s*\(" % "|".join(map(re.escape, sorted(names))))
+    try:
+        entries = sorted(n for n in os.listdir(folder) if n.endswith(".py"))
+    except OSError:
+        return False
+    for name in entries:
+        with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as fh:
+            if pattern.search(fh.read()):
+                return True
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def torch_version() -> tuple[int, int] | None:
+    """The installed torch's (major, minor), read from its metadata: lint never imports torch.
+    None when torch is not installed where lint runs."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def _target_names(target: ast.AST) -> list[str]:

@@ -21,7 +21,7 @@ _TABLE = [
         "graph-break",
         "warning",
         model.host_sync_in_forward,
-        ".item()/.cpu()/.numpy()/.tolist() inside forward()",
+        ".item()/.numpy()/.tolist() inside forward()",
         "Keep forward() on tensors; read values on the host outside the model, once per step.",
     ),
     (
@@ -30,7 +30,7 @@ _TABLE = [
         None,
         "warning",
         model.factory_without_device,
-        "torch.zeros/ones/arange/... inside forward() without device=",
+        "torch.zeros/ones/arange/... inside forward() without device= (and not moved at once)",
         "Pass device=x.device (and dtype=x.dtype), or use torch.zeros_like(x) / register a buffer.",
     ),
     (
@@ -93,7 +93,7 @@ _TABLE = [
         "eval-in-train-mode",
         "warning",
         model.eval_without_eval,
-        "evaluation under no_grad/inference_mode in a training file that never calls .eval()",
+        "evaluation under no_grad/inference_mode of a model with dropout/batch norm in a file that never calls .eval()",
         "Call model.eval() before evaluating and model.train() before training again.",
     ),
     (
@@ -120,7 +120,7 @@ _TABLE = [
         "probabilities-into-cross-entropy",
         "error",
         model.softmax_into_cross_entropy,
-        "softmax output passed to CrossEntropyLoss / F.cross_entropy",
+        "softmax output (also reshaped) passed to CrossEntropyLoss / F.cross_entropy",
         "Pass the logits; apply softmax only to read probabilities.",
     ),
     (
@@ -129,7 +129,7 @@ _TABLE = [
         None,
         "warning",
         checkpoint.unsafe_load,
-        "torch.load without weights_only=True (or with weights_only=False)",
+        "torch.load(weights_only=False), or without weights_only on torch before 2.6",
         "Use torch.load(path, weights_only=True), or safetensors, for files you did not write.",
     ),
     (
@@ -138,7 +138,7 @@ _TABLE = [
         None,
         "warning",
         checkpoint.save_whole_module,
-        "torch.save(model) of the module object instead of its state_dict",
+        "torch.save of a module object (built here or in a sibling file) instead of its state_dict",
         "Save model.state_dict() and rebuild the model from code when loading.",
     ),
     (
@@ -147,7 +147,7 @@ _TABLE = [
         None,
         "warning",
         checkpoint.save_to_final_path,
-        "torch.save straight to the final path (no write-then-rename)",
+        "torch.save straight onto a path that holds the last good file (not a new path per epoch, not a buffer)",
         "Write to path + '.tmp' and os.replace() it onto the final path (or use torchkeel's CheckpointStore).",
     ),
     (
@@ -156,8 +156,8 @@ _TABLE = [
         None,
         "error",
         distributed.set_device_after_init,
-        "torch.cuda.set_device() after init_process_group()",
-        "Call torch.cuda.set_device(local_rank) before init_process_group().",
+        "set_device() after the process group already ran a collective",
+        "Call torch.cuda.set_device(local_rank) (or torch.accelerator.set_device_index) before init_process_group().",
     ),
     (
         "TK118",
@@ -165,7 +165,7 @@ _TABLE = [
         None,
         "warning",
         data.sampler_without_set_epoch,
-        "a DistributedSampler whose set_epoch() is never called",
+        "a DistributedSampler whose set_epoch() is never called (nor handed to code that may)",
         "Call sampler.set_epoch(epoch) at the start of every epoch.",
     ),
     (
@@ -183,8 +183,8 @@ _TABLE = [
         "nondeterministic",
         "warning",
         data.random_in_getitem,
-        "python random / numpy global random calls inside Dataset.__getitem__",
-        "Draw from torch (seeded per worker) or from a generator seeded in worker_init_fn.",
+        "python random / numpy global draws in __getitem__ of a project that seeds torch but not them",
+        "Seed them too (random.seed / np.random.seed), or draw from torch.",
     ),
     (
         "TK121",
@@ -201,7 +201,7 @@ _TABLE = [
         None,
         "warning",
         model.forward_called_directly,
-        "model.forward(x) instead of model(x)",
+        "model.forward(x) instead of model(x) (self.forward only when the file registers hooks)",
         "Call the module itself: model(x).",
     ),
     (
@@ -210,7 +210,7 @@ _TABLE = [
         "nondeterministic",
         "warning",
         data.set_iteration,
-        "iterating over a set (e.g. to build a vocabulary)",
+        "iterating over a set where order matters (e.g. to build a vocabulary)",
         "Iterate over sorted(the_set).",
     ),
     (

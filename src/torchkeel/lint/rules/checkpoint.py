@@ -3,25 +3,73 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 
-from torchkeel.lint.engine import Source, call_name, dotted, keyword, last
+from torchkeel.lint.engine import Source, call_name, dotted, keyword, last, torch_version
+
+# torch.load's default became weights_only=True in torch 2.6.
+_SAFE_LOAD_SINCE = (2, 6)
+_NOT_A_MODULE = {"state", "dict", "sd", "config", "cfg", "path", "dir", "file", "name", "args", "params", "weights"}
+_NOT_A_MODULE |= {"ckpt", "checkpoint", "snapshot", "opt", "optim", "optimizer", "kwargs", "type", "id", "url"}
+_MODULE_WORDS = {"model", "net", "network", "module"}
+_VARIES_PER_CALL = {"time", "time_ns", "now", "utcnow", "strftime", "uuid4", "getpid", "mkdtemp", "mkstemp"}
+_STEP_WORDS = ("epoch", "step", "iter", "batch", "it")
 
 
 def unsafe_load(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    version = torch_version()
+    default_safe = version is not None and version >= _SAFE_LOAD_SINCE
     for call in source.calls():
-        if call_name(call) == "torch.load":
-            value = keyword(call, "weights_only")
-            if value is None:
-                yield (
-                    call,
-                    (
-                        "torch.load without weights_only=True: older torch versions unpickle arbitrary code from "
-                        "the file"
-                    ),
-                )
-            elif isinstance(value, ast.Constant) and value.value is False:
-                yield call, "torch.load(weights_only=False) runs whatever pickled code the file holds"
+        if call_name(call) != "torch.load":
+            continue
+        value = keyword(call, "weights_only")
+        if value is None and not default_safe and not _inside_safe_globals(source, call):
+            yield (
+                call,
+                (
+                    "torch.load without weights_only=True: torch before 2.6 (installed: "
+                    f"{'none' if version is None else '%d.%d' % version}) unpickles arbitrary code from the file"
+                ),
+            )
+        elif isinstance(value, ast.Constant) and value.value is False:
+            yield call, "torch.load(weights_only=False) runs whatever pickled code the file holds"
+
+
+def _inside_safe_globals(source: Source, node: ast.AST) -> bool:
+    parent = source.parents.get(node)
+    while parent is not None:
+        if isinstance(parent, ast.With) and any(
+            last(call_name(i.context_expr)) == "safe_globals" for i in parent.items
+        ):
+            return True
+        parent = source.parents.get(parent)
+    return False
+
+
+def _modelish_name(name: str) -> bool:
+    """``model``, ``netG``, ``generator_net`` — not ``model_state_dict`` or ``network_config``."""
+    words = [w.lower() for w in re.findall(r"[A-Za-z][a-z0-9]*|[A-Z]+(?![a-z])", last(name))]
+    return bool(words) and not _NOT_A_MODULE & set(words) and bool(_MODULE_WORDS & set(words))
+
+
+def _builds_module(source: Source, value: ast.expr) -> bool | None:
+    """Whether ``value`` constructs an nn.Module: True, False, or None when it cannot tell."""
+    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in {"to", "cuda"}:
+        value = value.func.value
+    if not isinstance(value, ast.Call):
+        return False
+    name = call_name(value)
+    if name.startswith(("nn.", "torch.nn.", "models.", "torchvision.models.", "timm.create_model")):
+        return True
+    cls = last(name)
+    if source.is_module_class(cls):
+        return True
+    module = name.rsplit(".", 1)[0] if "." in name else source.imported_from(cls)
+    local = source.sibling(module) if module else None
+    if local is not None:
+        return local.is_module_class(cls)
+    return None if cls[:1].isupper() else False
 
 
 def save_whole_module(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -32,26 +80,81 @@ def save_whole_module(source: Source) -> Iterator[tuple[ast.AST, str]]:
         if not isinstance(obj, (ast.Name, ast.Attribute)):
             continue
         name = dotted(obj)
-        modelish = any(k in last(name).lower() for k in ("model", "net")) or source.assigned_from(
-            name,
-            lambda v: (
-                isinstance(v, ast.Call)
-                and (call_name(v).startswith(("nn.", "torch.nn.")) or source.is_module_class(last(call_name(v))))
-            ),
-        )
-        if modelish:
+        kinds = {_builds_module(source, v) for v in source.assigned.get(name, [])}
+        if True in kinds or (_modelish_name(name) and (not kinds or None in kinds)):
             yield (
                 call,
                 (
                     f"torch.save({name}) pickles the whole module: loading needs the same code at the same import "
-                    "path and runs pickled code"
+                    "path, and torch.load's default weights_only=True (torch 2.6+) refuses it"
                 ),
             )
+
+
+def _write_target(source: Source, call: ast.Call) -> ast.expr:
+    """The path a torch.save writes to: its second argument, or the path of ``open(PATH, "wb") as f``."""
+    target = call.args[1]
+    if isinstance(target, ast.Name):
+        for node in ast.walk(source.function_of(call) or source.tree):
+            if isinstance(node, ast.With):
+                for item in node.items:
+                    if (
+                        isinstance(item.optional_vars, ast.Name)
+                        and item.optional_vars.id == target.id
+                        and call_name(item.context_expr) == "open"
+                        and item.context_expr.args
+                    ):
+                        return item.context_expr.args[0]
+    if isinstance(target, ast.Call) and call_name(target) == "open" and target.args:
+        return target.args[0]
+    return target
+
+
+def _in_memory(source: Source, target: ast.expr) -> bool:
+    def buffer(value: ast.AST) -> bool:
+        return isinstance(value, ast.Call) and last(call_name(value)) == "BytesIO"
+
+    return buffer(target) or (
+        isinstance(target, ast.Name) and any(buffer(v) for v in source.assigned.get(target.id, []))
+    )
+
+
+def _new_path_each_time(source: Source, call: ast.Call, path: ast.expr) -> bool:
+    """The path names the loop's variable (a file per epoch), a step-like parameter, or the clock."""
+    loop = source.loop_names(call)
+    fn = source.function_of(call)
+    params = {a.arg for a in fn.args.args + fn.args.kwonlyargs} if fn else set()
+
+    def varies(node: ast.AST) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in loop or (node.id in params and any(w in node.id.lower() for w in _STEP_WORDS))
+        return isinstance(node, ast.Call) and last(call_name(node)) in _VARIES_PER_CALL
+
+    return source.reaches(path, varies)
+
+
+def _deleted_after(source: Source, call: ast.Call, path: ast.expr) -> bool:
+    """A scratch file: the same path is removed later in the same function (save-then-delete)."""
+    text = ast.unparse(path)
+    for other in source.calls(source.function_of(call) or source.tree):
+        if (
+            last(call_name(other)) in {"remove", "unlink", "rmtree"}
+            and other.lineno > call.lineno
+            and (
+                any(ast.unparse(a) == text for a in other.args)
+                or (isinstance(other.func, ast.Attribute) and ast.unparse(other.func.value) == text)
+            )
+        ):
+            return True
+    return False
 
 
 def save_to_final_path(source: Source) -> Iterator[tuple[ast.AST, str]]:
     for call in source.calls():
         if call_name(call) != "torch.save" or len(call.args) < 2:
+            continue
+        path = _write_target(source, call)
+        if _in_memory(source, path) or _new_path_each_time(source, call, path) or _deleted_after(source, call, path):
             continue
         scope = source.function_of(call) or source.tree
         renames = [
@@ -65,7 +168,7 @@ def save_to_final_path(source: Source) -> Iterator[tuple[ast.AST, str]]:
             yield (
                 call,
                 (
-                    "torch.save writes straight to the final path: a kill during the write leaves a truncated "
-                    "file where the last good checkpoint was"
+                    f"torch.save writes straight onto {ast.unparse(path)}: a kill during the write leaves a "
+                    "truncated file where the last good one was"
                 ),
             )

@@ -23,6 +23,9 @@ _PY_RANDOM = {
 }
 
 
+_SEEDS_TORCH = {"manual_seed", "seed_everything", "set_seed", "seed_all"}
+
+
 def _workers(call: ast.Call) -> ast.expr | None:
     value = keyword(call, "num_workers")
     if isinstance(value, ast.Constant) and value.value == 0:
@@ -60,20 +63,33 @@ def _in_getitem(source: Source, node: ast.AST) -> bool:
 
 
 def random_in_getitem(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    """Once per ``__getitem__``, for a global generator this file never seeds in a project that
+    seeds torch (so expects repeatable runs). The DataLoader
+    reseeds ``random`` and numpy in each worker from torch's seed; with ``num_workers=0`` the draws
+    come from the process's own generator, so results change with the number of workers."""
+    if not source.folder_calls(_SEEDS_TORCH):
+        return  # nothing is seeded: the whole run differs each time, not these draws alone
+    seeded = {call_name(c).rsplit(".", 1)[0] for c in source.calls() if last(call_name(c)) == "seed"}
+    reported: set[ast.AST] = set()
     for call in source.calls():
         name = call_name(call)
         if not _in_getitem(source, call):
             continue
-        if (name.startswith("random.") and last(name) in _PY_RANDOM) or name.startswith(
-            ("np.random.", "numpy.random.")
-        ):
-            yield (
-                call,
-                (
-                    f"{name}() in __getitem__ draws from a generator that torch does not seed per "
-                    "DataLoader worker: augmentations repeat across workers or differ between runs"
-                ),
-            )
+        module = "random" if name.startswith("random.") and last(name) in _PY_RANDOM else None
+        if name.startswith(("np.random.", "numpy.random.")) and last(name) != "default_rng":
+            module = name.rsplit(".", 1)[0]
+        fn = source.function_of(call)
+        if module is None or module in seeded or fn in reported:
+            continue
+        reported.add(fn)
+        yield (
+            call,
+            (
+                f"{name}() in __getitem__ draws from {module}'s global generator, which this file never seeds: "
+                "with num_workers=0 every run draws differently, and the draws change with num_workers "
+                "(each worker is reseeded from torch's seed)"
+            ),
+        )
 
 
 def cuda_in_getitem(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -118,6 +134,8 @@ def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
             iters = [node.iter]
         elif isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
             iters = [g.iter for g in node.generators]
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)) and _order_free(source, node):
+            continue
         for it in iters:
             inner = (
                 it.args[0]
@@ -134,6 +152,15 @@ def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
                 )
 
 
+_ORDER_FREE = {"any", "all", "sum", "min", "max", "len", "set", "frozenset", "sorted"}
+
+
+def _order_free(source: Source, comprehension: ast.AST) -> bool:
+    """A comprehension whose result does not depend on order: ``any(p in x for p in a_set)``, a set."""
+    parent = source.parents.get(comprehension)
+    return isinstance(comprehension, ast.SetComp) or (isinstance(parent, ast.Call) and call_name(parent) in _ORDER_FREE)
+
+
 def _is_set(node: ast.AST) -> bool:
     return isinstance(node, (ast.Set, ast.SetComp)) or (
         isinstance(node, ast.Call) and call_name(node) in {"set", "frozenset"}
@@ -142,8 +169,33 @@ def _is_set(node: ast.AST) -> bool:
 
 def sampler_without_set_epoch(source: Source) -> Iterator[tuple[ast.AST, str]]:
     samplers = [c for c in source.calls() if last(call_name(c)) == "DistributedSampler"]
-    if samplers and not any(last(call_name(c)) == "set_epoch" for c in source.calls()):
-        yield (
-            samplers[0],
-            ("DistributedSampler without sampler.set_epoch(epoch): every epoch shuffles the data in the same order"),
-        )
+    if not samplers or any(last(call_name(c)) == "set_epoch" for c in source.calls()):
+        return
+    if _handed_elsewhere(source, samplers[0]):
+        return
+    yield (
+        samplers[0],
+        ("DistributedSampler without sampler.set_epoch(epoch): every epoch shuffles the data in the same order"),
+    )
+
+
+def _handed_elsewhere(source: Source, sampler: ast.Call) -> bool:
+    """The sampler (or the loader or kwargs built on it) is passed to a function this file does not
+    define, which may call set_epoch itself."""
+    holders = {
+        n for n, values in source.assigned.items() if any(sampler is v or sampler in ast.walk(v) for v in values)
+    }
+    for _ in range(2):  # the sampler, then what is built from it (a DataLoader, a kwargs dict)
+        holders |= {
+            n
+            for n, values in source.assigned.items()
+            for v in values
+            if any(isinstance(x, ast.Name) and x.id in holders for x in ast.walk(v))
+        }
+    for call in source.calls():
+        if last(call_name(call)) in source.functions or last(call_name(call)) in {"DataLoader", "dict"}:
+            continue
+        arguments = list(call.args) + [k.value for k in call.keywords]
+        if any(isinstance(a, ast.Name) and a.id in holders for a in arguments):
+            return True
+    return False

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 from torchkeel.lint.engine import Source, call_name, dotted, keyword, last
 
-_HOST_SYNC = {"item", "cpu", "numpy", "tolist"}
+# .cpu() is left out: torch.compile traces it, and RPC/pipeline code moves outputs on purpose.
+_HOST_SYNC = {"item", "numpy", "tolist"}
 _FACTORIES = {"zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor"}
 # Ops whose backward needs their own output: modifying that output in place breaks backward.
 _SAVES_OUTPUT = {"sigmoid", "tanh", "exp", "softmax", "log_softmax", "relu", "elu", "selu", "sqrt", "rsqrt", "pow"}
@@ -63,6 +64,7 @@ def factory_without_device(source: Source) -> Iterator[tuple[ast.AST, str]]:
             and name.count(".") == 1
             and keyword(call, "device") is None
             and _in_forward(source, call)
+            and not _moved_after(source, call)
         ):
             yield (
                 call,
@@ -71,6 +73,12 @@ def factory_without_device(source: Source) -> Iterator[tuple[ast.AST, str]]:
                     "the model runs on"
                 ),
             )
+
+
+def _moved_after(source: Source, call: ast.Call) -> bool:
+    """``torch.zeros(...).to(x.device)`` / ``.cuda()`` / ``.type_as(x)``: created, then moved at once."""
+    parent = source.parents.get(call)
+    return isinstance(parent, ast.Attribute) and parent.attr in {"to", "cuda", "type_as"}
 
 
 def inplace_on_activation(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -112,12 +120,18 @@ def inplace_on_activation(source: Source) -> Iterator[tuple[ast.AST, str]]:
                 saved.pop(target)
 
 
+_HOOKS = {"register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook", "register_backward_hook"}
+
+
 def forward_called_directly(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    hooks = any(last(call_name(c)) in _HOOKS for c in source.calls())
     for call in source.calls():
         if isinstance(call.func, ast.Attribute) and call.func.attr == "forward":
             receiver = call.func.value
-            if isinstance(receiver, ast.Call) and call_name(receiver) == "super":
-                continue
+            if isinstance(receiver, ast.Call) or _remote(source, receiver):
+                continue  # super().forward, and RPC proxies: rref.remote().forward, RemoteModule.forward
+            if isinstance(receiver, ast.Name) and receiver.id == "self" and not hooks:
+                continue  # a module calling its own forward skips no hook this file registers
             yield (
                 call,
                 (
@@ -125,6 +139,15 @@ def forward_called_directly(source: Source) -> Iterator[tuple[ast.AST, str]]:
                     f"call {dotted(receiver)}(...)"
                 ),
             )
+
+
+def _remote(source: Source, receiver: ast.expr) -> bool:
+    name = dotted(receiver)
+    return (
+        "rref" in name.lower()
+        or "remote" in name.lower()
+        or source.assigned_from(name, lambda v: isinstance(v, ast.Call) and "remote" in call_name(v).lower())
+    )
 
 
 def bare_mode_switch(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -172,7 +195,7 @@ def eval_without_eval(source: Source) -> Iterator[tuple[ast.AST, str]]:
     ):
         return
     for call in _model_calls(source, source.tree):
-        if _grad_disabled(source, call):
+        if _grad_disabled(source, call) and _has_mode_layers(source, call_name(call)) is not False:
             yield (
                 call,
                 (
@@ -181,6 +204,48 @@ def eval_without_eval(source: Source) -> Iterator[tuple[ast.AST, str]]:
                 ),
             )
             return
+
+
+_MODE_LAYERS = ("Dropout", "BatchNorm", "dropout", "batch_norm", "SyncBatchNorm", "Transformer")
+
+
+def _has_mode_layers(source: Source, model: str) -> bool | None:
+    """Whether the module that ``model`` names holds layers that act differently in train and eval
+    mode (dropout, batch norm): False only when every class it is built from is read here or in
+    a sibling file and none has one; None when that cannot be told (an installed model)."""
+    values = source.assigned.get(model, [])
+    if not values:
+        return None
+    answers = {_class_has_mode_layers(source, v, depth=3) for v in values}
+    return True if True in answers else (None if None in answers else False)
+
+
+def _class_has_mode_layers(source: Source, value: ast.AST, depth: int) -> bool | None:
+    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in {"to", "cuda"}:
+        value = value.func.value
+    if not isinstance(value, ast.Call):
+        return None
+    name = call_name(value)
+    if any(m in ast.unparse(value) for m in _MODE_LAYERS):
+        return True  # nn.Dropout(...), nn.Sequential(..., nn.BatchNorm1d(...)), nn.LSTM(..., dropout=0.2)
+    if name.startswith(("nn.", "torch.nn.")):
+        return False
+    cls, where = last(name), source
+    node = _class_def(source, cls)
+    if node is None:
+        module = name.rsplit(".", 1)[0] if "." in name else source.imported_from(cls)
+        where = source.sibling(module) if module else None
+        node = _class_def(where, cls) if where is not None else None
+    if node is None or depth == 0:
+        return None
+    if any(m in ast.unparse(node) for m in _MODE_LAYERS):
+        return True
+    inner = {_class_has_mode_layers(where, c, depth - 1) for c in where.calls(node) if last(call_name(c))[:1].isupper()}
+    return True if True in inner else (None if None in inner else False)
+
+
+def _class_def(source: Source, name: str) -> ast.ClassDef | None:
+    return next((n for n in ast.walk(source.tree) if isinstance(n, ast.ClassDef) and n.name == name), None)
 
 
 def eval_without_no_grad(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -237,7 +302,18 @@ def softmax_into_cross_entropy(source: Source) -> Iterator[tuple[ast.AST, str]]:
             yield call, ("the model ends in nn.Softmax and the file trains it with cross entropy, which expects logits")
 
 
+_RESHAPES = {"view", "reshape", "flatten", "contiguous", "permute", "transpose", "squeeze", "unsqueeze", "float"}
+
+
 def _is_softmax(source: Source, arg: ast.expr, at: ast.AST) -> bool:
+    """``arg`` is a softmax output, also seen through ``.view(...)``/``.reshape(...)``/indexing."""
+    while True:
+        if isinstance(arg, ast.Subscript):
+            arg = arg.value
+        elif isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and arg.func.attr in _RESHAPES:
+            arg = arg.func.value
+        else:
+            break
     if isinstance(arg, ast.Call):
         return last(call_name(arg)) == "softmax"
     if isinstance(arg, ast.Name):
@@ -249,7 +325,7 @@ def _is_softmax(source: Source, arg: ast.expr, at: ast.AST) -> bool:
             and getattr(n, "lineno", 0) < at.lineno
             and any(isinstance(t, ast.Name) and t.id == arg.id for t in n.targets)
         ]
-        return bool(values) and isinstance(values[-1], ast.Call) and last(call_name(values[-1])) == "softmax"
+        return bool(values) and _is_softmax(source, values[-1], values[-1])
     return False
 
 
@@ -268,14 +344,28 @@ def backward_in_autocast(source: Source) -> Iterator[tuple[ast.AST, str]]:
                     )
 
 
+def _exclusive(source: Source, a: ast.AST, b: ast.AST) -> bool:
+    """``a`` and ``b`` lie in opposite branches of one ``if``: they never run in the same pass."""
+    child, parent = a, source.parents.get(a)
+    while parent is not None:
+        if isinstance(parent, ast.If):
+            inside = child in parent.body
+            other = parent.orelse if inside else parent.body
+            if child in parent.body or child in parent.orelse:
+                return any(b is n for stmt in other for n in ast.walk(stmt))
+        child, parent = parent, source.parents.get(parent)
+    return False
+
+
 def clip_without_unscale(source: Source) -> Iterator[tuple[ast.AST, str]]:
     for fn in ast.walk(source.tree):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
             continue
         calls = sorted(source.calls(fn), key=lambda c: (c.lineno, c.col_offset))
-        if not any(last(call_name(c)) == "scale" and "scaler" in call_name(c).lower() for c in calls):
-            continue
+        scales = [c for c in calls if last(call_name(c)) == "scale" and "scaler" in call_name(c).lower()]
         for clip in (c for c in calls if last(call_name(c)) in {"clip_grad_norm_", "clip_grad_value_"}):
+            if all(_exclusive(source, clip, scale) for scale in scales):
+                continue  # no scaler on this path (the `else:` branch of `if use_amp:`)
             if not any(
                 last(call_name(c)) == "unscale_" and (c.lineno, c.col_offset) < (clip.lineno, clip.col_offset)
                 for c in calls

@@ -1,0 +1,364 @@
+"""``keel lint`` on the forms real training scripts use: each false alarm found on public code has
+a quiet-on-this test, each missed form a fires-on-this test (written here in our own words)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from torchkeel.lint import RULES, engine, lint_paths, lint_source, select_rules
+
+
+def lines(text: str, code: str) -> list[int]:
+    found = lint_source(textwrap.dedent(text), "train.py", select_rules([code]))
+    return [f.line for f in found if f.code == code]
+
+
+# --- TK116: only a save that overwrites the last good file --------------------------------------
+
+
+def test_tk116_quiet_on_a_new_file_per_epoch():
+    assert (
+        lines(
+            """
+            import torch
+            def train(model, epochs, out):
+                for epoch in range(epochs):
+                    name = "%s/net_epoch_%d.pth" % (out, epoch)
+                    torch.save(model.state_dict(), name)
+            """,
+            "TK116",
+        )
+        == []
+    )
+
+
+def test_tk116_quiet_on_a_step_parameter_and_on_the_clock():
+    assert (
+        lines(
+            """
+            import time, torch
+            def save_at(state, folder, epoch):
+                torch.save(state, f"{folder}/model-{epoch}.pt")
+            def save_now(state, folder):
+                stamp = int(time.time())
+                path = f"{folder}/{stamp}/model.pt"
+                torch.save(state, path)
+            """,
+            "TK116",
+        )
+        == []
+    )
+
+
+def test_tk116_quiet_on_an_in_memory_buffer_and_a_scratch_file():
+    assert (
+        lines(
+            """
+            import io, os, torch
+            def to_bytes(obj):
+                buffer = io.BytesIO()
+                torch.save(obj, buffer)
+                return buffer.getvalue()
+            def size_of(model):
+                torch.save(model.state_dict(), "scratch.p")
+                size = os.path.getsize("scratch.p")
+                os.remove("scratch.p")
+                return size
+            """,
+            "TK116",
+        )
+        == []
+    )
+
+
+def test_tk116_fires_on_one_checkpoint_path_rewritten_in_the_loop_and_through_open():
+    text = """
+        import torch
+        def train(model, steps, out_dir):
+            best = float("inf")
+            for step in range(steps):
+                loss = step
+                if loss < best:
+                    torch.save(model.state_dict(), out_dir + "/best.pt")
+            with open("final.pt", "wb") as fh:
+                torch.save(model.state_dict(), fh)
+        """
+    assert lines(text, "TK116") == [8, 10]
+
+
+# --- TK114: a load already safe on the installed torch ------------------------------------------
+
+
+@pytest.fixture
+def installed_torch(monkeypatch):
+    def use(version):
+        monkeypatch.setattr(engine, "torch_version", lambda: version)
+        from torchkeel.lint.rules import checkpoint
+
+        monkeypatch.setattr(checkpoint, "torch_version", lambda: version)
+
+    return use
+
+
+BARE_LOAD = """
+import torch
+state = torch.load("ckpt.pt", map_location="cpu")
+"""
+
+
+def test_tk114_quiet_on_a_bare_load_when_torch_defaults_to_weights_only(installed_torch):
+    installed_torch((2, 6))
+    assert lines(BARE_LOAD, "TK114") == []
+
+
+def test_tk114_fires_on_a_bare_load_on_older_or_unknown_torch(installed_torch):
+    installed_torch((2, 5))
+    assert lines(BARE_LOAD, "TK114") == [3]
+    installed_torch(None)
+    assert lines(BARE_LOAD, "TK114") == [3]
+
+
+def test_tk114_quiet_inside_safe_globals_and_fires_on_weights_only_false(installed_torch):
+    installed_torch((2, 4))
+    text = """
+        import torch
+        with torch.serialization.safe_globals([dict]):
+            state = torch.load("ckpt.pt")
+        other = torch.load("other.pt", weights_only=False)
+        """
+    assert lines(text, "TK114") == [5]
+
+
+def test_torch_version_is_read_without_importing_torch():
+    assert engine.torch_version() is not None and engine.torch_version() >= (2, 0)
+
+
+# --- TK115: a module object, not a name that contains "model" -----------------------------------
+
+
+def test_tk115_quiet_on_state_dicts_and_configs_named_like_models():
+    text = """
+        import torch
+        def save(model, optimizer):
+            model_state_dict = model.state_dict()
+            network_config = {"depth": 4}
+            torch.save(model_state_dict, "a.pt")
+            torch.save(network_config, "b.pt")
+        """
+    assert lines(text, "TK115") == []
+
+
+def test_tk115_fires_on_a_module_built_from_a_sibling_file_or_torchvision(tmp_path):
+    (tmp_path / "nets.py").write_text("import torch.nn as nn\nclass Encoder(nn.Module):\n    pass\n")
+    (tmp_path / "train.py").write_text(
+        "import torch, torchvision\nfrom nets import Encoder\n"
+        "enc = Encoder()\ntorch.save(enc, 'enc.pt')\n"
+        "backbone = torchvision.models.resnet18()\ntorch.save(backbone, 'bb.pt')\n"
+    )
+    found = lint_paths([str(tmp_path / "train.py")], select=["TK115"]).findings
+    assert [f.line for f in found] == [4, 6]
+
+
+# --- TK110: eval() matters only for dropout and batch norm --------------------------------------
+
+TRAIN_THEN_EVAL = """
+import torch
+from nets import Net
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for x in [torch.randn(2, 4)]:
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+with torch.no_grad():
+    print(model(torch.randn(2, 4)))
+"""
+
+
+@pytest.mark.parametrize(
+    ("body", "fires"),
+    [
+        ("self.fc = nn.Linear(4, 1)", False),
+        ("self.fc = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))", True),
+        ("self.rnn = nn.LSTM(4, 4, num_layers=2, dropout=0.2)", True),
+        ("self.block = Block()", True),  # Block (below) holds the dropout: read one class deeper
+    ],
+)
+def test_tk110_reads_the_model_class_from_the_sibling_file(tmp_path, body, fires):
+    (tmp_path / "nets.py").write_text(
+        "import torch.nn as nn\n"
+        "class Block(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.drop = nn.Dropout(0.5)\n"
+        "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        f"        {body}\n"
+    )
+    (tmp_path / "train.py").write_text(TRAIN_THEN_EVAL)
+    found = lint_paths([str(tmp_path / "train.py")], select=["TK110"]).findings
+    assert bool(found) is fires
+
+
+def test_tk110_fires_on_an_installed_model_it_cannot_read():
+    text = TRAIN_THEN_EVAL.replace("from nets import Net", "import torchvision").replace(
+        "Net()", "torchvision.models.resnet18()"
+    )
+    assert lines(text, "TK110") == [11]
+
+
+# --- TK120: one finding, and only where the draws were meant to repeat --------------------------
+
+GETITEM = """
+import random
+import numpy as np
+import torch
+{seed}
+class Pairs(torch.utils.data.Dataset):
+    def __getitem__(self, i):
+        a = random.randint(0, 9)
+        b = random.randint(0, 9)
+        return torch.tensor([a, b, random.random()])
+"""
+
+
+def test_tk120_reports_a_getitem_once():
+    assert lines(GETITEM.format(seed="torch.manual_seed(0)"), "TK120") == [8]
+
+
+def test_tk120_quiet_when_nothing_is_seeded_or_random_is_seeded_too():
+    assert lines(GETITEM.format(seed=""), "TK120") == []
+    assert lines(GETITEM.format(seed="torch.manual_seed(0); random.seed(0)"), "TK120") == []
+
+
+def test_tk120_sees_the_seed_in_the_training_script_next_to_the_dataset(tmp_path):
+    (tmp_path / "datasets.py").write_text(GETITEM.format(seed=""))
+    (tmp_path / "train.py").write_text("import torch\ntorch.manual_seed(1)\n")
+    found = lint_paths([str(tmp_path / "datasets.py")], select=["TK120"]).findings
+    assert [f.line for f in found] == [8]
+    assert "num_workers" in found[0].message
+
+
+# --- TK117: the device is chosen before the group uses one --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("setup", "fires"),
+    [
+        ("dist.init_process_group('nccl')\n    torch.cuda.set_device(rank)", False),
+        (
+            "torch.accelerator.set_device_index(rank)\n    dist.init_process_group('nccl')\n    dist.barrier()"
+            "\n    torch.cuda.set_device(rank)",
+            False,
+        ),
+        ("dist.init_process_group('nccl')\n    dist.barrier()\n    torch.cuda.set_device(rank)", True),
+        (
+            "dist.init_process_group('nccl')\n    model = DistributedDataParallel(model)"
+            "\n    torch.accelerator.set_device_index(rank)",
+            True,
+        ),
+    ],
+)
+def test_tk117_fires_only_when_a_collective_ran_first(setup, fires):
+    text = f"""
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+def main(rank, model):
+    {setup}
+"""
+    assert bool(lines(text, "TK117")) is fires
+
+
+# --- TK118, TK122, TK123, TK102, TK103, TK109, TK113 --------------------------------------------
+
+
+def test_tk118_quiet_when_the_sampler_is_handed_to_an_imported_trainer():
+    text = """
+        from torch.utils.data import DataLoader, DistributedSampler
+        from utils import train
+        def main(dataset, epochs):
+            sampler = DistributedSampler(dataset)
+            loader = DataLoader(dataset, sampler=sampler)
+            for epoch in range(epochs):
+                train(loader, epoch, sampler=sampler)
+        """
+    assert lines(text, "TK118") == []
+    assert lines(text.replace("train(loader, epoch, sampler=sampler)", "pass"), "TK118") == [5]
+
+
+def test_tk122_quiet_on_self_forward_and_rpc_proxies_fires_with_hooks():
+    text = """
+        import torch
+        class Layer(torch.nn.Module):
+            def forward(self, x):
+                return x * 2
+            def goodness(self, x):
+                return self.forward(x).pow(2).mean()
+        def pipeline(stage_rref, x):
+            return stage_rref.remote().forward(x)
+        """
+    assert lines(text, "TK122") == []
+    hooked = textwrap.dedent(text) + "layer = Layer()\nlayer.register_forward_hook(lambda m, i, o: None)\n"
+    assert lines(hooked, "TK122") == [7]
+
+
+def test_tk123_quiet_where_order_cannot_matter():
+    text = """
+        patterns = {"add", "mul"}
+        found = any(p in "x.add(y)" for p in patterns)
+        upper = {p.upper() for p in patterns}
+        vocab = {w: i for i, w in enumerate(patterns)}
+        """
+    assert lines(text, "TK123") == [5]
+
+
+def test_tk102_tk103_quiet_on_cpu_return_and_created_then_moved():
+    text = """
+        import torch
+        class Stage(torch.nn.Module):
+            def forward(self, x):
+                h0 = torch.zeros(2, x.size(0), 8).to(x.device)
+                out = self.net(x, h0)
+                return out.cpu()
+        """
+    assert lines(text, "TK102") == [] and lines(text, "TK103") == []
+    assert lines(text.replace("out.cpu()", "out.item()"), "TK102") == [7]
+
+
+def test_tk109_quiet_in_the_branch_without_a_scaler():
+    text = """
+        import torch
+        def step(model, loss, opt, scaler, use_amp):
+            if use_amp:
+                scaler.scale(loss).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(opt)
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+        """
+    assert lines(text, "TK109") == [6]
+
+
+def test_tk113_fires_on_reshaped_probabilities_of_a_language_model():
+    text = """
+        import torch.nn.functional as F
+        def loss_of(logits, targets, vocab):
+            probs = F.softmax(logits, dim=-1)
+            return F.cross_entropy(probs.view(-1, vocab), targets.view(-1))
+        def direct(logits, targets):
+            return F.cross_entropy(F.softmax(logits, -1).reshape(-1, logits.size(-1)), targets.view(-1))
+        """
+    assert lines(text, "TK113") == [5, 7]
+    fixed = text.replace("probs.view", "logits.view").replace("F.softmax(logits, -1).reshape", "logits.reshape")
+    assert lines(fixed, "TK113") == []
+
+
+def test_every_rule_still_parses_every_public_form_without_crashing(tmp_path: Path):
+    # The corpus of this project holds scripts in the styles found in public code.
+    root = Path(__file__).resolve().parents[1] / "diagnose" / "corpus"
+    report = lint_paths([str(root)])
+    assert report.files >= 50 and all(f.code in RULES or f.code == "TK100" for f in report.findings)
+    assert not [f for f in report.findings if f.code == "TK100"]
