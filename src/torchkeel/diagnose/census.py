@@ -17,11 +17,21 @@ from torchkeel.inspect.sites import site_text, user_frame, user_site
 
 
 def census(
-    step: int, tracked: list[weakref.ref], previous: list[weakref.ref], want_holder: bool
+    step: int,
+    tracked: list[weakref.ref],
+    previous: list[weakref.ref],
+    want_holder: bool,
+    roots: dict[int, int] | None = None,
 ) -> tuple[dict[str, Any], list[weakref.ref]]:
     """Live tensors that hold an autograd graph (among those the probe has seen made: module
     outputs, ops outside modules, losses), the size of the largest graph, and what holds the one
-    kept longest. Returns the census and the pruned weak references of the live ones."""
+    kept longest. Returns the census and the pruned weak references of the live ones.
+
+    ``roots`` maps the ids of the root nodes of recent backward passes (held alive by the caller,
+    so an id is not reused) to their step: a live tensor whose graph reaches two of them, or one of
+    an earlier step, other than its own, keeps graphs that backward already ran through
+    (``total_loss += loss``), whatever the sizes do from one census to the next."""
+    roots = roots or {}
     seen: dict[int, torch.Tensor] = {}
     for ref in tracked:
         t = ref()
@@ -29,24 +39,34 @@ def census(
             seen[id(t)] = t
     holders = list(seen.values())
     largest, largest_nodes, budget = None, 0, 200000
+    spanning, spans = None, 0
     for t in holders:
-        nodes = len(graph_nodes([t.grad_fn], limit=min(20000, budget)))
+        found = graph_nodes([t.grad_fn], limit=min(20000, budget))
+        nodes = len(found)
         budget -= nodes
         if nodes > largest_nodes:
             largest, largest_nodes = t, nodes
+        if roots:
+            steps = [roots[id(n)] for n in found if id(n) in roots and n is not t.grad_fn]
+            reached = len(steps) if len(steps) >= 2 or any(s < step for s in steps) else 0
+            if reached > spans:
+                spanning, spans = t, reached
         if budget <= 0:
             break
     survivors = [t for t in (r() for r in previous) if t is not None and id(t) in seen and t.grad_fn is not None]
     keep = max(survivors, key=lambda t: len(graph_nodes([t.grad_fn], limit=20000))) if survivors else largest
+    if spans:
+        keep, want_holder = spanning, True
     refs = [weakref.ref(t) for t in holders]
     ignore = {id(holders), id(survivors), id(seen)}
     census = {
         "step": step,
         "num_tensors": len(holders),
         "max_graph_nodes": largest_nodes,
+        "backward_graphs_held": spans,
         "holder": holder_of(keep, ignore) if keep is not None and want_holder else None,
     }
-    del holders, survivors, largest, seen
+    del holders, survivors, largest, seen, spanning, keep
     return census, refs
 
 

@@ -15,6 +15,13 @@ from torchkeel.diagnose.events import (
     InplaceModified,
 )
 from torchkeel.diagnose.findings import Finding, forward_op_of, order_findings, site_fields
+from torchkeel.diagnose.habit_detectors import (
+    dropout_always_on,
+    frozen_parameters,
+    lr_divergence,
+    repeated_backward,
+    unshuffled_ordered_labels,
+)
 from torchkeel.diagnose.input_detectors import (
     batchnorm_batch_one,
     dataloader_bottleneck,
@@ -37,6 +44,9 @@ from torchkeel.diagnose.step_detectors import (
 )
 
 Detector = Callable[[Facts, ScriptOutcome], list[Finding]]
+# Findings that explain a later crash even as warnings: values went non-finite, then something
+# downstream (sampling, an assert, a loss check) raised.
+_LEADS_TO_CRASH = {"nonfinite-input", "nonfinite-forward", "nonfinite-grad", "lr-divergence", "grad-exploding"}
 
 
 def inplace_modified(f: Facts, o: ScriptOutcome) -> list[Finding]:
@@ -49,7 +59,24 @@ def inplace_modified(f: Facts, o: ScriptOutcome) -> list[Finding]:
         if ev.get("file")
         else ""
     )
-    message = f"an in-place operation modified a tensor that {op} saved for backward{forward}: {ev['error'][:160]}"
+    if ev.get("by_optimizer_step"):
+        message = (
+            f"optimizer.step() changed {ev['tensor']} in place after {op} saved it for a backward() still to "
+            f"come{forward}: {ev['error'][:160]}"
+        )
+        fix = (
+            "Run each backward() before any optimizer.step() that updates the weights its graph used (e.g. a GAN: "
+            "compute the generator's loss after the discriminator's step, or step both after both backward passes)."
+        )
+    else:
+        message = (
+            f"an in-place operation modified {ev.get('tensor', 'a tensor')} that {op} saved for backward{forward}: "
+            f"{ev['error'][:160]}"
+        )
+        fix = (
+            "Replace the in-place op that follows this line (x += y, x.add_(), relu_(), ReLU(inplace=True), "
+            "x[idx] = ...) with its out-of-place form (x = x + y), or clone() the tensor before modifying it."
+        )
     return [
         Finding(
             "inplace-modified",
@@ -61,10 +88,11 @@ def inplace_modified(f: Facts, o: ScriptOutcome) -> list[Finding]:
                 "module": ev.get("module"),
                 "step": ev["step"],
                 "error": ev["error"],
+                "tensor": ev.get("tensor"),
+                "by_optimizer_step": ev.get("by_optimizer_step", False),
                 **site_fields(ev),
             },
-            "Replace the in-place op that follows this line (x += y, x.add_(), relu_(), ReLU(inplace=True), x[idx] = ...) "
-            "with its out-of-place form (x = x + y), or clone() the tensor before modifying it.",
+            fix,
         )
     ]
 
@@ -98,6 +126,26 @@ def leaked_graph(f: Facts, o: ScriptOutcome) -> list[Finding]:
             )
         ]
     c = f.censuses
+    spanning = next((x for x in c if x.get("backward_graphs_held", 0) >= 1), None)
+    if spanning is not None:
+        holder = spanning["holder"]
+        return [
+            Finding(
+                "leaked-graph",
+                "error",
+                f"autograd graphs are kept across steps: at step {spanning['step']} a live tensor still holds the "
+                f"graphs of {spanning['backward_graphs_held']} backward pass(es) already run"
+                + (f"; held by {holder}" if holder else ""),
+                {
+                    "steps": [x["step"] for x in c],
+                    "backward_graphs_held": [x.get("backward_graphs_held", 0) for x in c],
+                    "largest_graph_nodes": [x["max_graph_nodes"] for x in c],
+                    "holder": holder,
+                },
+                "Keep loss.item() (or tensor.detach()) for logging and running sums instead of the tensor itself; a "
+                "tensor that requires grad keeps every step's graph alive.",
+            )
+        ]
     if len(c) < 4:
         return []
     last = c[-4:]
@@ -158,17 +206,22 @@ DETECTORS: tuple[Detector, ...] = (
     nonfinite_input,
     label_out_of_range,
     batchnorm_batch_one,
+    unshuffled_ordered_labels,
     inplace_modified,
+    repeated_backward,
     double_step,
     missing_zero_grad,
     params_not_updating,
+    frozen_parameters,
     grad_none,
+    lr_divergence,
     grad_exploding,
     nonfinite_forward,
     nonfinite_grad,
     grad_vanishing,
     probabilities_into_cross_entropy,
     eval_in_train_mode,
+    dropout_always_on,
     leaked_graph,
     dataloader_bottleneck,
 )
@@ -178,12 +231,23 @@ def judge(facts: Facts, outcome: ScriptOutcome, extra: list[Finding] = ()) -> li
     """Every finding, consequences dropped, most likely root cause first."""
     findings = [finding for detect in DETECTORS for finding in detect(facts, outcome)] + list(extra)
     ids = {x.id for x in findings}
-    if ids & {"missing-zero-grad", "double-step"}:
+    if ids & {"missing-zero-grad", "double-step", "repeated-backward"}:
+        findings = [x for x in findings if x.id not in ("grad-exploding", "lr-divergence")]
+    diverged = next((x for x in findings if x.id == "lr-divergence"), None)
+    if diverged is not None:
         findings = [x for x in findings if x.id != "grad-exploding"]
+        for x in findings:
+            if x.id in ("nonfinite-forward", "nonfinite-grad") and x.evidence.get("step", 0) > diverged.evidence[
+                "began_step"
+            ]:
+                x.severity = "warning"  # the divergence made it non-finite
     forward = next((x for x in findings if x.id == "nonfinite-forward"), None)
     data = next((x for x in findings if x.id == "nonfinite-input"), None)
     if forward and data and forward.evidence["step"] < data.evidence["step"]:
         data.severity = "warning"  # the model went non-finite before any bad batch arrived
-    if not any(x.severity == "error" for x in findings):
-        findings += script_error(facts, outcome)
-    return order_findings(findings)
+    crash = script_error(facts, outcome)
+    if crash and any(x.severity == "error" or x.id in _LEADS_TO_CRASH for x in findings):
+        # The script died of something a finding explains (an in-place change, the first module
+        # that went non-finite): the root cause first, the crash it led to after it.
+        return order_findings(findings) + crash
+    return order_findings(findings + crash)

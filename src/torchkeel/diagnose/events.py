@@ -46,10 +46,11 @@ class NonfiniteForward(TypedDict, total=False):
     op: dict[str, Any] | None
 
 
-class NonfiniteLoss(TypedDict):
+class NonfiniteLoss(TypedDict, total=False):
     step: int
     op: dict[str, Any] | None
     site: Site | None
+    before_backward: bool  # the script ended (crashed) before the backward of that step
 
 
 class NonfiniteGrad(TypedDict):
@@ -115,6 +116,8 @@ class InplaceModified(Site, total=False):
     backward_op: str
     saved: str
     module: str | None
+    tensor: str  # a parameter's name, or the shape autograd gave
+    by_optimizer_step: bool
 
 
 class GraphReused(Site, total=False):
@@ -137,6 +140,27 @@ class ZeroGradCheck(TypedDict):
     param: str | None
 
 
+class RepeatedBackward(TypedDict):
+    step: int
+    call_sites: list[str]
+    retain_graph: bool
+
+
+class DropoutAlwaysOn(Site, total=False):
+    step: int
+    module: str
+    call: str  # F.dropout, F.dropout2d, ...
+    p: float
+
+
+class BatchLabels(TypedDict):
+    """The class targets of one training batch (the first steps only)."""
+
+    step: int
+    classes: list[int]  # its distinct classes, sorted (at most 8)
+    size: int
+
+
 class ProbeError(TypedDict):
     error: str
 
@@ -156,6 +180,9 @@ KINDS: dict[str, type] = {
     "graph-reused": GraphReused,
     "double-step": DoubleStep,
     "zero-grad-checks": ZeroGradCheck,
+    "repeated-backward": RepeatedBackward,
+    "dropout-always-on": DropoutAlwaysOn,
+    "batch-labels": BatchLabels,
     "probe-error": ProbeError,
 }
 NAMES: dict[type, str] = {definition: name for name, definition in KINDS.items()}

@@ -90,6 +90,14 @@ def check_reproducible(
     values_1 = [(c["function"], c["value"]) for c in calls]
     values_2 = [(c["function"], c["value"]) for c in run["seeds"]]
     changed = [f"{a[0]}({a[1]!r}) in run 1 but {a[0]}({b[1]!r}) in run 2" for a, b in zip(values_1, values_2) if a != b]
+    nothing_seeded = not seeded
+    if nothing_seeded:
+        suspects.append(
+            "nothing is seeded: torch's global generator (weight initialisation, shuffling, dropout) and every other "
+            "generator start from a different state in each run"
+        )
+    elif "torch.manual_seed" not in seeded:
+        suspects.append("torch's global generator is never seeded (torch.manual_seed)")
     if changed:
         suspects.append(f"the seed itself changes between runs (time- or PID-based?): {changed[0]}")
     if facts.seeds.get("random_used") and "random.seed" not in seeded:
@@ -124,6 +132,7 @@ def check_reproducible(
         "seeded": seeded,
         "suspects": suspects,
         "runs": summary["runs"],
+        "nothing_seeded": nothing_seeded,
     }
     message = (
         f"two runs of the script differ from step {step} (loss {first[index]:.6g} vs {second[index]:.6g}); "

@@ -35,7 +35,30 @@ def double_step(f: Facts, o: ScriptOutcome) -> list[Finding]:
     ]
 
 
+_ZERO_GRAD_FIX = (
+    "Call optimizer.zero_grad() once per optimizer step (right after optimizer.step()), on the optimizer "
+    "that steps these parameters; to accumulate on purpose, divide the loss by k and step and zero every "
+    "k backward calls."
+)
+
+
 def missing_zero_grad(f: Facts, o: ScriptOutcome) -> list[Finding]:
+    if f.closure_backward_calls > f.steps >= 1 and f.closure_zero_grad_calls == 0:
+        # An LBFGS-style closure evaluated several times per step, never zeroing: each evaluation
+        # adds its gradient onto the last, and the line search follows the sum.
+        message = (
+            f"the closure passed to optimizer.step() runs backward() {f.closure_backward_calls} times in "
+            f"{f.steps} steps and never calls zero_grad(): each evaluation adds its gradients onto the previous one's"
+        )
+        evidence = {
+            "in_closure": True,
+            "closure_backward_calls": f.closure_backward_calls,
+            "zero_grad_calls": f.zero_grad_calls,
+            "optimizer_steps": f.steps,
+            "optimizer": f.optimizers[0]["class"] if f.optimizers else None,
+        }
+        fix = "Call optimizer.zero_grad() at the start of the closure, before the forward pass."
+        return [Finding("missing-zero-grad", "error", message, evidence, fix)]
     all_checks = f.events.get("zero-grad-checks", [])
     for index in sorted({c["optimizer_index"] for c in all_checks}):
         checks = [c for c in all_checks if c["optimizer_index"] == index]
@@ -63,10 +86,9 @@ def missing_zero_grad(f: Facts, o: ScriptOutcome) -> list[Finding]:
                 "optimizer": first["optimizer"],
                 "zero_grad_calls": f.zero_grad_calls,
                 "optimizer_steps": f.steps,
+                "in_closure": False,
             },
-            "Call optimizer.zero_grad() once per optimizer step (right after optimizer.step()), on the optimizer "
-            "that steps these parameters; to accumulate on purpose, divide the loss by k and step and zero every "
-            "k backward calls.",
+            _ZERO_GRAD_FIX,
         )
     ]
 
@@ -250,8 +272,9 @@ def nonfinite_forward(f: Facts, o: ScriptOutcome) -> list[Finding]:
         op.get("op") and not op.get("from_data") and (ev is None or loss["step"] < ev["step"] or ev["params_nonfinite"])
     )
     if loss_op_first:
+        what = "the step's computation" if loss.get("before_backward") else "the loss"
         message = (
-            f"the loss went NaN/Inf at step {loss['step']} although every module's output was finite: "
+            f"{what} went NaN/Inf at step {loss['step']} although every module's output was finite: "
             f"{op['op']} at {op['file']}:{op['line']} turned finite values into NaN/Inf"
         )
         return [

@@ -68,6 +68,11 @@ def variable_name(obj: Any, frame: types.FrameType | None) -> str | None:
                 if value is obj and not name.startswith("__"):
                     return name
             for name, value in list(scope.items()):
+                if isinstance(value, (tuple, list)) and not name.startswith("__") and len(value) <= 16:
+                    index = next((i for i, item in enumerate(value) if item is obj), None)
+                    if index is not None:
+                        return f"{name}[{index}]"  # an LSTM's (h, c) state
+            for name, value in list(scope.items()):
                 if isinstance(value, torch.nn.Module) and value is not obj and not name.startswith("__"):
                     for attr, child in value.named_children():
                         if child is obj:

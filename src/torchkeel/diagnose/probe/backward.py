@@ -4,22 +4,33 @@ twice, a loss without a graph)."""
 
 from __future__ import annotations
 
+import collections
 import inspect
+import re
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from torchkeel.diagnose.census import census
-from torchkeel.diagnose.events import GraphReused, InplaceModified, LossWithoutGraph, NonfiniteGrad, NonfiniteLoss
+from torchkeel.diagnose.events import (
+    GraphReused,
+    InplaceModified,
+    LossWithoutGraph,
+    NonfiniteGrad,
+    NonfiniteLoss,
+    RepeatedBackward,
+)
 from torchkeel.diagnose.tracing import GradTracer, forward_site
 from torchkeel.inspect.graph import graph_nodes
-from torchkeel.inspect.sites import display_path, is_nonfinite, tensors_in, user_site
+from torchkeel.inspect.sites import display_path, is_nonfinite, site_text, tensors_in, user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
 
 _ORIGINAL_BACKWARD = torch.autograd.backward
+_ORIGINAL_GRAD = torch.autograd.grad
+_MODIFIED = re.compile(r"\[torch\.\w+ \[([\d, ]*)\]\].*?is at version (\d+)")
 
 
 class BackwardListener:
@@ -27,9 +38,45 @@ class BackwardListener:
 
     def __init__(self, probe: Probe) -> None:
         self.probe = probe
+        # The graphs this step already ran backward through (their root nodes, held until the
+        # step ends: a node cannot be weakly referenced) and where, with retain_graph or not.
+        self.step_roots: list[tuple[Any, str, bool]] = []
+        self.roots_step = 0
+        # Root nodes of the last backward passes that freed their graph (for censuses: a live
+        # tensor that reaches several of them keeps graphs across steps).
+        self.recent_roots: collections.deque = collections.deque(maxlen=32)
 
     def install(self) -> None:
         self.probe.patch(torch.autograd, "backward", self._backward)
+        self.probe.patch(torch.autograd, "grad", self._grad)
+
+    def _grad(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """``torch.autograd.grad`` (a gradient penalty, a closure): its errors explained like backward's."""
+        try:
+            return _ORIGINAL_GRAD(outputs, *args, **kwargs)
+        except RuntimeError as exc:
+            if not self.probe.light and not self.probe.busy and "modified by an inplace operation" in str(exc):
+                self.probe.guarded(self._inplace_error, tensors_in(outputs), exc)
+            raise
+
+    def _repeated(self, roots: list[torch.Tensor], args: tuple, kwargs: dict) -> None:
+        """A second backward through the same graph in one step adds its gradients twice."""
+        probe = self.probe
+        if self.roots_step != probe.facts.steps:
+            self.step_roots, self.roots_step = [], probe.facts.steps
+        retain = bool(args[1] if len(args) > 1 else kwargs.get("retain_graph"))
+        site = site_text(user_site())
+        for root in (r for r in roots if r.grad_fn is not None):
+            earlier = next((e for e in self.step_roots if e[0] is root.grad_fn), None)
+            if earlier is not None:
+                probe.record(
+                    "repeated-backward",
+                    RepeatedBackward(step=probe.next_step, call_sites=[earlier[1], site], retain_graph=earlier[2]),
+                )
+            elif len(self.step_roots) < 64:
+                self.step_roots.append((root.grad_fn, site, retain))
+            if not retain:
+                self.recent_roots.append((root.grad_fn, probe.next_step))
 
     def _backward(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
         probe, facts = self.probe, self.probe.facts
@@ -47,6 +94,7 @@ class BackwardListener:
             facts.losses.append({"step": probe.next_step, "value": value})
         if not light:
             probe.guarded(self._before_backward, loss_finite)
+            probe.guarded(self._repeated, roots, args, kwargs)
         traced = facts.backward_calls < 50 or facts.backward_calls % 20 == 0
         hooks = (
             GradTracer(roots)
@@ -78,6 +126,7 @@ class BackwardListener:
             if hooks is not None:
                 hooks.remove()
         facts.backward_calls += 1
+        facts.closure_backward_calls += probe.in_step
         if facts.backward_calls == 4 * probe.anomaly_steps and not light:
             torch.autograd.set_detect_anomaly(False)  # a script that rarely steps: stop recording stacks
         probe.optim.backward_done()
@@ -142,9 +191,24 @@ class BackwardListener:
                 break
         if culprit and culprit.get("function") == "forward":
             culprit["module"] = self._module_at(culprit)
-        self.probe.record(
-            "inplace-modified", InplaceModified(step=self.probe.next_step, error=message, **(culprit or {}))
-        )
+        culprit = {**(culprit or {}), **self._modified_tensor(message)}
+        self.probe.record("inplace-modified", InplaceModified(step=self.probe.next_step, error=message, **culprit))
+
+    def _modified_tensor(self, message: str) -> dict[str, Any]:
+        """The tensor autograd names by shape and version (``[torch.FloatTensor [32, 1]] ... is at
+        version 2``), as a parameter name when a parameter (or its transpose) matches: then an
+        optimizer's step() changed it in place after the forward pass saved it."""
+        match = _MODIFIED.search(message)
+        if match is None:
+            return {}
+        shape = [int(x) for x in match.group(1).replace(" ", "").split(",") if x]
+        version = int(match.group(2))
+        probe = self.probe
+        names = probe.param_names()
+        for p in probe.all_params():
+            if list(p.shape) in (shape, shape[::-1]) and p._version == version and id(p) in names:
+                return {"tensor": names[id(p)], "by_optimizer_step": True}
+        return {"tensor": f"a tensor of shape {shape}", "by_optimizer_step": False}
 
     def _graph_reused(self, exc: RuntimeError) -> None:
         """backward() reached a graph an earlier backward already freed: find the tensor from an

@@ -16,11 +16,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from torchkeel.diagnose.events import ProbeError
 from torchkeel.diagnose.probe.backward import BackwardListener
 from torchkeel.diagnose.probe.data import LoaderListener
 from torchkeel.diagnose.probe.facts import Facts, StopScript
+from torchkeel.diagnose.probe.habits import HabitListener
 from torchkeel.diagnose.probe.modules import ModuleListener
 from torchkeel.diagnose.probe.optim import OptimizerListener
 from torchkeel.diagnose.probe.seeds import SeedListener
@@ -57,7 +59,9 @@ class Probe:
         self.started_at = 0.0
         self._undo: list[Callable[[], None]] = []
         self.modules, self.backward, self.optim = ModuleListener(self), BackwardListener(self), OptimizerListener(self)
-        self.data, self.seeds = LoaderListener(self), SeedListener(self)
+        self.data, self.seeds, self.habits = LoaderListener(self), SeedListener(self), HabitListener(self)
+        for dropout in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout):
+            self.modules.loss_checks[dropout] = self.habits.check_dropout
 
     # ---------------------------------------------------------------- install / uninstall
     def __enter__(self) -> Probe:
@@ -69,6 +73,7 @@ class Probe:
             self.patch(torch, "compile", self._stepping_aside(torch.compile))
             self.optim.install_zero_grad()
             self.data.install()
+            self.habits.install()
             self.seeds.note_start()
             if self.anomaly_steps > 0:
                 previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
@@ -98,9 +103,15 @@ class Probe:
         self.facts.wall_s = time.perf_counter() - self.started_at
         self.step_aside()
         if not self.light:
+            if self.step_nonfinite_op is not None and not self.facts.events.get("nonfinite-loss"):
+                # The step went non-finite outside modules and the script ended before a backward
+                # (it crashed on the NaN): what was found is kept as the loss computation's op.
+                op = self.step_nonfinite_op
+                self.record("nonfinite-loss", {"step": op["step"], "op": op, "site": None, "before_backward": True})
             self.seeds.finish()
             self.facts.events["graph-reused"] = self.facts.events.get("graph-reused", [])
             self.optim.finish()
+            self.habits.finish()
             self.data.finish()
         while self._undo:
             try:

@@ -8,7 +8,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from torch.utils.data import dataloader
+from torch.utils.data import RandomSampler, SequentialSampler, dataloader
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
@@ -68,6 +68,7 @@ class LoaderListener:
                     "batch_size": loader.batch_size,
                     "drop_last": loader.drop_last,
                     "num_workers": loader.num_workers,
+                    "shuffle": _shuffles(loader.sampler),
                     "batches": 0,
                     "wait_s": 0.0,
                 }
@@ -95,7 +96,8 @@ class LoaderListener:
         """The loader the last batch came from (for events that name the data)."""
         if self.last_loader is None:
             return None
-        return {k: self.last_loader[k] for k in ("dataset_class", "dataset_size", "batch_size", "drop_last")}
+        keys = ("dataset_class", "dataset_size", "batch_size", "drop_last", "shuffle")
+        return {k: self.last_loader[k] for k in keys}
 
     def finish(self) -> None:
         probe = self.probe
@@ -108,3 +110,13 @@ class LoaderListener:
             "loaders": list(self.loaders.values()),
             "loop_s": max(0.0, loop),
         }
+
+
+def _shuffles(sampler: Any) -> bool | None:
+    """Whether a loader's sampler visits the dataset in a random order (None: a custom sampler)."""
+    if isinstance(sampler, RandomSampler):
+        return True
+    if isinstance(sampler, SequentialSampler):
+        return False
+    shuffle = getattr(sampler, "shuffle", None)  # DistributedSampler
+    return shuffle if isinstance(shuffle, bool) else None

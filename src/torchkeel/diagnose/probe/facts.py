@@ -33,6 +33,9 @@ class Facts:
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
     seeds: dict[str, Any] = dataclasses.field(default_factory=dict)
     zero_grad_calls: int = 0
+    closure_backward_calls: int = 0  # backward calls inside optimizer.step (an LBFGS closure)
+    closure_zero_grad_calls: int = 0
+    frozen: dict[str, Any] = dataclasses.field(default_factory=dict)  # frozen parameters handed to optimizers
     wall_s: float = 0.0
 
     @overload

@@ -307,6 +307,7 @@ class ModuleListener:
         site, loss, step = user_site() or {}, func.__name__, probe.next_step
         num_classes = logits.shape[1] if logits.dim() >= 2 else logits.shape[0]
         if not target.is_floating_point() and target.numel():
+            probe.habits.observe_labels(target)
             valid = target[target != bound.get("ignore_index", -100)]
             if valid.numel():
                 low, high = int(valid.min()), int(valid.max())

@@ -56,10 +56,11 @@ class OptimizerListener:
             self.since_backward[key] = []
 
     def _counting(self, original: Callable) -> Callable:
-        facts = self.probe.facts
+        probe, facts = self.probe, self.probe.facts
 
         def zero_grad(self_: Any, *args: Any, **kwargs: Any) -> Any:
             facts.zero_grad_calls += 1
+            facts.closure_zero_grad_calls += probe.in_step
             return original(self_, *args, **kwargs)
 
         return zero_grad
@@ -120,7 +121,8 @@ class OptimizerListener:
                 probe.facts.grad_norms.append(
                     {
                         "step": step,
-                        "optimizer": len(probe.optimizers) - 1,
+                        "lrs": [float(g["lr"]) for g in optimizer.param_groups],
+                        "optimizer": next(i for i, o in enumerate(probe.optimizers) if o is optimizer),
                         "norms": dict(zip([id(p) for p in with_grad], norms)),
                     }
                 )
@@ -178,7 +180,10 @@ class OptimizerListener:
                 or len(before) == 2
                 and before[0]["max_graph_nodes"] < before[1]["max_graph_nodes"]
             )
-            found, probe.tracked = census(facts.steps, probe.tracked, probe.last_census, want_holder=growing)
+            roots = {id(node): made for node, made in probe.backward.recent_roots}
+            found, probe.tracked = census(
+                facts.steps, probe.tracked, probe.last_census, want_holder=growing, roots=roots
+            )
             probe.last_census = list(probe.tracked)
             facts.censuses.append(found)
             probe.overhead_s += time.perf_counter() - start

@@ -1,0 +1,89 @@
+"""Habits of the training loop that break training without an error: functional dropout left on
+in eval mode, class labels that arrive in order, parameters frozen at their random initial values.
+
+Called from the other listeners (the function mode hands over ``F.dropout`` calls, the loss check
+hands over the targets of each classification loss); the loads of weights are seen by wrapping
+``nn.Module._load_from_state_dict``, which ``load_state_dict`` calls for every submodule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchkeel.diagnose.events import BatchLabels, DropoutAlwaysOn
+from torchkeel.inspect.sites import user_site
+
+if TYPE_CHECKING:
+    from torchkeel.diagnose.probe.core import Probe
+
+_LABEL_STEPS = 64  # the class targets of the first steps are kept: enough to see an order
+
+
+class HabitListener:
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+        self.loaded: set[int] = set()  # modules whose own weights came from a state dict
+        self.labels: list[BatchLabels] = []
+
+    def install(self) -> None:
+        original = torch.nn.Module._load_from_state_dict
+        loaded = self.loaded
+
+        def _load_from_state_dict(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            loaded.add(id(module))
+            return original(module, *args, **kwargs)
+
+        self.probe.patch(torch.nn.Module, "_load_from_state_dict", _load_from_state_dict)
+
+    def check_dropout(self, func: Callable, args: Any, kwargs: dict) -> None:
+        """``F.dropout(x, p)`` inside a module in eval mode: ``training`` defaults to True, so the
+        dropout stays on when the model evaluates (``training=self.training`` was left out)."""
+        probe = self.probe
+        stack = probe.modules.stack
+        if not stack or stack[-1].training or probe.facts.events.get("dropout-always-on"):
+            return
+        names = ("input", "p", "training", "inplace")
+        bound = {**dict(zip(names, args)), **kwargs}
+        p, training = float(bound.get("p", 0.5)), bound.get("training", True)
+        if training is True and p > 0:
+            probe.record(
+                "dropout-always-on",
+                DropoutAlwaysOn(
+                    step=probe.next_step,
+                    module=probe.name_of(stack[-1]),
+                    call=f"F.{func.__name__}",
+                    p=p,
+                    **(user_site() or {}),
+                ),
+            )
+
+    def observe_labels(self, target: torch.Tensor) -> None:
+        """The distinct classes of a training batch (losses computed with gradients on)."""
+        probe = self.probe
+        if len(self.labels) >= _LABEL_STEPS or not torch.is_grad_enabled() or target.dim() != 1:
+            return
+        if self.labels and self.labels[-1]["step"] == probe.next_step:
+            return  # one loss per step is enough
+        classes = torch.unique(target.detach()).tolist()
+        self.labels.append(BatchLabels(step=probe.next_step, classes=classes[:8], size=int(target.numel())))
+
+    def finish(self) -> None:
+        """Parameters an optimizer was given that stayed frozen (``requires_grad=False``) at their
+        initial values (never loaded), in modules the forward pass used."""
+        probe, facts = self.probe, self.probe.facts
+        facts.events["batch-labels"] = list(self.labels)
+        names, owners = probe.param_names(), probe.owner_of()
+        loaded = {id(p) for root, _ in probe.roots.values() for m in root.modules() if id(m) in self.loaded
+                  for p in m.parameters(recurse=False)}
+        frozen, trainable = [], 0
+        for opt in probe.optimizers:
+            for p in (p for g in opt.param_groups for p in g["params"]):
+                owner = owners.get(id(p))
+                if p.requires_grad:
+                    trainable += 1
+                elif owner is not None and id(owner) in probe.used and id(p) not in loaded:
+                    frozen.append({"parameter": names.get(id(p), "?"), "module": probe.name_of(owner)})
+        facts.frozen = {"parameters": frozen, "trainable_in_optimizers": trainable}
