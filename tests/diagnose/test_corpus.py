@@ -19,7 +19,15 @@ CONTROLS = sorted(n for n, e in EXPECTED.items() if e is None)
 # One script per id (the first in name order) and the two controls closest to a fault (deliberate
 # accumulation, a GAN's second backward): the default suite's short form.
 SHORT_CONTROLS = ["clean_accumulation.py", "clean_gan.py"]
-SHORT = sorted({EXPECTED[n]["id"]: n for n in reversed(FAULTS)}.values()) + SHORT_CONTROLS
+# The controls of the findings for training that runs and learns badly (each next to its fault).
+HABIT_CONTROLS = [
+    "clean_dropout_functional.py",
+    "clean_finetune_loaded.py",
+    "clean_multitask.py",
+    "clean_sorted_shuffled.py",
+    "clean_epoch_item.py",
+]
+SHORT = sorted({EXPECTED[n]["id"]: n for n in reversed(FAULTS)}.values()) + SHORT_CONTROLS + HABIT_CONTROLS
 NONDET = {n for n in FAULTS if EXPECTED[n]["id"] == "nondeterministic"}
 
 

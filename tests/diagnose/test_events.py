@@ -26,6 +26,11 @@ SCRIPTS = [
     "leaked_graph_hidden.py",
     "grad_none_no_grad_forward.py",
     "nonfinite_input_dataset.py",
+    "repeated_backward.py",
+    "dropout_always_on.py",
+    "unshuffled_sorted_labels.py",
+    "inplace_gan_step.py",
+    "nonfinite_loss_then_crash.py",
 ]
 
 

@@ -235,12 +235,12 @@ def judge(facts: Facts, outcome: ScriptOutcome, extra: list[Finding] = ()) -> li
         findings = [x for x in findings if x.id not in ("grad-exploding", "lr-divergence")]
     diverged = next((x for x in findings if x.id == "lr-divergence"), None)
     if diverged is not None:
-        findings = [x for x in findings if x.id != "grad-exploding"]
         for x in findings:
-            if x.id in ("nonfinite-forward", "nonfinite-grad") and x.evidence.get("step", 0) > diverged.evidence[
+            step = x.evidence.get("step", x.evidence.get("peak_step", 0))
+            if x.id in ("nonfinite-forward", "nonfinite-grad", "grad-exploding") and step > diverged.evidence[
                 "began_step"
             ]:
-                x.severity = "warning"  # the divergence made it non-finite
+                x.severity = "warning"  # how the divergence showed: its consequences
     forward = next((x for x in findings if x.id == "nonfinite-forward"), None)
     data = next((x for x in findings if x.id == "nonfinite-input"), None)
     if forward and data and forward.evidence["step"] < data.evidence["step"]:
