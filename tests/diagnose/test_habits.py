@@ -47,7 +47,9 @@ def test_a_spike_that_recovers_or_a_falling_loss_is_not_divergence():
 
 def labels(classes_per_batch: list[list[int]], shuffle: bool | None) -> Facts:
     f = Facts(steps=len(classes_per_batch))
-    f.events["batch-labels"] = [{"step": i + 1, "classes": c, "size": 16} for i, c in enumerate(classes_per_batch)]
+    f.events["batch-labels"] = [
+        {"step": i + 1, "classes": c, "num_classes": len(c), "size": 16} for i, c in enumerate(classes_per_batch)
+    ]
     f.data = {"loaders": [{"dataset_class": "Folder", "batches": len(classes_per_batch), "shuffle": shuffle}]}
     return f
 
@@ -57,6 +59,12 @@ def test_batches_of_one_class_in_runs_from_an_unshuffled_loader_are_named():
     (found,) = unshuffled_ordered_labels(labels(runs, shuffle=False), OK)
     assert found.severity == "error" and found.evidence["dataset_class"] == "Folder"
     assert found.evidence["class_order"][:5] == [0, 0, 0, 0, 1]
+
+
+def test_sorted_data_whose_batches_straddle_two_classes_is_named_too():
+    straddling = [[0, 1], [1, 2], [2], [2, 3], [3, 4], [4, 5], [5], [5, 6], [6, 7], [7, 8], [8, 9], [9]]
+    (found,) = unshuffled_ordered_labels(labels(straddling, shuffle=False), OK)
+    assert found.evidence["class_order"][:4] == [0, 1, 2, 2]
 
 
 def test_imbalanced_shuffled_batches_and_mixed_batches_are_quiet():

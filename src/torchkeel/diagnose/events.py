@@ -158,6 +158,7 @@ class BatchLabels(TypedDict):
 
     step: int
     classes: list[int]  # its distinct classes, sorted (at most 8)
+    num_classes: int
     size: int
 
 

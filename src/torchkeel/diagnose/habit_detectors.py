@@ -98,24 +98,30 @@ def dropout_always_on(f: Facts, o: ScriptOutcome) -> list[Finding]:
 
 
 def unshuffled_ordered_labels(f: Facts, o: ScriptOutcome) -> list[Finding]:
-    """Training batches of one class each, the classes following one another in runs: the data is
-    stored by class and the loader does not shuffle it, so each step fits one class."""
+    """Training batches that each hold a few neighbouring classes, the classes rising from batch to
+    batch: the data is stored by class and the loader does not shuffle it, so each step fits one
+    or two classes. Shuffled data (every batch holds most classes) and imbalanced data (one class
+    fills most batches, but it is always the same) stay quiet."""
     batches = [b for b in f.events.get("batch-labels", []) if b["size"] >= 4]
     if len(batches) < 6:
         return []
-    single = [b["classes"][0] for b in batches if len(b["classes"]) == 1]
-    changes = sum(1 for a, b in zip(single, single[1:]) if a != b)
-    classes = sorted(set(single))
-    if len(single) < 0.5 * len(batches) or len(classes) < 2 or changes > 2 * len(classes):
+    seen = sorted({c for b in batches for c in b["classes"]})
+    lows = [b["classes"][0] for b in batches]
+    narrow = sorted(b.get("num_classes", len(b["classes"])) for b in batches)[len(batches) // 2] <= max(
+        1, len(seen) // 3
+    )
+    rising = sum(1 for a, b in zip(lows, lows[1:]) if b >= a) >= 0.8 * (len(lows) - 1)
+    if len(seen) < 2 or len(set(lows)) < 2 or not (narrow and rising):
         return []
     loaders = [x for x in f.data.get("loaders", []) if x.get("batches")]
     unshuffled = next((x for x in loaders if x.get("shuffle") is False), None)
     if any(x.get("shuffle") for x in loaders) and unshuffled is None:
         return []
+    single = sum(1 for b in batches if b.get("num_classes", len(b["classes"])) == 1)
     message = (
-        f"{len(single)} of the first {len(batches)} training batches hold a single class, the classes following "
-        f"one another in runs ({', '.join(map(str, single[:12]))}"
-        + (", ...)" if len(single) > 12 else ")")
+        f"the first {len(batches)} training batches each hold a few neighbouring classes ({single} a single one), "
+        f"rising from batch to batch (lowest class per batch: {', '.join(map(str, lows[:12]))}"
+        + (", ...)" if len(lows) > 12 else ")")
         + (
             f": {unshuffled['dataset_class']} is stored by class and its DataLoader does not shuffle"
             if unshuffled
@@ -124,8 +130,8 @@ def unshuffled_ordered_labels(f: Facts, o: ScriptOutcome) -> list[Finding]:
     )
     evidence = {
         "batches_checked": len(batches),
-        "single_class_batches": len(single),
-        "class_order": single[:24],
+        "single_class_batches": single,
+        "class_order": lows[:24],
         "dataset_class": unshuffled["dataset_class"] if unshuffled else None,
         "shuffle": False if unshuffled else None,
     }

@@ -68,7 +68,9 @@ class HabitListener:
         if self.labels and self.labels[-1]["step"] == probe.next_step:
             return  # one loss per step is enough
         classes = torch.unique(target.detach()).tolist()
-        self.labels.append(BatchLabels(step=probe.next_step, classes=classes[:8], size=int(target.numel())))
+        self.labels.append(
+            BatchLabels(step=probe.next_step, classes=classes[:8], num_classes=len(classes), size=int(target.numel()))
+        )
 
     def finish(self) -> None:
         """Parameters an optimizer was given that stayed frozen (``requires_grad=False``) at their
