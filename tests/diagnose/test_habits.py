@@ -28,7 +28,9 @@ def facts_with_losses(values: list[float], lr: float = 0.5) -> Facts:
             "moved": [True] * 5,
         }
     ]
-    f.grad_norms = [{"step": i + 1, "lrs": [lr], "optimizer": 0, "total": 1.0, "layers": {}} for i in range(len(values))]
+    f.grad_norms = [
+        {"step": i + 1, "lrs": [lr], "optimizer": 0, "total": 1.0, "layers": {}} for i in range(len(values))
+    ]
     return f
 
 

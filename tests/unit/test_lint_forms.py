@@ -74,6 +74,21 @@ def test_tk116_quiet_on_an_in_memory_buffer_and_a_scratch_file():
     )
 
 
+def test_tk116_quiet_on_a_save_that_runs_once():
+    text = """
+        import torch
+        def main():
+            model = torch.nn.Linear(2, 1)
+            torch.save(model.state_dict(), "final.pt")
+        if __name__ == "__main__":
+            main()
+        torch.save({"vocab": [1, 2]}, "vocab.pt")
+        """
+    assert lines(text, "TK116") == []
+    looped = text.replace("    main()\n", "    for run in range(3):\n                main()\n")
+    assert lines(looped, "TK116") == [5]
+
+
 def test_tk116_fires_on_one_checkpoint_path_rewritten_in_the_loop_and_through_open():
     text = """
         import torch

@@ -237,9 +237,10 @@ def judge(facts: Facts, outcome: ScriptOutcome, extra: list[Finding] = ()) -> li
     if diverged is not None:
         for x in findings:
             step = x.evidence.get("step", x.evidence.get("peak_step", 0))
-            if x.id in ("nonfinite-forward", "nonfinite-grad", "grad-exploding") and step > diverged.evidence[
-                "began_step"
-            ]:
+            if (
+                x.id in ("nonfinite-forward", "nonfinite-grad", "grad-exploding")
+                and step > diverged.evidence["began_step"]
+            ):
                 x.severity = "warning"  # how the divergence showed: its consequences
     forward = next((x for x in findings if x.id == "nonfinite-forward"), None)
     data = next((x for x in findings if x.id == "nonfinite-input"), None)

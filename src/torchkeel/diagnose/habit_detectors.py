@@ -42,7 +42,8 @@ def lr_divergence(f: Facts, o: ScriptOutcome) -> list[Finding]:
     message = (
         f"the loss diverged: from {first:.4g} at step {values[0]['step']} it climbed from step {began['step']} to "
         f"{peak['value']:.3g} at step {peak['step']} ({peak['value'] / first:.3g}x) before anything was "
-        f"non-finite; the learning rate is {lr_text}" + (f" ({optimizer})" if optimizer else "")
+        f"non-finite; the learning rate is {lr_text}"
+        + (f" ({optimizer})" if optimizer else "")
         + ("; the run then went non-finite" if went_nonfinite else "")
     )
     evidence = {

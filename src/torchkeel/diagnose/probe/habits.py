@@ -78,8 +78,13 @@ class HabitListener:
         probe, facts = self.probe, self.probe.facts
         facts.events["batch-labels"] = list(self.labels)
         names, owners = probe.param_names(), probe.owner_of()
-        loaded = {id(p) for root, _ in probe.roots.values() for m in root.modules() if id(m) in self.loaded
-                  for p in m.parameters(recurse=False)}
+        loaded = {
+            id(p)
+            for root, _ in probe.roots.values()
+            for m in root.modules()
+            if id(m) in self.loaded
+            for p in m.parameters(recurse=False)
+        }
         frozen, trainable = [], 0
         for opt in probe.optimizers:
             for p in (p for g in opt.param_groups for p in g["params"]):

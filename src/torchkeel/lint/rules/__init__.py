@@ -147,7 +147,7 @@ _TABLE = [
         None,
         "warning",
         checkpoint.save_to_final_path,
-        "torch.save straight onto a path that holds the last good file (not a new path per epoch, not a buffer)",
+        "torch.save, run repeatedly, straight onto a path that holds the last good file (not a new path per epoch)",
         "Write to path + '.tmp' and os.replace() it onto the final path (or use torchkeel's CheckpointStore).",
     ),
     (

@@ -13,7 +13,7 @@ _SAFE_LOAD_SINCE = (2, 6)
 _NOT_A_MODULE = {"state", "dict", "sd", "config", "cfg", "path", "dir", "file", "name", "args", "params", "weights"}
 _NOT_A_MODULE |= {"ckpt", "checkpoint", "snapshot", "opt", "optim", "optimizer", "kwargs", "type", "id", "url"}
 _MODULE_WORDS = {"model", "net", "network", "module"}
-_VARIES_PER_CALL = {"time", "time_ns", "now", "utcnow", "strftime", "uuid4", "getpid", "mkdtemp", "mkstemp"}
+_VARIES_PER_CALL = {"time", "time_ns", "ctime", "now", "utcnow", "strftime", "uuid4", "getpid", "mkdtemp", "mkstemp"}
 _STEP_WORDS = ("epoch", "step", "iter", "batch", "it")
 
 
@@ -149,12 +149,46 @@ def _deleted_after(source: Source, call: ast.Call, path: ast.expr) -> bool:
     return False
 
 
+def _in_loop(source: Source, node: ast.AST) -> bool:
+    parent = source.parents.get(node)
+    while parent is not None and not isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if isinstance(parent, (ast.For, ast.AsyncFor, ast.While)):
+            return True
+        parent = source.parents.get(parent)
+    return False
+
+
+def _runs_repeatedly(source: Source, node: ast.AST, depth: int = 3) -> bool:
+    """``node`` may run many times in one process: it sits in a loop, or in a function that is
+    called from a loop, handed over as a callback, or never called here (its caller is elsewhere).
+    A save at module level, or in ``main()`` called once, runs once."""
+    if _in_loop(source, node):
+        return True
+    fn = source.function_of(node)
+    if fn is None or depth == 0:
+        return False
+    uses = [
+        n
+        for n in ast.walk(source.tree)
+        if (isinstance(n, ast.Name) and n.id == fn.name) or (isinstance(n, ast.Attribute) and n.attr == fn.name)
+    ]
+    calls = [n for n in uses if isinstance(source.parents.get(n), ast.Call) and source.parents[n].func is n]
+    if not calls or len(calls) < len(uses):
+        return True  # called from elsewhere, or passed on as a callback
+    return any(_runs_repeatedly(source, source.parents[c], depth - 1) for c in calls)
+
+
 def save_to_final_path(source: Source) -> Iterator[tuple[ast.AST, str]]:
     for call in source.calls():
         if call_name(call) != "torch.save" or len(call.args) < 2:
             continue
         path = _write_target(source, call)
-        if _in_memory(source, path) or _new_path_each_time(source, call, path) or _deleted_after(source, call, path):
+        if (
+            _in_memory(source, path)
+            or _new_path_each_time(source, call, path)
+            or _deleted_after(source, call, path)
+            or not _runs_repeatedly(source, call)
+        ):
             continue
         scope = source.function_of(call) or source.tree
         renames = [
