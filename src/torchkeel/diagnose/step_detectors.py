@@ -35,13 +35,6 @@ def double_step(f: Facts, o: ScriptOutcome) -> list[Finding]:
     ]
 
 
-_ZERO_GRAD_FIX = (
-    "Call optimizer.zero_grad() once per optimizer step (right after optimizer.step()), on the optimizer "
-    "that steps these parameters; to accumulate on purpose, divide the loss by k and step and zero every "
-    "k backward calls."
-)
-
-
 def missing_zero_grad(f: Facts, o: ScriptOutcome) -> list[Finding]:
     if f.closure_backward_calls > f.steps >= 1 and f.closure_zero_grad_calls == 0:
         # An LBFGS-style closure evaluated several times per step, never zeroing: each evaluation
@@ -50,13 +43,8 @@ def missing_zero_grad(f: Facts, o: ScriptOutcome) -> list[Finding]:
             f"the closure passed to optimizer.step() runs backward() {f.closure_backward_calls} times in "
             f"{f.steps} steps and never calls zero_grad(): each evaluation adds its gradients onto the previous one's"
         )
-        evidence = {
-            "in_closure": True,
-            "closure_backward_calls": f.closure_backward_calls,
-            "zero_grad_calls": f.zero_grad_calls,
-            "optimizer_steps": f.steps,
-            "optimizer": f.optimizers[0]["class"] if f.optimizers else None,
-        }
+        evidence = {"in_closure": True, "closure_backward_calls": f.closure_backward_calls, "optimizer_steps": f.steps}
+        evidence["optimizer"] = f.optimizers[0]["class"] if f.optimizers else None
         fix = "Call optimizer.zero_grad() at the start of the closure, before the forward pass."
         return [Finding("missing-zero-grad", "error", message, evidence, fix)]
     all_checks = f.events.get("zero-grad-checks", [])
@@ -88,7 +76,9 @@ def missing_zero_grad(f: Facts, o: ScriptOutcome) -> list[Finding]:
                 "optimizer_steps": f.steps,
                 "in_closure": False,
             },
-            _ZERO_GRAD_FIX,
+            "Call optimizer.zero_grad() once per optimizer step (right after optimizer.step()), on the optimizer "
+            "that steps these parameters; to accumulate on purpose, divide the loss by k and step and zero every "
+            "k backward calls.",
         )
     ]
 

@@ -73,6 +73,16 @@ def variable_name(obj: Any, frame: types.FrameType | None) -> str | None:
                     if index is not None:
                         return f"{name}[{index}]"  # an LSTM's (h, c) state
             for name, value in list(scope.items()):
+                attrs = getattr(value, "__dict__", None)
+                if (
+                    isinstance(attrs, dict)
+                    and not isinstance(value, (type, types.ModuleType, torch.nn.Module))
+                    and not name.startswith("__")
+                ):
+                    attr = next((a for a, v in list(attrs.items()) if v is obj), None)
+                    if attr is not None:
+                        return f"{name}.{attr}"  # self.model in a Trainer class
+            for name, value in list(scope.items()):
                 if isinstance(value, torch.nn.Module) and value is not obj and not name.startswith("__"):
                     for attr, child in value.named_children():
                         if child is obj:

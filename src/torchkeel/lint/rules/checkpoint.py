@@ -92,19 +92,21 @@ def save_whole_module(source: Source) -> Iterator[tuple[ast.AST, str]]:
 
 
 def _write_target(source: Source, call: ast.Call) -> ast.expr:
-    """The path a torch.save writes to: its second argument, or the path of ``open(PATH, "wb") as f``."""
+    """The path a torch.save writes to: its second argument, or the path of the enclosing
+    ``with open(PATH, "wb") as f``."""
     target = call.args[1]
     if isinstance(target, ast.Name):
-        for node in ast.walk(source.function_of(call) or source.tree):
-            if isinstance(node, ast.With):
-                for item in node.items:
-                    if (
-                        isinstance(item.optional_vars, ast.Name)
-                        and item.optional_vars.id == target.id
-                        and call_name(item.context_expr) == "open"
-                        and item.context_expr.args
-                    ):
-                        return item.context_expr.args[0]
+        node = source.enclosing(call, ast.With)
+        while node is not None:
+            for item in node.items:
+                if (
+                    isinstance(item.optional_vars, ast.Name)
+                    and item.optional_vars.id == target.id
+                    and call_name(item.context_expr) == "open"
+                    and item.context_expr.args
+                ):
+                    return item.context_expr.args[0]
+            node = source.enclosing(node, ast.With)
     if isinstance(target, ast.Call) and call_name(target) == "open" and target.args:
         return target.args[0]
     return target
@@ -167,10 +169,12 @@ def _runs_repeatedly(source: Source, node: ast.AST, depth: int = 3) -> bool:
     fn = source.function_of(node)
     if fn is None or depth == 0:
         return False
+    method = isinstance(source.parents.get(fn), ast.ClassDef)
     uses = [
         n
         for n in ast.walk(source.tree)
-        if (isinstance(n, ast.Name) and n.id == fn.name) or (isinstance(n, ast.Attribute) and n.attr == fn.name)
+        if (isinstance(n, ast.Name) and n.id == fn.name and not method)
+        or (isinstance(n, ast.Attribute) and n.attr == fn.name and method)
     ]
     calls = [n for n in uses if isinstance(source.parents.get(n), ast.Call) and source.parents[n].func is n]
     if not calls or len(calls) < len(uses):
