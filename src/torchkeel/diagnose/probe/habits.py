@@ -8,6 +8,7 @@ hands over the targets of each classification loss); the loads of weights are se
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ _LABEL_STEPS = 64  # the class targets of the first steps are kept: enough to se
 class HabitListener:
     def __init__(self, probe: Probe) -> None:
         self.probe = probe
-        self.loaded: set[int] = set()  # modules whose own weights came from a state dict
+        self.loaded: weakref.WeakSet = weakref.WeakSet()  # modules whose own weights came from a state dict
         self.labels: list[BatchLabels] = []
 
     def install(self) -> None:
@@ -33,7 +34,7 @@ class HabitListener:
         loaded = self.loaded
 
         def _load_from_state_dict(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            loaded.add(id(module))
+            loaded.add(module)
             return original(module, *args, **kwargs)
 
         self.probe.patch(torch.nn.Module, "_load_from_state_dict", _load_from_state_dict)
@@ -82,7 +83,7 @@ class HabitListener:
             id(p)
             for root, _ in probe.roots.values()
             for m in root.modules()
-            if id(m) in self.loaded
+            if m in self.loaded
             for p in m.parameters(recurse=False)
         }
         frozen, trainable = [], 0
