@@ -4,7 +4,8 @@ guards against the Trainer without them.
 Not a test: it prints figures. One process, one thread, interleaved rounds (the order rotates
 each round so drift on a noisy machine hits every contender). Each round trains a fresh
 MLP 64→256→256→10 for one epoch of STEPS steps at batch 64 on synthetic data, with clipping,
-a warmup/cosine schedule and AdamW, three ways:
+a warmup/cosine schedule and AdamW (weight decay 0 everywhere, the Trainer's default: the same
+kernels in every contender), three ways:
 
 - the hand-written loop;
 - the Trainer with the guards off (no non-finite check, memory rows, leak census or OOM split),
@@ -59,7 +60,7 @@ def hand_loop(data: TensorDataset, steps: int, out_dir: str) -> float:
     """Seconds per step of the plain loop, from step FIRST to the last (set-up excluded)."""
     torch.manual_seed(0)
     model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)  # the Trainer's optim defaults
     scheduler = tk.build_scheduler(optimizer, warmup_steps=20, total_steps=steps)
     loader = DataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(0))
     loss_fn = nn.CrossEntropyLoss()
