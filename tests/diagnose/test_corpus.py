@@ -22,6 +22,7 @@ SHORT_CONTROLS = ["clean_accumulation.py", "clean_gan.py"]
 # The controls of the findings for training that runs and learns badly (each next to its fault).
 HABIT_CONTROLS = [
     "clean_dropout_functional.py",
+    "clean_mc_dropout.py",
     "clean_finetune_loaded.py",
     "clean_multitask.py",
     "clean_sorted_shuffled.py",

@@ -27,8 +27,10 @@ def lr_divergence(f: Facts, o: ScriptOutcome) -> list[Finding]:
         return []
     first = next((abs(x["value"]) for x in values if x["value"] != 0), 0.0)
     peak = max(values, key=lambda x: x["value"])
-    if not first or peak["value"] < _DIVERGED * first:
-        return []
+    went_nonfinite = len(values) < len(f.losses)
+    high = sum(1 for x in values if x["value"] >= 10 * first)
+    if not first or peak["value"] < _DIVERGED * first or (high < 2 and not went_nonfinite):
+        return []  # a single spike that training recovered from is a bad batch, not a divergence
     began = values[-1]
     for i in range(1, len(values)):
         if values[i]["value"] >= 3 * min(x["value"] for x in values[:i]) and values[i]["step"] <= peak["step"]:
@@ -37,7 +39,6 @@ def lr_divergence(f: Facts, o: ScriptOutcome) -> list[Finding]:
     record = next((r for r in f.grad_norms if r["step"] >= began["step"]), None)
     lrs = record["lrs"] if record and "lrs" in record else [lr for opt in f.optimizers for lr in opt["lrs"]]
     optimizer = f.optimizers[record["optimizer"] if record else 0]["class"] if f.optimizers else None
-    went_nonfinite = len(values) < len(f.losses)
     lr_text = ", ".join(f"{lr:g}" for lr in lrs[:3])
     message = (
         f"the loss diverged: from {first:.4g} at step {values[0]['step']} it climbed from step {began['step']} to "

@@ -8,6 +8,7 @@ hands over the targets of each classification loss); the loads of weights are se
 
 from __future__ import annotations
 
+import linecache
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,13 @@ from torchkeel.inspect.sites import user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
+
+def _says_training(site: dict[str, Any] | None) -> bool:
+    """The call names ``training=`` on its line: dropout kept on on purpose (Monte Carlo dropout)."""
+    if not site or not site.get("file"):
+        return False
+    return "training" in linecache.getline(site["file"], site["line"])
+
 
 _LABEL_STEPS = 64  # the class targets of the first steps are kept: enough to see an order
 
@@ -49,7 +57,8 @@ class HabitListener:
         names = ("input", "p", "training", "inplace")
         bound = {**dict(zip(names, args)), **kwargs}
         p, training = float(bound.get("p", 0.5)), bound.get("training", True)
-        if training is True and p > 0:
+        site = user_site()
+        if training is True and p > 0 and not _says_training(site):
             probe.record(
                 "dropout-always-on",
                 DropoutAlwaysOn(
@@ -57,7 +66,7 @@ class HabitListener:
                     module=probe.name_of(stack[-1]),
                     call=f"F.{func.__name__}",
                     p=p,
-                    **(user_site() or {}),
+                    **(site or {}),
                 ),
             )
 
