@@ -21,6 +21,7 @@ from torchkeel.inspect.sites import user_site
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
 
+
 def _says_training(site: dict[str, Any] | None) -> bool:
     """The call names ``training=`` on its line: dropout kept on on purpose (Monte Carlo dropout)."""
     if not site or not site.get("file"):
