@@ -30,7 +30,8 @@ def census(
     ``roots`` maps the ids of the root nodes of recent backward passes (held alive by the caller,
     so an id is not reused) to their step: a live tensor whose graph reaches two of them, or one of
     an earlier step, other than its own, keeps graphs that backward already ran through
-    (``total_loss += loss``), whatever the sizes do from one census to the next."""
+    (``total_loss += loss``), and so do the losses of two earlier steps still alive (a list of
+    them), whatever the sizes do from one census to the next."""
     roots = roots or {}
     seen: dict[int, torch.Tensor] = {}
     for ref in tracked:
@@ -53,6 +54,11 @@ def census(
                 spanning, spans = t, reached
         if budget <= 0:
             break
+    # Losses of two or more earlier steps still alive themselves (a list of loss tensors).
+    kept = sorted((roots[id(t.grad_fn)], id(t), t) for t in holders if roots.get(id(t.grad_fn), step) < step)
+    if len({made for made, _, _ in kept}) >= 2 and len(kept) > spans:
+        spanning, spans = kept[0][2], len(kept)
+    del kept
     survivors = [t for t in (r() for r in previous) if t is not None and id(t) in seen and t.grad_fn is not None]
     keep = max(survivors, key=lambda t: len(graph_nodes([t.grad_fn], limit=20000))) if survivors else largest
     if spans:

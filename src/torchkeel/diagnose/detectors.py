@@ -133,7 +133,7 @@ def leaked_graph(f: Facts, o: ScriptOutcome) -> list[Finding]:
             Finding(
                 "leaked-graph",
                 "error",
-                f"autograd graphs are kept across steps: at step {spanning['step']} a live tensor still holds the "
+                f"autograd graphs are kept across steps: after step {spanning['step']}, tensors still alive hold the "
                 f"graphs of {spanning['backward_graphs_held']} backward pass(es) already run"
                 + (f"; held by {holder}" if holder else ""),
                 {
