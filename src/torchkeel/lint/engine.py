@@ -160,18 +160,20 @@ class Source:
             parent = self.parents.get(parent)
         return names
 
-    def reaches(self, expr: ast.AST, predicate: Callable[[ast.AST], bool], depth: int = 4) -> bool:
+    def reaches(
+        self, expr: ast.AST, predicate: Callable[[ast.AST], bool], depth: int = 4, _seen: set[str] | None = None
+    ) -> bool:
         """True when a node of ``expr`` matches ``predicate``, directly or in the values assigned to
-        the names it uses (``depth`` assignments deep): data flow by name, file-wide."""
+        the names it uses (``depth`` assignments deep, each name followed once): data flow by name,
+        file-wide."""
+        seen = set() if _seen is None else _seen
         for node in ast.walk(expr):
             if predicate(node):
                 return True
-            if (
-                depth
-                and isinstance(node, ast.Name)
-                and any(self.reaches(v, predicate, depth - 1) for v in self.assigned.get(node.id, []))
-            ):
-                return True
+            if depth and isinstance(node, ast.Name) and node.id not in seen:
+                seen.add(node.id)
+                if any(self.reaches(v, predicate, depth - 1, seen) for v in self.assigned.get(node.id, [])):
+                    return True
         return False
 
     def sibling(self, module: str) -> Source | None:
