@@ -17,7 +17,9 @@ each owning its state (``core.Probe`` installs them and holds what they share):
   gradients, per-layer gradient norms, whether the weights moved, censuses of live autograd
   graphs, gradients left over from the previous step) and the ``zero_grad`` count;
 - ``data``: the DataLoader iterator (time waiting on data);
-- ``seeds``: the seed functions, and whether the global RNGs were drawn from.
+- ``seeds``: the seed functions, and whether the global RNGs were drawn from;
+- ``habits``: functional dropout left on in eval mode, the class order of training batches,
+  and which modules had weights loaded (frozen parameters that were never loaded).
 
 Autograd anomaly mode (without its NaN check, which would raise where the script does not)
 records the forward stack of every op during the first ``anomaly_steps`` steps, so an in-place
