@@ -44,6 +44,9 @@ def test_a_loss_that_climbs_by_orders_of_magnitude_is_divergence_from_where_it_b
 def test_a_spike_that_recovers_or_a_falling_loss_is_not_divergence():
     assert lr_divergence(facts_with_losses([2.3, 40.0, 5.0, 1.2, 0.9, 0.7]), OK) == []
     assert lr_divergence(facts_with_losses([2.3, 2.1, 9e3, 1.9, 1.7, 1.5]), OK) == []  # one bad batch
+    # Two players' losses interleaved, one drifting far above the other's first value: no climb.
+    wgan = [0.01, 0.5, 0.02, 40.0, 0.01, 12.0, 0.03, 35.0, 0.02, 20.0]
+    assert lr_divergence(facts_with_losses(wgan), OK) == []
     assert lr_divergence(facts_with_losses([2.3, 1.9, 1.5, 1.2, 0.9]), OK) == []
     assert lr_divergence(facts_with_losses([2.3, float("nan")]), OK) == []
 

@@ -36,6 +36,9 @@ def lr_divergence(f: Facts, o: ScriptOutcome) -> list[Finding]:
         if values[i]["value"] >= 3 * min(x["value"] for x in values[:i]) and values[i]["step"] <= peak["step"]:
             began = values[i]
             break
+    climb = [x["value"] for x in values if began["step"] <= x["step"] <= peak["step"]]
+    if sum(b > a for a, b in zip(climb, climb[1:])) < 0.6 * (len(climb) - 1):
+        return []  # losses that drift up and down (a GAN's two players) do not climb
     record = next((r for r in f.grad_norms if r["step"] >= began["step"]), None)
     lrs = record["lrs"] if record and "lrs" in record else [lr for opt in f.optimizers for lr in opt["lrs"]]
     optimizer = f.optimizers[record["optimizer"] if record else 0]["class"] if f.optimizers else None

@@ -22,6 +22,15 @@ if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
 
 
+def _noting(build: Callable, loaded: weakref.WeakSet) -> Callable:
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        module = build(cls, *args, **kwargs)
+        loaded.add(module)
+        return module
+
+    return from_pretrained
+
+
 def _says_training(site: dict[str, Any] | None) -> bool:
     """The call names ``training=`` on its line: dropout kept on on purpose (Monte Carlo dropout)."""
     if not site or not site.get("file"):
@@ -47,6 +56,8 @@ class HabitListener:
             return original(module, *args, **kwargs)
 
         self.probe.patch(torch.nn.Module, "_load_from_state_dict", _load_from_state_dict)
+        for cls in (torch.nn.Embedding, torch.nn.EmbeddingBag):  # from_pretrained(vectors, freeze=True)
+            self.probe.patch(cls, "from_pretrained", classmethod(_noting(cls.from_pretrained.__func__, loaded)))
 
     def check_dropout(self, func: Callable, args: Any, kwargs: dict) -> None:
         """``F.dropout(x, p)`` inside a module in eval mode: ``training`` defaults to True, so the
