@@ -25,6 +25,7 @@ HABIT_CONTROLS = [
     "clean_mc_dropout.py",
     "clean_finetune_loaded.py",
     "clean_frozen_embedding.py",
+    "clean_frozen_transformers.py",
     "clean_multitask.py",
     "clean_sorted_shuffled.py",
     "clean_epoch_item.py",

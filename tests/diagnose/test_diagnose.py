@@ -230,3 +230,32 @@ def test_uninitialized_memory_is_no_ops_doing():
     with FirstNonfiniteOp() as tracer:
         torch.log(torch.zeros(3) - 1)
     assert tracer.found is not None and tracer.found["op"] == "torch.log"
+
+
+def test_looking_at_a_view_autograd_refuses_to_describe_does_not_break_the_script(tmp_path):
+    """A view made under no_grad of a parameter then changed in place raises on ``.grad_fn``
+    (transformers' embeddings with a padding index make one while they initialise): the probe's
+    own look must not raise into the script, which runs as it does without the probe."""
+    script = tmp_path / "views.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            weight = torch.nn.Parameter(torch.zeros(3, 4))
+            with torch.no_grad():
+                row = weight[0]
+                weight.mul_(2)
+                row.fill_(1.0)
+            model = torch.nn.Embedding(10, 4, padding_idx=0)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):
+                opt.zero_grad()
+                model(torch.tensor([[1, 2, 0]])).sum().backward()
+                opt.step()
+            print("trained")
+            """
+        )
+    )
+    report, code, _ = diagnose("views.py", "--no-repro", cwd=tmp_path)
+    assert report["script"]["error"] is None and code == 0
+    assert report["steps"] == 3

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from torchkeel.inspect.graph import graph_nodes
-from torchkeel.inspect.sites import site_text, user_frame, user_site
+from torchkeel.inspect.sites import has_graph, site_text, user_frame, user_site
 
 
 def census(
@@ -36,7 +36,7 @@ def census(
     seen: dict[int, torch.Tensor] = {}
     for ref in tracked:
         t = ref()
-        if t is not None and t.grad_fn is not None:
+        if t is not None and has_graph(t):
             seen[id(t)] = t
     holders = list(seen.values())
     largest, largest_nodes, budget = None, 0, 200000

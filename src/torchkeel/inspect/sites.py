@@ -93,6 +93,15 @@ def variable_name(obj: Any, frame: types.FrameType | None) -> str | None:
     return None
 
 
+def has_graph(t: torch.Tensor) -> bool:
+    """``t.grad_fn is not None``, and False where autograd refuses to answer (a view made under
+    no_grad whose base was then changed in place raises on ``.grad_fn``): looking must not raise."""
+    try:
+        return t.grad_fn is not None
+    except RuntimeError:
+        return False
+
+
 def tensors_in(obj: Any, limit: int = 64) -> list[torch.Tensor]:
     """Tensors directly in ``obj`` or one level of list/tuple/dict inside it."""
     if isinstance(obj, torch.Tensor):

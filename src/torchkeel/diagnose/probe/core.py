@@ -26,7 +26,7 @@ from torchkeel.diagnose.probe.habits import HabitListener
 from torchkeel.diagnose.probe.modules import ModuleListener
 from torchkeel.diagnose.probe.optim import OptimizerListener
 from torchkeel.diagnose.probe.seeds import SeedListener
-from torchkeel.inspect.sites import tensors_in
+from torchkeel.inspect.sites import has_graph, tensors_in
 
 
 class Probe:
@@ -186,7 +186,7 @@ class Probe:
 
     def track(self, obj: Any) -> None:
         for t in tensors_in(obj):
-            if t.grad_fn is not None:
+            if has_graph(t):
                 self.tracked.append(weakref.ref(t))
         if len(self.tracked) > 50000:  # a loop without optimizer steps: keep the live ones only
             self.tracked = [r for r in self.tracked if r() is not None]

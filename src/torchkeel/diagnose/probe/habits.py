@@ -9,6 +9,7 @@ hands over the targets of each classification loss); the loads of weights are se
 from __future__ import annotations
 
 import linecache
+import sys
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchkeel.diagnose.events import BatchLabels, DropoutAlwaysOn
-from torchkeel.inspect.sites import user_site
+from torchkeel.inspect.sites import is_user_file, user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
@@ -29,6 +30,16 @@ def _noting(build: Callable, loaded: weakref.WeakSet) -> Callable:
         return module
 
     return from_pretrained
+
+
+def _library_model(module: torch.nn.Module) -> bool:
+    """A model class of an installed library other than torch (transformers, timm): its weights
+    come from its own ``from_pretrained``, which need not pass through ``load_state_dict``."""
+    name = type(module).__module__ or ""
+    if name.split(".")[0] in ("torch", "__main__"):
+        return False
+    source = getattr(sys.modules.get(name), "__file__", None)
+    return bool(source) and not is_user_file(source)
 
 
 def _says_training(site: dict[str, Any] | None) -> bool:
@@ -104,8 +115,8 @@ class HabitListener:
             id(p)
             for root, _ in probe.roots.values()
             for m in root.modules()
-            if m in self.loaded
-            for p in m.parameters(recurse=False)
+            if m in self.loaded or _library_model(m)
+            for p in m.parameters()
         }
         frozen, trainable = [], 0
         for opt in probe.optimizers:

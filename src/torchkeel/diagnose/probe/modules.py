@@ -25,7 +25,15 @@ from torchkeel.diagnose.events import (
     ProbabilitiesIntoCrossEntropy,
 )
 from torchkeel.diagnose.tracing import FirstNonfiniteOp, allocates_uninitialized, nonfinite_scalar, op_name
-from torchkeel.inspect.sites import is_nonfinite, nonfinite_layout, tensors_in, user_frame, user_site, variable_name
+from torchkeel.inspect.sites import (
+    has_graph,
+    is_nonfinite,
+    nonfinite_layout,
+    tensors_in,
+    user_frame,
+    user_site,
+    variable_name,
+)
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
@@ -147,7 +155,7 @@ class ModuleListener:
             if len(self.root_outputs) > 5000:
                 self.root_outputs = {k: v for k, v in self.root_outputs.items() if v[0]() is not None}
             for t in tensors_in(output):
-                if t.grad_fn is not None:
+                if has_graph(t):
                     self.root_outputs[id(t)] = (weakref.ref(t), probe.next_step)
 
     def _root_call(self, module: torch.nn.Module, args: Any) -> None:
