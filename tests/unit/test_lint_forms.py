@@ -3,6 +3,8 @@ a quiet-on-this test, each missed form a fires-on-this test (written here in our
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -148,7 +150,12 @@ def test_tk114_quiet_inside_safe_globals_and_fires_on_weights_only_false(install
 
 
 def test_torch_version_is_read_without_importing_torch():
-    assert engine.torch_version() is not None and engine.torch_version() >= (2, 0)
+    code = (
+        "import sys; from torchkeel.lint.engine import torch_version; v = torch_version(); "
+        "print(v >= (2, 0), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False"]
 
 
 # --- TK115: a module object, not a name that contains "model" -----------------------------------
@@ -371,8 +378,8 @@ def test_tk113_fires_on_reshaped_probabilities_of_a_language_model():
     assert lines(fixed, "TK113") == []
 
 
-def test_every_rule_still_parses_every_public_form_without_crashing(tmp_path: Path):
-    # The corpus of this project holds scripts in the styles found in public code.
+def test_the_corpus_parses_and_every_finding_is_a_known_rule():
+    # The diagnose corpus holds scripts written in the styles found in public code.
     root = Path(__file__).resolve().parents[1] / "diagnose" / "corpus"
     report = lint_paths([str(root)])
     assert report.files >= 50 and all(f.code in RULES or f.code == "TK100" for f in report.findings)

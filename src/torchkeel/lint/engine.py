@@ -196,12 +196,32 @@ class Source:
                     return node.module
         return None
 
+    def class_def(self, name: str) -> ast.ClassDef | None:
+        return next((n for n in ast.walk(self.tree) if isinstance(n, ast.ClassDef) and n.name == name), None)
+
     def is_module_class(self, name: str) -> bool:
         """A class defined here that subclasses something ending in ``Module`` (nn.Module)."""
-        for node in ast.walk(self.tree):
-            if isinstance(node, ast.ClassDef) and node.name == name:
-                return any(dotted(b).endswith("Module") for b in node.bases)
-        return False
+        node = self.class_def(name)
+        return node is not None and any(dotted(b).endswith("Module") for b in node.bases)
+
+    def constructed(self, value: ast.AST) -> tuple[ast.Call | None, Source | None, ast.ClassDef | None]:
+        """For ``Net(...).to(device)``: the constructor call, and the file and class that define
+        ``Net`` when this file or a sibling file does (else None, None)."""
+        while (
+            isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in {"to", "cuda"}
+        ):
+            value = value.func.value
+        if not isinstance(value, ast.Call):
+            return None, None, None
+        name = call_name(value)
+        cls = last(name)
+        node = self.class_def(cls)
+        if node is not None:
+            return value, self, node
+        module = name.rsplit(".", 1)[0] if "." in name else self.imported_from(cls)
+        where = self.sibling(module) if module else None
+        node = where.class_def(cls) if where is not None else None
+        return value, (where if node is not None else None), node
 
 
 @functools.lru_cache(maxsize=64)

@@ -65,16 +65,17 @@ class BackwardListener:
         if self.roots_step != probe.facts.steps:
             self.step_roots, self.roots_step = [], probe.facts.steps
         retain = bool(args[1] if len(args) > 1 else kwargs.get("retain_graph"))
-        site = site_text(user_site())
         for root in (r for r in roots if r.grad_fn is not None):
+            # Only a retained graph can be run through again; its site is looked up only then.
             earlier = next((e for e in self.step_roots if e[0] is root.grad_fn), None)
             if earlier is not None:
+                call_sites = [earlier[1], site_text(user_site())]
                 probe.record(
                     "repeated-backward",
-                    RepeatedBackward(step=probe.next_step, call_sites=[earlier[1], site], retain_graph=earlier[2]),
+                    RepeatedBackward(step=probe.next_step, call_sites=call_sites, retain_graph=earlier[2]),
                 )
-            elif len(self.step_roots) < 64:
-                self.step_roots.append((root.grad_fn, site, retain))
+            elif retain and len(self.step_roots) < 64:
+                self.step_roots.append((root.grad_fn, site_text(user_site()), retain))
             if not retain:
                 self.recent_roots.append((root.grad_fn, probe.next_step))
 

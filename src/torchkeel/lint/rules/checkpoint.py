@@ -55,21 +55,15 @@ def _modelish_name(name: str) -> bool:
 
 def _builds_module(source: Source, value: ast.expr) -> bool | None:
     """Whether ``value`` constructs an nn.Module: True, False, or None when it cannot tell."""
-    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in {"to", "cuda"}:
-        value = value.func.value
-    if not isinstance(value, ast.Call):
+    call, where, node = source.constructed(value)
+    if call is None:
         return False
-    name = call_name(value)
+    name = call_name(call)
     if name.startswith(("nn.", "torch.nn.", "models.", "torchvision.models.", "timm.create_model")):
         return True
-    cls = last(name)
-    if source.is_module_class(cls):
-        return True
-    module = name.rsplit(".", 1)[0] if "." in name else source.imported_from(cls)
-    local = source.sibling(module) if module else None
-    if local is not None:
-        return local.is_module_class(cls)
-    return None if cls[:1].isupper() else False
+    if where is not None:
+        return where.is_module_class(node.name)
+    return None if last(name)[:1].isupper() else False
 
 
 def save_whole_module(source: Source) -> Iterator[tuple[ast.AST, str]]:

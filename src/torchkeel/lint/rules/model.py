@@ -221,31 +221,19 @@ def _has_mode_layers(source: Source, model: str) -> bool | None:
 
 
 def _class_has_mode_layers(source: Source, value: ast.AST, depth: int) -> bool | None:
-    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in {"to", "cuda"}:
-        value = value.func.value
-    if not isinstance(value, ast.Call):
+    call, where, node = source.constructed(value)
+    if call is None:
         return None
-    name = call_name(value)
-    if any(m in ast.unparse(value) for m in _MODE_LAYERS):
+    if any(m in ast.unparse(call) for m in _MODE_LAYERS):
         return True  # nn.Dropout(...), nn.Sequential(..., nn.BatchNorm1d(...)), nn.LSTM(..., dropout=0.2)
-    if name.startswith(("nn.", "torch.nn.")):
+    if call_name(call).startswith(("nn.", "torch.nn.")):
         return False
-    cls, where = last(name), source
-    node = _class_def(source, cls)
-    if node is None:
-        module = name.rsplit(".", 1)[0] if "." in name else source.imported_from(cls)
-        where = source.sibling(module) if module else None
-        node = _class_def(where, cls) if where is not None else None
     if node is None or depth == 0:
         return None
     if any(m in ast.unparse(node) for m in _MODE_LAYERS):
         return True
     inner = {_class_has_mode_layers(where, c, depth - 1) for c in where.calls(node) if last(call_name(c))[:1].isupper()}
     return True if True in inner else (None if None in inner else False)
-
-
-def _class_def(source: Source, name: str) -> ast.ClassDef | None:
-    return next((n for n in ast.walk(source.tree) if isinstance(n, ast.ClassDef) and n.name == name), None)
 
 
 def eval_without_no_grad(source: Source) -> Iterator[tuple[ast.AST, str]]:
