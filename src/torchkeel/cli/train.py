@@ -18,6 +18,7 @@ from torchkeel.distributed.rank import RankInfo
 from torchkeel.env.cpus import choose_threads, usable_cpus
 from torchkeel.errors import ConfigError
 from torchkeel.testing import parse_fault_rules, parse_step_faults
+from torchkeel.train.preempt import PREEMPT_SIGNALS, WARNING_SIGNALS, preempt_exit_code
 from torchkeel.train.trainer import Trainer
 
 
@@ -114,9 +115,9 @@ def check_import_paths(config: KeelConfig) -> None:
 def launch(nproc: int, argv: list[str]) -> int:
     """Run ``torch.distributed.run --standalone --nproc-per-node N`` on the same command and wait.
 
-    SIGTERM and SIGINT are passed on to torchrun (which passes them to every worker); the exit
-    code is torchrun's, except that a job stopped by a signal exits 128 + its number, as one
-    process would (torchrun itself reports 1 then).
+    SIGTERM and SIGINT are passed on to torchrun (which passes them to every worker), and a
+    scheduler's SIGUSR1 as SIGTERM; the exit code is torchrun's, except that a job stopped by a
+    signal exits as one process would (128 + its number; 143 for SIGUSR1), where torchrun reports 1.
     """
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}")
@@ -143,23 +144,24 @@ def launch(nproc: int, argv: list[str]) -> int:
 
     def forward(signum: int, _frame: object) -> None:
         received.append(signum)
-        child.send_signal(signum)
+        child.send_signal(signal.SIGTERM if signum in WARNING_SIGNALS else signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, forward) for s in PREEMPT_SIGNALS}
     try:
         code = child.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return 128 + received[0] if received and code != 0 else code
+    return preempt_exit_code(signal.Signals(received[0]).name) if received and code != 0 else code
 
 
 def exit_code(summary: dict) -> int:
-    """0 completed or stopped early, 128 + signal number when preempted (143 SIGTERM, 130 SIGINT), else 1."""
+    """0 completed or stopped early, 128 + signal number when preempted (143 SIGTERM or a scheduler's
+    SIGUSR1, 130 SIGINT), else 1."""
     if summary["status"] in ("completed", "stopped_early"):
         return 0
     if summary["status"] == "preempted":
-        return 128 + signal.Signals[summary["signal"]].value
+        return preempt_exit_code(summary["signal"])
     return 1
 
 

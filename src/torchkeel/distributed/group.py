@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
@@ -69,19 +70,17 @@ class JobGroup:
                 )
             # The device is set before this (resolve_device), so NCCL binds each rank to its GPU.
             timeout = datetime.timedelta(seconds=cfg.init_timeout_s)
-            store, rank_, world = next(dist.rendezvous("env://", timeout=timeout))
-            # torchrun keeps its store across restarts of the workers: without a prefix per restart
-            # a restarted rank reads the addresses of the ranks that died and fails to connect.
-            store = dist.PrefixStore(f"torchkeel/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+            shared, rank_, world = next(dist.rendezvous("env://", timeout=timeout))
             dist.init_process_group(
                 self.backend,
-                store=store,
+                store=round_store(shared, rank_),
                 rank=rank_,
                 world_size=world,
                 timeout=timeout,
                 device_id=device if device.type == "cuda" else None,
             )
             self.owned = True
+            end_round(shared, rank_)
         if self.active:
             # A gloo side group, only for naming the missing rank after a timeout (monitored_barrier).
             self._monitor = dist.new_group(backend="gloo")
@@ -123,15 +122,17 @@ class JobGroup:
 
     @contextmanager
     def _watch(self, what: str, step: int) -> Iterator[None]:
+        start = time.monotonic()
         try:
             yield
         except (RuntimeError, dist.DistError) as exc:
             if not self.active or not _is_comm_failure(exc):
                 raise
-            raise CollectiveTimeout(self._explain(exc, what, step)) from exc
+            raise CollectiveTimeout(self._explain(exc, what, step, time.monotonic() - start)) from exc
 
-    def _explain(self, exc: BaseException, what: str, step: int) -> str:
-        if "connection closed by peer" in str(exc).lower():
+    def _explain(self, exc: BaseException, what: str, step: int, waited_s: float) -> str:
+        # A peer that died breaks the connection long before the timeout, whatever the backend's words.
+        if "connection closed by peer" in str(exc).lower() or waited_s < 0.5 * self.timeout_s:
             return (
                 f"rank {self.rank.rank}: {what} at step {step} failed: another rank ended first "
                 "(its error is in the log above)"
@@ -164,6 +165,34 @@ class JobGroup:
         if self.owned and dist.is_initialized():
             dist.destroy_process_group()
         self.owned, self._monitor = False, None
+
+
+_GENERATION, _CURRENT = "torchkeel/generation", "torchkeel/current"
+
+
+def round_store(store: dist.Store, rank: int) -> dist.Store:
+    """A namespace of ``store`` that only this round of workers uses.
+
+    torchrun keeps one store for the whole job (the agents' shared TCPStore), so a restarted
+    worker would read the addresses the workers of the previous round left there. Its restart
+    count does not tell the rounds apart across machines: an agent that restarts its workers
+    because another node came back does not count a restart. So rank 0 numbers the round and
+    publishes it; the others wait for the number, which ``end_round`` removes once every rank
+    has joined, so that no later worker reads it stale.
+    """
+    if rank == 0:
+        generation = store.add(_GENERATION, 1)
+        store.set(_CURRENT, str(generation))
+    else:
+        generation = int(store.get(_CURRENT))  # blocks until rank 0 of this round has published it
+    return dist.PrefixStore(f"torchkeel/round-{generation}", store)
+
+
+def end_round(store: dist.Store, rank: int) -> None:
+    """Once every rank has joined the process group of this round, its number goes (call on every rank)."""
+    dist.barrier()
+    if rank == 0:
+        store.delete_key(_CURRENT)
 
 
 def _is_comm_failure(exc: BaseException) -> bool:

@@ -24,6 +24,7 @@ from torchkeel.checkpoint.format import PointHook
 from torchkeel.checkpoint.sharded import load_sharded, save_sharded
 from torchkeel.config.schema import CheckpointConfig
 from torchkeel.distributed.job import TrainingJob
+from torchkeel.distributed.shared import check_shared_directory, spans_nodes
 from torchkeel.errors import CheckpointError
 from torchkeel.rng import capture_rng, restore_rng
 from torchkeel.train.cadence import SaveCadence
@@ -86,6 +87,8 @@ class RunCheckpoints:
         # Sharded saves are collective: every rank writes its shards at the same time.
         self.saver = AsyncSaver(self.store) if cfg.async_save and not job.sharded else None
         self.cadence = SaveCadence(cfg.every_s, cfg.max_overhead)
+        if cfg.enabled and job.active and spans_nodes(job.rank.world_size):
+            check_shared_directory(directory, job.rank.rank, job.all_gather_object)
 
     @property
     def enabled(self) -> bool:

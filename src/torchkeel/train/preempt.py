@@ -1,7 +1,9 @@
 """Preemption safety: turn SIGTERM/SIGINT into a request to stop after the current optimizer step.
 
 The training loop asks ``requested`` after every step, saves a checkpoint and exits with
-128 + the signal number. A second SIGINT (Ctrl-C twice) aborts at once.
+128 + the signal number. A second SIGINT (Ctrl-C twice) aborts at once. SIGUSR1, the warning a
+scheduler sends before a time limit (Slurm's ``--signal=USR1@120``), is a preemption like SIGTERM:
+save, then exit 143, the code a requeue script looks for.
 """
 
 from __future__ import annotations
@@ -11,6 +13,16 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
+WARNING_SIGNALS: tuple[int, ...] = tuple(s for s in (getattr(signal, "SIGUSR1", None),) if s is not None)
+"""A scheduler's warning before its time limit (not on Windows)."""
+PREEMPT_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, *WARNING_SIGNALS)
+
+
+def preempt_exit_code(signal_name: str) -> int:
+    """128 + the signal's number; a scheduler's warning exits as SIGTERM would (143)."""
+    signum = signal.Signals[signal_name].value
+    return 128 + (signal.SIGTERM.value if signum in WARNING_SIGNALS else signum)
+
 
 class StopSignals:
     """Context manager that records SIGTERM/SIGINT instead of dying mid-step.
@@ -18,7 +30,7 @@ class StopSignals:
     Handlers are installed only in the main thread (Python's rule) and restored on exit.
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    def __init__(self, signals: tuple[int, ...] = PREEMPT_SIGNALS) -> None:
         self.signals = signals
         self.requested: int | None = None
         self._previous: dict[int, Any] = {}
@@ -38,7 +50,7 @@ class StopSignals:
 
     @property
     def name(self) -> str | None:
-        """``SIGTERM``/``SIGINT`` once a stop was requested."""
+        """``SIGTERM``/``SIGINT``/``SIGUSR1`` once a stop was requested."""
         return None if self.requested is None else signal.Signals(self.requested).name
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:

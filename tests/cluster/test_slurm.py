@@ -1,0 +1,251 @@
+"""``keel slurm``: the sbatch script, the warning signal's path to a checkpoint, and a real Slurm.
+
+Without Slurm: the script's text and syntax, its errors, and SIGUSR1 (Slurm's warning before the
+time limit) through ``keel train`` and through torchrun to every worker. With Slurm installed
+(slow): a job on a one-node cluster started here is warned, saves, is requeued and finishes from
+its checkpoint with the weights of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from distrun import env, final, keel_command, write_config
+from slurmd import job_state, missing, slurm_cluster, wait_for
+
+from torchkeel.cli.main import main
+from torchkeel.cluster.slurm import SlurmJob, sbatch_script
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("slurm")
+    write_config(directory)
+    return directory
+
+
+def script(**changes) -> str:
+    job = {"config": "/shared/cfg.yaml", "nodes": 4, "gpus_per_node": 8, "time": "04:00:00", **changes}
+    return sbatch_script(SlurmJob(**job))
+
+
+def sbatch_options(text: str) -> dict[str, str]:
+    lines = [line[len("#SBATCH --") :] for line in text.splitlines() if line.startswith("#SBATCH --")]
+    return dict((*line.split("=", 1), "")[:2] for line in lines)  # a flag without a value maps to ""
+
+
+def test_the_script_asks_slurm_for_nodes_gpus_a_warning_and_requeue():
+    text = script(partition="gpu", account="ml", overrides=["optim.lr=3e-4", "name=my run"], warn_s=300)
+    options = sbatch_options(text)
+    assert options["nodes"] == "4" and options["ntasks-per-node"] == "1" and options["gpus-per-node"] == "8"
+    assert options["time"] == "04:00:00" and options["partition"] == "gpu" and options["account"] == "ml"
+    assert options["signal"] == "B:USR1@300" and options["requeue"] == ""
+    launch = text[text.index("srun ") : text.index("&\nstep=")]
+    for flag in (
+        '--nnodes "$SLURM_NNODES"',
+        "--nproc-per-node 8",
+        "--rdzv-backend c10d",
+        '--rdzv-endpoint "$head_node:$port"',
+        '--rdzv-id "$SLURM_JOB_ID"',
+        "--signals-to-handle SIGTERM,SIGINT,SIGUSR1",
+        "--resume auto",
+    ):
+        assert flag in launch
+    assert "/shared/cfg.yaml" in launch and "'name=my run'" in launch  # quoted for the shell
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+    checked = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_cpu_nodes_run_one_worker_each_unless_told_otherwise():
+    assert "gpus-per-node" not in sbatch_options(script(gpus_per_node=0))
+    assert "--nproc-per-node 1 " in script(gpus_per_node=0)
+    assert "--nproc-per-node 16 " in script(gpus_per_node=0, nproc_per_node=16)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--time", "4h"], "--time '4h' is not HH:MM:SS"),
+        (["--time", "00:01:00"], "--warn-s 120 is not shorter than --time 00:01:00"),
+        (["--time", "01:00:00", "--nodes", "0"], "--nodes must be >= 1"),
+    ],
+)
+def test_bad_flags_are_usage_errors(work, flags, message, capsys, monkeypatch):
+    monkeypatch.chdir(work)
+    args = {"--nodes": "2", "--gpus-per-node": "0"}
+    for key, value in zip(flags[::2], flags[1::2]):
+        args[key] = value
+    code = main(["slurm", "cfg.yaml", *[w for kv in args.items() for w in kv]])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_submit_without_sbatch_says_where_to_submit(work, capsys, monkeypatch):
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("PATH", str(work))
+    code = main(["slurm", "cfg.yaml", "--nodes", "1", "--gpus-per-node", "0", "--time", "00:10:00", "--submit"])
+    assert code == 2
+    assert "sbatch is not on PATH here; submit slurm-run.sbatch from a Slurm login node" in capsys.readouterr().err
+    assert (work / "slurm-run.sbatch").exists()
+
+
+def wait_for_step(work, name, step, process):
+    metrics = work / "runs" / name / "metrics.jsonl"
+    wait_for(
+        lambda: metrics.exists() and f'"step": {step},' in metrics.read_text() or process.poll() is not None,
+        120,
+        f"step {step}",
+    )
+
+
+def summary(work, name):
+    return json.loads((work / "runs" / name / "summary.json").read_text())
+
+
+def test_the_warning_signal_saves_and_exits_143_like_sigterm(work):
+    command = [
+        sys.executable,
+        "-m",
+        "torchkeel.cli.main",
+        "train",
+        "cfg.yaml",
+        "--no-progress",
+        "name=usr1",
+        "train.max_steps=400",
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=work,
+        env=env(TORCHKEEL_TEST_STEP_FAULTS="sleep:12=2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_step(work, "usr1", 5, process)
+    process.send_signal(signal.SIGUSR1)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err[-3000:]
+    stopped = summary(work, "usr1")
+    assert stopped["status"] == "preempted" and stopped["signal"] == "SIGUSR1"
+    assert final(work, "usr1")[0].step == stopped["steps"] < 400
+
+
+def test_torchrun_passes_the_warning_to_every_worker(work):
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1",
+        "--monitor-interval=0.2",
+        *keel_command(1, "name=usr1-dist", "train.max_steps=400")[1:],
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=work,
+        env=env(TORCHKEEL_TEST_STEP_FAULTS="sleep:12=2@rank=0"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_step(work, "usr1-dist", 5, process)
+    process.send_signal(signal.SIGUSR1)
+    _, err = process.communicate(timeout=120)
+    assert "keel: rank 1: stopped by SIGUSR1" in err and "(exit 143)" in err, err[-3000:]
+    stopped = summary(work, "usr1-dist")
+    assert stopped["status"] == "preempted" and stopped["signal"] == "SIGUSR1"
+    assert final(work, "usr1-dist")[0].step == stopped["steps"]
+
+
+def test_keel_train_nproc_passes_the_warning_on_and_exits_143(work):
+    process = subprocess.Popen(
+        keel_command(1, "name=usr1-nproc", "train.max_steps=400", "--nproc", "2"),
+        cwd=work,
+        env=env(TORCHKEEL_TEST_STEP_FAULTS="sleep:12=2@rank=0"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_step(work, "usr1-nproc", 5, process)
+    process.send_signal(signal.SIGUSR1)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err[-3000:]
+    assert summary(work, "usr1-nproc")["status"] == "preempted"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(missing()), reason=f"Slurm is not installed here (missing: {', '.join(missing())})")
+def test_a_real_slurm_job_is_warned_saves_requeues_and_finishes(work, tmp_path):
+    reference = subprocess.run(
+        keel_command(1, "name=steady", "train.max_steps=3000", "--nproc", "2"),
+        cwd=work,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    with slurm_cluster(tmp_path / "slurm") as slurm_env:
+        written = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torchkeel.cli.main",
+                "slurm",
+                "cfg.yaml",
+                "name=slurm",
+                "train.max_steps=3000",
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "0",
+                "--nproc-per-node",
+                "2",
+                "--time",
+                "00:10:00",
+                "--warn-s",
+                "60",
+                "-o",
+                "job.sbatch",
+                "--submit",
+            ],
+            cwd=work,
+            env=env(SLURM_CONF=slurm_env["SLURM_CONF"]),
+            capture_output=True,
+            text=True,
+        )
+        assert written.returncode == 0, written.stderr
+        job = re.search(r"Submitted batch job (\d+)", written.stdout).group(1)
+        log = work / f"slurm-{job}.out"
+        wait_for(
+            lambda: (
+                log.exists() and '"step": 50,' in (work / "runs/slurm/metrics.jsonl").read_text()
+                if (work / "runs/slurm/metrics.jsonl").exists()
+                else False
+            ),
+            120,
+            "training under Slurm",
+        )
+        # What Slurm does --warn-s before the time limit (--signal=B:USR1@60), now.
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_env, check=True)
+        wait_for(lambda: job_state(job, slurm_env).get("Restarts") == "1", 120, "the requeue")
+        stopped = summary(work, "slurm")
+        assert stopped["status"] == "preempted" and stopped["signal"] == "SIGUSR1"
+        # A requeued job waits about two minutes to be eligible; the test lets it start now.
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm_env, check=True)
+        wait_for(lambda: job_state(job, slurm_env).get("JobState") == "COMPLETED", 240, "the requeued job to finish")
+    text = log.read_text()
+    assert "time limit in 60 s: saving a checkpoint, then requeueing" in text
+    assert f"resumed: step {stopped['steps']}" in text and "status completed" in text
+    found, weights = final(work, "slurm")
+    _, expected = final(work, "steady")
+    assert found.step == 3000 and stopped["steps"] < 3000
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
