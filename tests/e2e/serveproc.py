@@ -62,7 +62,9 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, export_dir: Path | list[Path], *args: str, grpc: bool = False) -> None:
+    def __init__(
+        self, export_dir: Path | list[Path], *args: str, grpc: bool = False, env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.grpc_port = free_port() if grpc else 0
         dirs = [str(d) for d in (export_dir if isinstance(export_dir, list) else [export_dir])]
@@ -79,7 +81,7 @@ class Server:
                 str(self.grpc_port),
                 *args,
             ],
-            env=keel_env(),
+            env={**keel_env(), **(env or {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

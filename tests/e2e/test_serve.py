@@ -283,7 +283,8 @@ def test_sigterm_answers_everything_in_flight_over_rest_and_grpc(exported):
     import tritonclient.grpc as tritongrpc
 
     # A long batching window: all 24 requests are queued together, waiting for a batch to fill.
-    srv = Server(exported[0], "--max-queue-delay-ms", "5000", grpc=True)
+    # Without warm-up the first forward is slow (TorchScript's first call): the burst queues behind it.
+    srv = Server(exported[0], "--max-queue-delay-ms", "5000", "--warmup-batch-sizes", "none", grpc=True)
     statuses: list[int] = []
     answers: list[np.ndarray] = []
     x = np.random.default_rng(3).normal(size=(1, 32)).astype(np.float32)

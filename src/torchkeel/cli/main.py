@@ -38,6 +38,7 @@ COMMANDS = {
         "run an unmodified PyTorch script under instrumentation and name the root cause of what goes wrong",
     ),
     "lint": ("lint", "check PyTorch training code for known bugs without running it (TK1xx rules)"),
+    "k8s": ("k8s", "write Kubernetes manifests: k8s train (Kubeflow TrainJob/PyTorchJob), k8s serve (KServe or plain)"),
     "slurm": ("slurm", "write (and with --submit submit) an sbatch script that trains on N Slurm nodes with torchrun"),
 }
 

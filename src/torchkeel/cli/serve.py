@@ -3,22 +3,38 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from torchkeel.data.images import MAX_PIXELS
+from torchkeel.errors import ConfigError
 from torchkeel.serve.app import ServeOptions, serve
+from torchkeel.serve.kserve import LOCAL, is_kserve, kserve_defaults
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "export_dirs",
-        nargs="+",
+        nargs="*",
         metavar="EXPORT_DIR",
-        help="directories written by keel export, or directories of them",
+        help="directories written by keel export, or directories of them (under KServe: /mnt/models)",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind, for HTTP and gRPC (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001, help="KServe v2 / Triton gRPC port (0: no gRPC)")
+    parser.add_argument("--host", help="address to bind, for HTTP and gRPC (default 127.0.0.1; under KServe 0.0.0.0)")
+    parser.add_argument(
+        "--port",
+        "--http_port",
+        "--http-port",
+        dest="port",
+        type=int,
+        help="HTTP port (default 8000; 8080 under KServe)",
+    )
+    parser.add_argument(
+        "--grpc-port",
+        "--grpc_port",
+        dest="grpc_port",
+        type=int,
+        help="gRPC port, 0: none (default 8001; 8081 under KServe)",
+    )
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument(
         "--max-queue-delay-ms",
@@ -49,9 +65,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"refuse images with more pixels than this (default {MAX_PIXELS:,})",
     )
     parser.add_argument("--image-threads", type=int, default=2, help="threads decoding and preprocessing images")
+    parser.add_argument(
+        "--warmup-batch-sizes",
+        type=_sizes,
+        default=None,
+        metavar="N,N,...|none",
+        help="batch sizes each model runs once before it is ready (default 1, 2, 4, ... up to --max-batch-size)",
+    )
+    parser.add_argument("--model_name", "--model-name", dest="model_name", help="serve the one export under this name")
 
 
 def run(args: argparse.Namespace) -> int:
+    place = kserve_defaults(os.environ) if is_kserve(os.environ) else LOCAL
+    args.host = args.host or place.host
+    args.port = place.http_port if args.port is None else args.port
+    args.grpc_port = place.grpc_port if args.grpc_port is None else args.grpc_port
+    args.export_dirs = args.export_dirs or place.model_dirs
+    if not args.export_dirs:
+        raise ConfigError("keel serve needs an EXPORT_DIR (a directory written by keel export)")
     options = ServeOptions(
         max_batch_size=args.max_batch_size,
         max_queue_delay_ms=args.max_queue_delay_ms,
@@ -64,15 +95,23 @@ def run(args: argparse.Namespace) -> int:
         max_image_pixels=args.max_image_pixels,
         image_threads=args.image_threads,
         grpc_port=args.grpc_port,
+        warmup_batch_sizes=args.warmup_batch_sizes,
+        model_name=args.model_name,
     )
     grpc = f", gRPC on {args.host}:{args.grpc_port}" if args.grpc_port else ""
-    serve(
-        args.export_dirs,
-        args.host,
-        args.port,
-        options,
-        on_start=lambda repository: _report(repository, f"http://{args.host}:{args.port}{grpc}"),
-    )
+    started = []
+
+    def on_start(repository) -> None:
+        started.append(repository)
+        _report(repository, f"http://{args.host}:{args.port}{grpc}")
+
+    serve(args.export_dirs, args.host, args.port, options, on_start=on_start)
+    if started:
+        answered, failed, unanswered = started[0].metrics.answered()
+        print(
+            f"keel: stopped; answered {answered} requests ({failed} with an error), {unanswered} unanswered",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -83,3 +122,16 @@ def _report(repository, where: str) -> None:
     for failed in repository.unavailable:
         print(f"not serving {failed.name} from {failed.path}: {failed.reason}", file=sys.stderr, flush=True)
     print(f"listening on {where} (KServe v2 /v2, v1 /v1, /metrics)", flush=True)
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """``1,8,64`` or ``none`` (no warm-up)."""
+    if text.strip().lower() in ("none", "0", ""):
+        return ()
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of batch sizes (or none)") from None
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
+    return sizes

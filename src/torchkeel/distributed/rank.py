@@ -28,8 +28,21 @@ class RankInfo:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "RankInfo":
-        """Read ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` as ``torchrun`` sets them; defaults: one process."""
+        """Read ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` as ``torchrun`` sets them; defaults: one process.
+
+        Raises:
+            ConfigError: the variables count pods, not processes (a PyTorchJob's, with several
+                processes per pod, read without torchrun in between).
+        """
         env = os.environ if environ is None else environ
+        per_pod = env.get("PET_NPROC_PER_NODE", "1")
+        if "WORLD_SIZE" in env and "LOCAL_RANK" not in env and per_pod not in ("1", "auto"):
+            raise ConfigError(
+                f"WORLD_SIZE={env['WORLD_SIZE']} and RANK={env.get('RANK', '0')} count pods here (a PyTorchJob "
+                f"with PET_NPROC_PER_NODE={per_pod}), not processes: start keel under torchrun "
+                "(torchrun --nnodes=$(WORLD_SIZE) --node-rank=$(RANK) ... --no-python keel train ..., "
+                "as keel k8s train --kind pytorchjob writes it)"
+            )
         return cls(
             rank=int(env.get("RANK", 0)),
             world_size=int(env.get("WORLD_SIZE", 1)),

@@ -66,6 +66,16 @@ class ServerMetrics:
             "torchkeel_inflight_requests", "Requests being handled", ["model", "version"], registry=self.registry
         )
 
+    def answered(self) -> tuple[int, int, int]:
+        """Requests answered so far, how many of them failed, and how many were read but not
+        answered (in flight), over every model and protocol."""
+        with self._lock:
+            done = [(name, n) for (name, _), n in self._counts.items() if name.startswith("nv_inference_request_")]
+            in_flight = sum(m.requests_in_flight for m in self.models)
+        ok = sum(n for name, n in done if name == "nv_inference_request_success")
+        failed = sum(n for name, n in done if name == "nv_inference_request_failure")
+        return int(ok + failed), int(failed), in_flight
+
     def model(
         self, name: str, version: str, drift: DriftMonitor | None = None, pending: Callable[[], int] = lambda: 0
     ) -> ModelMetrics:

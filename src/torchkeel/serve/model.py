@@ -35,7 +35,7 @@ from torchkeel.serve.batcher import (
 from torchkeel.serve.drift import DriftMonitor
 from torchkeel.serve.metrics import ServerMetrics
 from torchkeel.serve.protocol import InferRequest, TensorSpec, classification
-from torchkeel.serve.tensors import ProtocolError
+from torchkeel.serve.tensors import DTYPES, ProtocolError
 
 VERSION = "1"
 IMAGE_INPUT = "image"
@@ -57,6 +57,20 @@ class ServeOptions:
     image_threads: int = 2  # threads decoding and preprocessing images (shared by the models)
     grpc_port: int = 0  # 0: no gRPC; `keel serve` defaults to 8001
     grpc_host: str = "127.0.0.1"
+    warmup_batch_sizes: tuple[int, ...] | None = None
+    """Batch sizes run once before a model is ready (Triton's ``model_warmup``); ``None``: 1, 2,
+    4, ... up to ``max_batch_size``; ``()``: no warm-up."""
+    model_name: str | None = None
+    """Serve the one export under this name (KServe's ``--model_name``)."""
+
+    def warmup_sizes(self) -> list[int]:
+        if self.warmup_batch_sizes is not None:
+            return sorted({min(max(1, n), self.max_batch_size) for n in self.warmup_batch_sizes})
+        sizes, n = [], 1
+        while n < self.max_batch_size:
+            sizes.append(n)
+            n *= 2
+        return [*sizes, self.max_batch_size]
 
 
 class ServedModel:
@@ -67,7 +81,7 @@ class ServedModel:
         if not self.meta.get("parity", {}).get("passed"):
             raise ConfigError(f"the export in '{export_dir}' failed its parity check; it is not served")
         self.path, self.options, self._images = Path(export_dir), options, images
-        self.name, self.version = self.meta["name"], VERSION
+        self.name, self.version = options.model_name or self.meta["name"], VERSION
         self.tensors = [
             TensorSpec(t["name"], t["datatype"], t["shape"], t.get("dims"), t.get("range")) for t in self.meta["inputs"]
         ]
@@ -114,6 +128,15 @@ class ServedModel:
             "inputs": [spec_dict(t) for t in shown],
             "outputs": [spec_dict(t) for t in self.outputs],
         }
+
+    def warm_up(self) -> list[int]:
+        """Run one batch of every warm-up size (zeros, or the lowest id an integer input allows),
+        so that the first requests after ready do not pay for first-call allocation or planning."""
+        sizes = self.options.warmup_sizes()
+        for size in sizes:
+            arrays = {t.name: _sample(t, size) for t in self.tensors}
+            self.run(self.feed(arrays))
+        return sizes
 
     def _on_batch(self, stats: BatchStats, inputs: Batch) -> None:
         self.metrics.batch_done(stats.batch_size, stats.num_requests, stats.compute_s, sum(stats.queue_s))
@@ -235,3 +258,13 @@ def _failed(exc: Exception) -> tuple[str, ProtocolError]:
 
 def spec_dict(t: TensorSpec) -> dict[str, Any]:
     return {"name": t.name, "datatype": t.datatype, "shape": t.shape}
+
+
+WARMUP_LENGTH = 16
+"""The length of a dynamic axis other than the batch in a warm-up batch."""
+
+
+def _sample(spec: TensorSpec, batch_size: int) -> np.ndarray:
+    shape = [batch_size, *(WARMUP_LENGTH if d == -1 else d for d in spec.shape[1:])]
+    value = spec.range[0] if spec.range else 0
+    return np.full(shape, value, dtype=DTYPES[spec.datatype])

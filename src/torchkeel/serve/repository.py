@@ -8,6 +8,7 @@ a server with no model at all is a ConfigError.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
@@ -38,6 +39,7 @@ class ModelRepository:
     ) -> None:
         self.models: dict[str, ServedModel] = {}
         self.unavailable: list[Unavailable] = []
+        self.metrics = metrics
         for path, problem in _exports(sources):
             if problem is not None:
                 self.unavailable.append(Unavailable(_name_of(path), str(path), problem))
@@ -60,6 +62,11 @@ class ModelRepository:
                 )
                 continue
             self.models[model.name] = model
+        if options.model_name is not None and len(self.models) + len(self.unavailable) > 1:
+            raise ConfigError(
+                f"--model_name {options.model_name!r} names one model, and {len(self.models) + len(self.unavailable)} "
+                "exports were given; serve one export, or drop --model_name to serve each under its own name"
+            )
         if not self.models:
             reasons = "; ".join(f"'{u.path}': {u.reason}" for u in self.unavailable) or "no export given"
             raise ConfigError(f"no model could be loaded ({reasons})")
@@ -79,7 +86,7 @@ class ModelRepository:
     @property
     def ready(self) -> bool:
         """Every loaded model is ready (the ones that failed to load are reported, not waited for)."""
-        return all(m.ready for m in self.models.values())
+        return bool(self.models) and all(m.ready for m in self.models.values())
 
     def index(self) -> list[dict[str, Any]]:
         """Triton's repository index: name, version, state (``READY``/``UNAVAILABLE``) and reason."""
@@ -93,7 +100,15 @@ class ModelRepository:
         return sorted(rows, key=lambda r: r["name"])
 
     async def start(self) -> None:
-        for model in self.models.values():
+        """Warm every model up (off the event loop: health checks still answer), then mark it ready.
+        A model whose warm-up fails stays unready, listed with the reason."""
+        for name, model in list(self.models.items()):
+            try:
+                await asyncio.to_thread(model.warm_up)
+            except Exception as exc:  # noqa: BLE001 - the model's own failure, reported with it
+                self.unavailable.append(Unavailable(name, str(model.path), f"warm-up failed: {first_line(exc)}"))
+                del self.models[name]
+                continue
             await model.batcher.start()
             model.ready = True
 

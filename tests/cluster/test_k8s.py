@@ -1,0 +1,220 @@
+"""``keel k8s``: manifests for Kubeflow Trainer, PyTorchJob, KServe and plain Kubernetes.
+
+The core kinds (Deployment, Service, HorizontalPodAutoscaler, and every pod spec inside the
+custom kinds) are read back through the ``kubernetes`` client's own models and must serialize to
+the same document: a misspelt or misplaced field is dropped by the client and fails here. The
+custom kinds are checked against the field names their APIs define (Kubeflow Trainer's
+``TrainJobSpec``/``Trainer``, the training operator's ``PyTorchJob``, KServe's ``ServingRuntime``
+and ``InferenceService``, KEDA's ``ScaledObject``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from distrun import env, write_config
+from kubernetes.client import ApiClient
+
+from torchkeel.cli.main import main
+from torchkeel.cluster.k8s import QUEUE_METRIC, ServeSpec, TrainSpec, kserve, plain, pytorch_job, train_job
+from torchkeel.serve.metrics import TRITON_COUNTERS
+
+CLIENT = ApiClient()
+
+
+def as_model(document: dict, kind: str):
+    """The client's model of ``document`` (``kind``: its class, e.g. ``V1Deployment``), checked to
+    hold every field of the document: serializing it back gives the document again."""
+    model = CLIENT.deserialize(json.dumps(document), kind, "application/json")
+    assert CLIENT.sanitize_for_serialization(model) == document
+    return model
+
+
+def train_spec(**changes) -> TrainSpec:
+    return TrainSpec(
+        **{
+            "config": "/app/cfg.yaml",
+            "name": "gpt-small",
+            "nodes": 3,
+            "gpus_per_node": 8,
+            "image": "registry.example/keel:1",
+            **changes,
+        }
+    )
+
+
+TRAINJOB_SPEC = {
+    "runtimeRef",
+    "initializer",
+    "trainer",
+    "runtimePatches",
+    "suspend",
+    "activeDeadlineSeconds",
+    "managedBy",
+}
+TRAINER = {"image", "command", "args", "env", "numNodes", "resourcesPerNode", "numProcPerNode"}
+
+
+def test_a_trainjob_asks_the_torch_runtime_for_nodes_and_processes_and_mounts_the_volume():
+    (job,) = train_job(train_spec(pvc="runs-rwx", overrides=["optim.lr=3e-4"]))
+    assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and job["kind"] == "TrainJob"
+    assert set(job["spec"]) <= TRAINJOB_SPEC and set(job["spec"]["trainer"]) <= TRAINER
+    trainer = job["spec"]["trainer"]
+    assert trainer["numNodes"] == 3 and trainer["numProcPerNode"] == 8
+    as_model(trainer["resourcesPerNode"], "V1ResourceRequirements")
+    # torchrun reads --nnodes, --node-rank and the master address from the runtime's PET_* variables.
+    assert trainer["command"][0] == "torchrun" and not any("nnodes" in c for c in trainer["command"])
+    assert trainer["args"][:5] == ["train", "/app/cfg.yaml", "--resume", "auto", "--no-progress"]
+    assert "out_dir=/mnt/keel/runs" in trainer["args"] and trainer["args"][-1] == "optim.lr=3e-4"
+    (patch,) = job["spec"]["runtimePatches"]
+    (replicated,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert replicated["name"] == "node"
+    pod = replicated["template"]["spec"]["template"]["spec"]
+    as_model(pod["volumes"][0], "V1Volume")
+    as_model(pod["containers"][0]["volumeMounts"][0], "V1VolumeMount")
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "runs-rwx"
+
+
+def test_a_pytorchjob_turns_its_per_pod_world_size_into_torchrun_nodes():
+    (job,) = pytorch_job(train_spec(pvc="runs-rwx"))
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 2
+    for role in replicas.values():
+        assert role["restartPolicy"] == "OnFailure"
+        pod = as_model(role["template"]["spec"], "V1PodSpec")
+        command = pod.containers[0].command
+        assert pod.containers[0].name == "pytorch"  # the container the operator injects its variables into
+    for flag in ("--nnodes=$(WORLD_SIZE)", "--node-rank=$(RANK)", "--master-addr=$(MASTER_ADDR)", "--nproc-per-node=8"):
+        assert flag in command
+    assert "Worker" not in pytorch_job(train_spec(nodes=1))[0]["spec"]["pytorchReplicaSpecs"]
+
+
+def test_keel_refuses_a_pytorchjobs_pod_counts_read_as_process_counts(tmp_path):
+    write_config(tmp_path)
+    variables = {
+        "WORLD_SIZE": "2",
+        "RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+        "PET_NPROC_PER_NODE": "4",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "torchkeel.cli.main", "train", "cfg.yaml"],
+        cwd=tmp_path,
+        env=env(**variables),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "WORLD_SIZE=2 and RANK=1 count pods here (a PyTorchJob with PET_NPROC_PER_NODE=4)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def serve_spec(**changes) -> ServeSpec:
+    return ServeSpec(
+        **{
+            "name": "digits",
+            "image": "registry.example/keel:1",
+            "storage_uri": "pvc://exports/digits",
+            "model_format": "torchscript",
+            **changes,
+        }
+    )
+
+
+def test_kserve_gets_a_runtime_for_v1_and_v2_and_an_inference_service_that_uses_it():
+    runtime, service = kserve(serve_spec())
+    assert runtime["kind"] == "ServingRuntime" and runtime["apiVersion"] == "serving.kserve.io/v1alpha1"
+    assert runtime["spec"]["protocolVersions"] == ["v1", "v2"]
+    assert {f["name"] for f in runtime["spec"]["supportedModelFormats"]} == {"onnx", "pytorch"}
+    container = as_model(runtime["spec"]["containers"][0], "V1Container")
+    assert container.name == "kserve-container"
+    assert {(p.container_port, p.name) for p in container.ports} == {(8080, "http1"), (8081, "h2c")}
+    assert "{{.Name}}" in container.args and container.args[-1] == "/mnt/models"
+    assert service["kind"] == "InferenceService" and service["apiVersion"] == "serving.kserve.io/v1beta1"
+    model = service["spec"]["predictor"]["model"]
+    assert model == {
+        "modelFormat": {"name": "pytorch"},
+        "runtime": runtime["metadata"]["name"],
+        "storageUri": "pvc://exports/digits",
+        "protocolVersion": "v2",
+    }
+    for manifest in (runtime, service):
+        assert manifest["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+
+
+def test_plain_kubernetes_gets_a_deployment_service_and_autoscaler_the_client_accepts():
+    deployment, service, autoscaler = plain(serve_spec(min_replicas=2, max_replicas=6))
+    d = as_model(deployment, "V1Deployment")
+    s = as_model(service, "V1Service")
+    a = as_model(autoscaler, "V2HorizontalPodAutoscaler")
+    assert d.spec.template.metadata.annotations["prometheus.io/port"] == "8080"
+    assert d.spec.selector.match_labels == s.spec.selector
+    assert d.spec.template.spec.volumes[0].persistent_volume_claim.claim_name == "exports"
+    assert d.spec.template.spec.containers[0].readiness_probe.http_get.path == "/v2/health/ready"
+    assert {p.port for p in s.spec.ports} == {8080, 8081}
+    assert a.spec.scale_target_ref.name == d.metadata.name and (a.spec.min_replicas, a.spec.max_replicas) == (2, 6)
+
+
+def test_keda_scales_on_the_queue_metric_the_server_exposes():
+    deployment, service, scaled = plain(serve_spec(keda_queue_us=50_000))
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1" and scaled["kind"] == "ScaledObject"
+    assert set(scaled["spec"]) == {"scaleTargetRef", "minReplicaCount", "maxReplicaCount", "triggers"}
+    assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and QUEUE_METRIC in trigger["metadata"]["query"]
+    assert QUEUE_METRIC in TRITON_COUNTERS and trigger["metadata"]["threshold"] == "50000"
+    assert kserve(serve_spec(keda_queue_us=1e4))[2]["spec"]["scaleTargetRef"]["name"] == "digits-predictor"
+
+
+def test_the_cli_writes_applyable_yaml_and_refuses_bad_names(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_config(tmp_path)
+    out = tmp_path / "job.yaml"
+    assert (
+        main(
+            [
+                "k8s",
+                "train",
+                "cfg.yaml",
+                "--nodes",
+                "2",
+                "--gpus-per-node",
+                "0",
+                "--image",
+                "i:1",
+                "--kind",
+                "pytorchjob",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    (job,) = list(yaml.safe_load_all(out.read_text()))
+    assert job["kind"] == "PyTorchJob" and job["metadata"]["name"] == "run"
+    assert (
+        main(["k8s", "train", "cfg.yaml", "name=Bad_Name!", "--nodes", "2", "--gpus-per-node", "0", "--image", "i:1"])
+        == 2
+    )
+    assert "is not a Kubernetes name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"nodes": 0}, "--nodes must be >= 1"),
+        ({"image": ""}, "--image is required"),
+    ],
+)
+def test_bad_train_specs_are_named(changes, message):
+    from torchkeel.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        train_job(train_spec(**changes))

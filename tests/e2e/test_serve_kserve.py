@@ -1,0 +1,149 @@
+"""``keel serve`` as KServe runs it, warmed up before it is ready, and taken away under load.
+
+- As a custom predictor: ``STORAGE_URI`` names the models when no directory is given,
+  ``--model_name`` names the model, v1 ``GET /v1/models/{name}`` answers ``{"name", "ready"}``.
+  (KServe's defaults, all interfaces on 8080 and 8081, are checked without binding them: tests
+  listen on 127.0.0.1 only.)
+- Warm-up: a model is ready only after it ran one batch of every warm-up size.
+- Scale-down: SIGTERM while 64 clients send; every request the server accepted is answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from serveproc import Server, exported  # noqa: F401 - exported is a fixture
+
+from torchkeel.errors import ConfigError
+from torchkeel.serve.kserve import LOCAL, is_kserve, kserve_defaults
+from torchkeel.serve.metrics import ServerMetrics
+from torchkeel.serve.model import ServeOptions
+from torchkeel.serve.repository import ModelRepository
+
+BODY = json.dumps({"inputs": [{"name": "input", "shape": [1, 32], "datatype": "FP32", "data": [0.0] * 32}]})
+
+
+def test_under_kserve_the_defaults_are_all_interfaces_8080_8081_and_mnt_models(tmp_path):
+    assert not is_kserve({}) and LOCAL.host == "127.0.0.1"
+    assert is_kserve({"STORAGE_URI": "s3://bucket/model"})
+    copied = kserve_defaults({"STORAGE_URI": "s3://bucket/model"}, mount=str(tmp_path))
+    assert (copied.host, copied.http_port, copied.grpc_port, copied.model_dirs) == (
+        "0.0.0.0",
+        8080,
+        8081,
+        [str(tmp_path)],
+    )
+    # Nothing copied to the mount: a local STORAGE_URI (a volume) is served where it is.
+    local = kserve_defaults({"STORAGE_URI": "file:///models/digits"}, mount=str(tmp_path / "absent"))
+    assert local.model_dirs == ["/models/digits"]
+
+
+def test_storage_uri_and_model_name_as_kserve_passes_them(exported):
+    srv = Server([], "--host", "127.0.0.1", "--model_name", "digits", env={"STORAGE_URI": f"file://{exported[0]}"})
+    try:
+        status, body, _ = srv.request("GET", "/v1/models/digits")
+        assert status == 200 and json.loads(body) == {"name": "digits", "ready": True}
+        status, body, _ = srv.request("POST", "/v2/models/digits/infer", BODY)
+        assert status == 200 and json.loads(body)["model_name"] == "digits"
+        assert srv.request("GET", "/v1/models/tiny")[0] == 404
+    finally:
+        assert srv.stop() == 0
+
+
+def test_model_name_names_one_model_only(exported):
+    with pytest.raises(ConfigError, match="--model_name 'digits' names one model, and 2 exports were given"):
+        repository(exported, ServeOptions(model_name="digits"), sources=[exported[0], exported[0]])
+
+
+def repository(exported, options, sources=None):
+    return ModelRepository(sources or [exported[0]], options, ServerMetrics(), ThreadPoolExecutor(1))
+
+
+def test_a_model_is_ready_only_after_every_warmup_batch_size_ran(exported):
+    repo = repository(exported, ServeOptions(max_batch_size=12))
+    (model,) = repo.models.values()
+    seen, forward = [], model.run
+
+    def recording(batch):
+        assert not model.ready  # warm-up happens before ready
+        seen.append(batch.shape)
+        return forward(batch)
+
+    model.run = recording
+    asyncio.run(repo.start())
+    assert [shape[0] for shape in seen] == [1, 2, 4, 8, 12] and all(shape[1:] == (32,) for shape in seen)
+    assert model.ready and repo.ready
+    asyncio.run(repo.stop())
+    assert ServeOptions(warmup_batch_sizes=(64, 3), max_batch_size=16).warmup_sizes() == [3, 16]
+    assert ServeOptions(warmup_batch_sizes=()).warmup_sizes() == []
+
+
+def test_a_model_whose_warmup_fails_is_unavailable_with_the_reason(exported):
+    repo = repository(exported, ServeOptions(max_batch_size=4))
+
+    def broken(batch):
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    next(iter(repo.models.values())).run = broken
+    asyncio.run(repo.start())
+    assert not repo.ready and not repo.models
+    assert "warm-up failed: Expected all tensors to be on the same device" in repo.unavailable[0].reason
+
+
+def test_sigterm_while_64_clients_send_answers_every_request_it_accepted(exported):
+    srv = Server(exported[0], "--max-batch-size", "16")
+    outcomes: dict[str, int] = {}
+    lock, stop = threading.Lock(), threading.Event()
+
+    def note(kind: str) -> None:
+        with lock:
+            outcomes[kind] = outcomes.get(kind, 0) + 1
+
+    def client() -> None:
+        deadline = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < deadline:
+            connection = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+            try:
+                connection.connect()
+            except ConnectionRefusedError:
+                note("refused")  # not accepted: the listener is closed
+                return
+            try:
+                connection.request("POST", "/v2/models/tiny/infer", BODY, {"Connection": "close"})
+                response = connection.getresponse()
+                response.read()
+                note(str(response.status))
+            except (ConnectionResetError, http.client.RemoteDisconnected, BrokenPipeError) as exc:
+                note(type(exc).__name__)  # accepted, then dropped: what must not happen
+            finally:
+                connection.close()
+
+    terminated = threading.Event()
+    threads = [threading.Thread(target=client) for _ in range(64)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)  # all 64 clients are sending
+    srv.proc.send_signal(signal.SIGTERM)
+    terminated.set()
+    code = srv.proc.wait(timeout=60)
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    srv.stop()
+    assert code == 0
+    # The server's own count of the requests it read and answered, printed as it stops.
+    line = next(line for line in srv.stderr.splitlines() if line.startswith("keel: stopped; answered"))
+    server_answered = int(line.split()[3])
+    statuses = {k: v for k, v in outcomes.items() if k.isdigit()}
+    assert statuses == {"200": server_answered} and server_answered > 64, (outcomes, line)
+    assert line.endswith(", 0 unanswered")  # nothing the server read was left without an answer
+    # The others never reached the server: refused once the listener closed, or reset while they
+    # waited in the kernel's queue of connections the server had not accepted yet.
+    assert set(outcomes) <= {"200", "refused", "ConnectionResetError"}, outcomes
