@@ -21,6 +21,8 @@ Training-step faults (``TORCHKEEL_TEST_STEP_FAULTS``), run before each forward p
 
 Any rule may end in ``@rank=R`` (only on that rank) and ``@restart=K`` (only in torchrun's K-th
 restart of the workers, ``TORCHELASTIC_RESTART_COUNT``), so that a fault happens once per job.
+Where no launcher counts restarts (Ray), ``@once=PATH`` does that: the rule holds while ``PATH``
+does not exist, and a ``kill`` creates it before it fires.
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ def parse_step_faults(spec: str) -> Callable[[int], None]:
     """A ``before_forward(num_samples)`` hook (``Trainer(oom_hook=...)``) that carries out ``spec``."""
     oom: OomInjector | None = None
     sleeps: dict[int, float] = {}
-    kills: set[int] = set()
-    for rule in _rules(spec):
+    kills: dict[int, str | None] = {}
+    for rule, once in _scoped_rules(spec):
         action, _, rest = rule.partition(":")
         if action == "oom":
             oom = OomInjector(int(rest))
@@ -78,7 +80,7 @@ def parse_step_faults(spec: str) -> Callable[[int], None]:
             nth, _, seconds = rest.partition("=")
             sleeps[int(nth)] = float(seconds)
         elif action == "kill":
-            kills.add(int(rest))
+            kills[int(rest)] = once
         else:
             raise ValueError(f"unknown step fault {rule!r}; use oom:MAX, sleep:N=SECONDS or kill:N")
     calls = 0
@@ -89,6 +91,9 @@ def parse_step_faults(spec: str) -> Callable[[int], None]:
         if calls in sleeps:
             time.sleep(sleeps[calls])
         if calls in kills:
+            marker = kills[calls]
+            if marker is not None:
+                open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         if oom is not None:
             oom(num_samples)
@@ -97,13 +102,23 @@ def parse_step_faults(spec: str) -> Callable[[int], None]:
 
 
 def _rules(spec: str) -> list[str]:
-    """The rules of ``spec`` that apply to this process, without their ``@rank``/``@restart`` scopes."""
+    """The rules of ``spec`` that apply to this process, without their scopes."""
+    return [rule for rule, _ in _scoped_rules(spec)]
+
+
+def _scoped_rules(spec: str) -> list[tuple[str, str | None]]:
+    """The rules that apply to this process (``@rank``, ``@restart``, ``@once``), each with its
+    ``@once`` marker path (or ``None``)."""
     here = {"rank": os.environ.get("RANK", "0"), "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}
     kept = []
     for rule in filter(None, (r.strip() for r in spec.split(","))):
         rule, *scopes = rule.split("@")
-        if all(here.get(key) == value for key, _, value in (scope.partition("=") for scope in scopes)):
-            kept.append(rule)
+        pairs = [scope.partition("=")[::2] for scope in scopes]
+        once = next((value for key, value in pairs if key == "once"), None)
+        if once is not None and os.path.exists(once):
+            continue
+        if all(here.get(key) == value for key, value in pairs if key != "once"):
+            kept.append((rule, once))
     return kept
 
 

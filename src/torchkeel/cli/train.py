@@ -16,7 +16,7 @@ from torchkeel.config.schema import KeelConfig
 from torchkeel.data.build import build_sources
 from torchkeel.distributed.rank import RankInfo
 from torchkeel.env.cpus import choose_threads, usable_cpus
-from torchkeel.errors import ConfigError
+from torchkeel.errors import ConfigError, first_line
 from torchkeel.testing import parse_fault_rules, parse_step_faults
 from torchkeel.train.preempt import PREEMPT_SIGNALS, WARNING_SIGNALS, preempt_exit_code
 from torchkeel.train.trainer import Trainer
@@ -48,6 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train on N processes of this machine: runs torch.distributed.run --standalone "
         "--nproc-per-node N with the same arguments (several machines: call torchrun)",
     )
+    parser.add_argument(
+        "--ray",
+        type=int,
+        metavar="N",
+        help="train on N Ray Train workers (a local Ray cluster, or --ray-address); needs ray[train]",
+    )
+    parser.add_argument(
+        "--ray-address", metavar="ADDR", help="with --ray: an existing Ray cluster (ray.init(address=))"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         check_import_paths(config)
         return launch(args.nproc, args.argv)
+    if args.ray is not None:
+        check_import_paths(config)
+        return run_on_ray(args, overrides)
     rank = RankInfo.from_env()
     threads, reason = choose_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), usable_cpus(), os.environ)
     if threads is not None:
@@ -87,6 +99,21 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return exit_code(summary)
+
+
+def run_on_ray(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``keel train --ray N``: the run on N Ray Train workers; the summary line from rank 0's run."""
+    from torchkeel.integrations.ray import fit
+
+    if args.resume not in (None, "auto"):
+        raise ConfigError("--ray resumes with --resume auto only (every worker restart does)")
+    result = fit(args.config, overrides, num_workers=args.ray, address=args.ray_address)
+    if result.error is not None:
+        print(f"keel: error: the Ray run failed: {first_line(result.error)}", file=sys.stderr)
+        return 1
+    summary = result.metrics or {}
+    print(format_summary(summary) if "wall_s" in summary else f"status {summary.get('status', 'unknown')}")
+    return exit_code(summary) if "status" in summary else 1
 
 
 def check_import_paths(config: KeelConfig) -> None:

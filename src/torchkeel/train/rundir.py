@@ -108,6 +108,7 @@ class RunFiles:
         self._previous: PreviousRun | None = None
         self._start = time.perf_counter()
         self.summary: dict[str, Any] = {}
+        self.row_hooks: list[Callable[[dict[str, Any]], None]] = []
 
     def open(
         self, config: dict[str, Any], *, resume: bool, resume_step: int | None, overwrite: bool, logging: Any
@@ -130,12 +131,16 @@ class RunFiles:
         return time.perf_counter() - self._start
 
     def log(self, row: dict[str, Any]) -> None:
-        """A ``metrics.jsonl`` row (stamped with ``wall_s``), to every logger and the console."""
+        """A ``metrics.jsonl`` row (stamped with ``wall_s``), to every logger and the console (rank
+        0), and to ``row_hooks`` on every rank: the Trainer logs the same rows at the same steps on
+        every rank, which an engine that needs every rank to report (Ray Train) relies on."""
         row["wall_s"] = round(self.wall_s, 4)
         if self._metrics is not None:
             self._metrics.write(row)
         self._loggers.log(row)
         self.console.log(row)
+        for hook in self.row_hooks:
+            hook(row)
 
     def say(self, message: str) -> None:
         """A line a person must see (rank 0), progress output or not."""

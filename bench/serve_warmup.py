@@ -1,0 +1,101 @@
+"""Does a replica answer at full speed from the moment it says ready? ``keel serve`` with its
+warm-up (one batch of every warm-up size before ready) against ``--warmup-batch-sizes none``.
+
+Not a test: it prints figures. Each round starts a fresh server on 127.0.0.1, waits for
+``/v2/health/ready``, then sends the first 100 requests and 600 more at concurrency 8 (KServe v1,
+one sample each, keep-alive connections). Figure: p99 of the first 100 requests / p99 of the
+last 500 (steady). Goal with warm-up: ≤ 1.5. TorchScript exports of bench/serve.py's small and
+wide MLPs.
+
+    python bench/serve_warmup.py [--rounds 5] [--models small,wide]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve import export_model, free_port, launch  # noqa: E402
+
+CONCURRENCY, FIRST, STEADY = 8, 100, 600
+
+
+def latencies(port: int, count: int) -> list[float]:
+    """``count`` single-sample v1 requests at concurrency 8; their latencies in seconds, in order sent."""
+    bodies = [json.dumps({"instances": [np.random.default_rng(i).normal(size=64).tolist()]}) for i in range(64)]
+    results: list[tuple[float, float]] = []
+    lock, next_index = threading.Lock(), [0]
+
+    def client() -> None:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        while True:
+            with lock:
+                index = next_index[0]
+                next_index[0] += 1
+            if index >= count:
+                break
+            start = time.perf_counter()
+            connection.request("POST", "/v1/models/bench:predict", bodies[index % 64])
+            response = connection.getresponse()
+            response.read()
+            assert response.status == 200, response.status
+            with lock:
+                results.append((start, time.perf_counter() - start))
+        connection.close()
+
+    threads = [threading.Thread(target=client) for _ in range(CONCURRENCY)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [latency for _, latency in sorted(results)]
+
+
+def p99(values: list[float]) -> float:
+    return float(np.percentile(values, 99))
+
+
+def round_trip(export_dir: Path, warm: bool) -> float:
+    port = free_port()
+    args = ["-m", "torchkeel.cli.main", "serve", str(export_dir), "--port", str(port), "--grpc-port", "0"]
+    proc = launch([*args, *([] if warm else ["--warmup-batch-sizes", "none"])], port)
+    try:
+        seen = latencies(port, FIRST + STEADY)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return p99(seen[:FIRST]) / p99(seen[-500:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--models", default="small,wide")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as root:
+        for name in args.models.split(","):
+            export_dir = export_model(Path(root), name)
+            ratios: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(args.rounds):
+                for warm in (True, False):  # alternating, so drift hits both
+                    ratios[warm].append(round_trip(export_dir, warm))
+            for warm, label in ((True, "warm-up (default)"), (False, "--warmup-batch-sizes none")):
+                values = ratios[warm]
+                print(
+                    f"{name:6s} {label:26s} p99(first {FIRST}) / p99(steady): median {statistics.median(values):.2f}, "
+                    f"max {max(values):.2f}   (goal with warm-up <= 1.5)"
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Ray Train: keel's Trainer in every worker of a ``TorchTrainer``.
+
+Ray starts the workers, sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and creates the process
+group before the training function runs; the Trainer adopts that group (it creates one only
+when none exists) and reads the ranks as under torchrun. Checkpoints are torchkeel's own, in the
+run directory, which must be on storage every worker sees; a worker that dies makes Ray restart
+the group (``FailureConfig(max_failures=...)``) and the Trainer resumes from the newest
+checkpoint (``--resume auto``). Every ``train`` and ``val`` row of ``metrics.jsonl`` goes to
+``ray.train.report`` from every rank, as Ray requires (it is a barrier across workers).
+
+    from torchkeel.integrations.ray import fit
+    result = fit("cfg.yaml", ["optim.lr=3e-4"], num_workers=4, storage_path="/shared/ray")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from torchkeel.config.load import load_config
+from torchkeel.errors import ConfigError
+
+REPORTED = ("train", "val")
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """The function each Ray worker runs: ``keel train CONFIG --resume auto`` in this process."""
+    import ray.train
+
+    from torchkeel.testing import parse_step_faults
+    from torchkeel.train.trainer import Trainer
+
+    for path in reversed(loop_config.get("sys_path", [])):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    os.environ.update(loop_config.get("env", {}))
+    config = load_config(loop_config["config"], list(loop_config.get("overrides", [])))
+    faults = os.environ.get("TORCHKEEL_TEST_STEP_FAULTS")  # the test seam keel train reads too
+    trainer = Trainer(config, resume="auto", progress=False, oom_hook=parse_step_faults(faults) if faults else None)
+    trainer.files.row_hooks.append(lambda row: _report(ray.train.report, row))
+    summary = trainer.fit()
+    if summary.get("status") == "failed":
+        raise RuntimeError(f"keel train failed on rank {trainer.rank.rank}: {summary.get('error')}")
+    # The last report carries a small Ray checkpoint that points at keel's own (no copy of the
+    # weights), so that Ray's Result has the run's summary and where its weights are.
+    final = {k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+    if trainer.rank.is_main:
+        with tempfile.TemporaryDirectory() as pointer:
+            (Path(pointer) / "summary.json").write_text(json.dumps(summary, default=str))
+            ray.train.report(final, checkpoint=ray.train.Checkpoint.from_directory(pointer))
+    else:
+        ray.train.report(final)
+
+
+def _report(report: Any, row: dict[str, Any]) -> None:
+    if row.get("kind") in REPORTED:
+        report(
+            {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            | {"kind": row["kind"]}
+        )
+
+
+def fit(
+    config: str | Path,
+    overrides: list[str] | None = None,
+    *,
+    num_workers: int,
+    address: str | None = None,
+    storage_path: str | Path | None = None,
+    max_failures: int = 0,
+    use_gpu: bool = False,
+    node_ip_address: str | None = None,
+    worker_env: dict[str, str] | None = None,
+) -> Any:
+    """Train ``config`` on ``num_workers`` Ray workers; returns Ray's ``Result``.
+
+    ``address``: an existing cluster (``ray.init(address=...)``); none starts a local one.
+    ``storage_path``: Ray Train's own storage for the run's results (default: next to the run
+    directory). ``worker_env``: variables set in each worker before the Trainer starts. The run directory (``out_dir``) is made absolute here so that every worker writes
+    the same place; on several machines it must be a shared filesystem.
+    """
+    try:
+        import ray
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+    except ImportError:
+        raise ConfigError("Ray is not installed: pip install 'ray[train]' (the --ray option needs it)") from None
+    if num_workers < 1:
+        raise ConfigError(f"--ray must be >= 1 workers, got {num_workers}")
+    overrides = list(overrides or [])
+    cfg = load_config(str(config), overrides)  # a config error is said here, once, not by every worker
+    out_dir = Path(cfg.out_dir).resolve()
+    overrides.append(f"out_dir={out_dir}")
+    # The workers import the config's targets as this process does: its working directory and the
+    # import paths it added (not the interpreter's own).
+    own = (sys.prefix, sys.base_prefix)
+    python_path = list(dict.fromkeys([os.getcwd(), *(p for p in sys.path if p and not p.startswith(own))]))
+    if not ray.is_initialized():
+        ray.init(
+            address=address,
+            include_dashboard=False,
+            configure_logging=False,
+            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(python_path)}},
+            **({"_node_ip_address": node_ip_address} if node_ip_address else {}),
+        )
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "config": str(Path(config).resolve()),
+            "overrides": overrides,
+            "sys_path": python_path,
+            "env": dict(worker_env or {}),
+        },
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
+        run_config=RunConfig(
+            name=cfg.name,
+            storage_path=str(Path(storage_path or out_dir / ".ray").resolve()),
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
+    )
+    return trainer.fit()

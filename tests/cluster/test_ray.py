@@ -1,0 +1,81 @@
+"""Ray Train runs keel's Trainer in each worker of a TorchTrainer, on a local Ray cluster of two
+CPU workers (127.0.0.1): the weights of one process, and a killed worker's run resumed from its
+checkpoint through Ray's own failure handling."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[train]')")
+
+from distrun import final, max_difference, train, write_config  # noqa: E402
+
+from torchkeel.integrations.ray import fit  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ray")
+    write_config(directory)
+    previous = os.getcwd()
+    os.chdir(directory)  # the config's import paths and out_dir are relative to it, as for keel train
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        configure_logging=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}},
+    )
+    yield directory
+    ray.shutdown()
+    os.chdir(previous)
+
+
+@pytest.fixture(scope="module")
+def single(work):
+    """The reference: the same run in one process."""
+    reference = train(work, 1, "name=single", "train.max_steps=24")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    return final(work, "single")[1]
+
+
+def test_two_ray_workers_train_the_weights_of_one_process(work, single):
+    result = fit("cfg.yaml", ["name=on-ray", "train.max_steps=24"], num_workers=2)
+    assert result.error is None
+    assert result.metrics["status"] == "completed" and result.metrics["steps"] == 24
+    summary = json.loads((Path(result.checkpoint.path) / "summary.json").read_text())
+    assert summary["run_dir"].endswith("on-ray")
+    found, weights = final(work, "on-ray")
+    assert found.step == 24
+    assert max_difference(weights, single) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_killed_worker_resumes_from_the_checkpoint_through_ray(work, single):
+    # Rank 1 is SIGKILLed before its 9th forward pass, once (Ray counts no restarts: a marker file does).
+    faults = {"TORCHKEEL_TEST_STEP_FAULTS": f"kill:9@rank=1@once={work / 'killed-once'}"}
+    result = fit(
+        "cfg.yaml",
+        ["name=ray-killed", "train.max_steps=24", "checkpoint.every_steps=3"],
+        num_workers=2,
+        max_failures=2,
+        worker_env=faults,
+    )
+    assert result.error is None and (work / "killed-once").exists()
+    rows = (work / "runs" / "ray-killed" / "metrics.jsonl").read_text()
+    assert '"kind": "resume"' in rows
+    found, weights = final(work, "ray-killed")
+    assert found.step == 24
+    assert max_difference(weights, single) < 1e-5
+
+
+def test_keel_train_ray_prints_the_runs_summary(work, capsys):
+    from torchkeel.cli.main import main
+
+    assert main(["train", "cfg.yaml", "--ray", "2", "name=cli-ray", "train.max_steps=6"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("status completed") and "steps 6" in line and "cli-ray" in line
