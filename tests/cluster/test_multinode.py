@@ -41,31 +41,38 @@ def test_two_nodes_train_the_weights_of_one_process(work):
     assert max_difference(both, single) < 1e-5
 
 
-def test_a_worker_killed_on_one_node_restarts_both_and_ends_bitwise_equal(work):
-    args = ("checkpoint.every_steps=3", "train.max_steps=24", "--resume", "auto")
-    run_two_nodes(work, "steady", *args)
+RESUMABLE = ("checkpoint.every_steps=3", "train.max_steps=24", "--resume", "auto")
+
+
+@pytest.fixture(scope="module")
+def steady(work):
+    """The reference: the same two-node run, never interrupted."""
+    run_two_nodes(work, "steady", *RESUMABLE)
+    return final(work, "steady")[1]
+
+
+def test_a_worker_killed_on_one_node_restarts_both_and_ends_bitwise_equal(work, steady):
+    args = RESUMABLE
     # Rank 1 (the second node's worker) dies before its 9th forward pass; rank 0 is left in a collective.
     nodes = run_two_nodes(work, "killed", *args, max_restarts=2, TORCHKEEL_TEST_STEP_FAULTS="kill:9@rank=1@restart=0")
     rows = [json.loads(line) for line in (work / "runs" / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("kind") == "resume"] == [6], nodes[0].text()[-3000:]
     found, weights = final(work, "killed")
-    _, reference = final(work, "steady")
     assert found.step == 24
-    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+    assert all(torch.equal(weights[k], steady[k]) for k in steady)
 
 
-def test_a_node_whose_workers_were_healthy_restarts_into_the_same_round(work):
+def test_a_node_whose_workers_were_healthy_restarts_into_the_same_round(work, steady):
     # Rank 1 dies while rank 0 sleeps outside any collective: the first node's agent restarts its
     # healthy worker because the second node came back, and does not count that as a restart, so
     # the two nodes' restart counts differ from here on. The new workers must still meet.
-    args = ("checkpoint.every_steps=3", "train.max_steps=24", "--resume", "auto")
+    args = RESUMABLE
     faults = "kill:9@rank=1@restart=0,sleep:9=8@rank=0"
     nodes = run_two_nodes(work, "apart-counts", *args, max_restarts=2, TORCHKEEL_TEST_STEP_FAULTS=faults)
     assert "resumed: step 6" in nodes[0].text() + nodes[1].text()
     found, weights = final(work, "apart-counts")
-    _, reference = final(work, "steady")
     assert found.step == 24
-    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+    assert all(torch.equal(weights[k], steady[k]) for k in steady)
 
 
 def test_a_node_that_never_joins_fails_the_job_within_the_rendezvous_timeout(work):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,9 @@ def single(work):
 
 
 def test_two_ray_workers_train_the_weights_of_one_process(work, single):
+    handler = signal.getsignal(signal.SIGINT)
     result = fit("cfg.yaml", ["name=on-ray", "train.max_steps=24"], num_workers=2)
+    assert signal.getsignal(signal.SIGINT) is handler  # Ray's own handler does not outlive the fit
     assert result.error is None
     assert result.metrics["status"] == "completed" and result.metrics["steps"] == 24
     summary = json.loads((Path(result.checkpoint.path) / "summary.json").read_text())

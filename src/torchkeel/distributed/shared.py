@@ -12,7 +12,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ SETTLE_S = 5.0
 """How long a rank looks for rank 0's file: a network filesystem may show a new file late."""
 
 
-def spans_nodes(world_size: int, environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
+def spans_nodes(world_size: int, environ: Mapping[str, str] | None = None) -> bool:
     """Whether the job may span several machines: torchrun's ``LOCAL_WORLD_SIZE`` is smaller than
     the world (a launcher that does not set it may span machines too)."""
     env = os.environ if environ is None else environ

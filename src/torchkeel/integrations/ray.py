@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -122,4 +124,10 @@ def fit(
             failure_config=FailureConfig(max_failures=max_failures),
         ),
     )
-    return trainer.fit()
+    # Ray installs a SIGINT handler of its own for the fit and leaves it: the caller's comes back.
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        return trainer.fit()
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous)
