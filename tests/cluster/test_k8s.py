@@ -218,3 +218,16 @@ def test_bad_train_specs_are_named(changes, message):
 
     with pytest.raises(ConfigError, match=message):
         train_job(train_spec(**changes))
+
+
+def test_k8s_serve_reads_the_exports_name_and_format(tmp_path, capsys):
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.json").write_text(json.dumps({"name": "Digits_CNN", "format": "onnx"}))
+    assert main(["k8s", "serve", str(export), "--image", "i:1"]) == 0
+    runtime, service = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert service["metadata"]["name"] == "digits-cnn"
+    assert service["spec"]["predictor"]["model"]["modelFormat"] == {"name": "onnx"}
+    assert service["spec"]["predictor"]["model"]["storageUri"] == "pvc://digits-cnn-models"
+    assert main(["k8s", "serve", str(tmp_path), "--image", "i:1"]) == 2
+    assert "has no model.json; pass a directory written by keel export" in capsys.readouterr().err
