@@ -300,23 +300,28 @@ def test_sigterm_answers_everything_in_flight_over_rest_and_grpc(exported):
         answers.append(channel.infer("tiny", [tensor], client_timeout=60).as_numpy("output"))
         channel.close()
 
-    threads = [threading.Thread(target=client) for _ in range(16)] + [
-        threading.Thread(target=grpc_client, args=(channel,)) for channel in channels
-    ]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    # Wait until the requests are in the server, queued for a batch that waits up to 2 s to fill.
-    while metric(srv, "nv_inference_pending_request_count") < 16 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert metric(srv, "nv_inference_pending_request_count") >= 16
-    srv.proc.send_signal(signal.SIGTERM)
-    for t in threads:
-        t.join(timeout=60)
-    assert srv.stop() == 0
-    assert statuses == [200] * 16 and len(answers) == 8
-    for answer in answers:
-        np.testing.assert_allclose(answer, eager_rows(exported[1], x), atol=1e-5)
+    try:
+        threads = [threading.Thread(target=client) for _ in range(16)] + [
+            threading.Thread(target=grpc_client, args=(channel,)) for channel in channels
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        # Wait until the requests are in the server, queued for a batch that waits up to 2 s to fill.
+        while metric(srv, "nv_inference_pending_request_count") < 16 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert metric(srv, "nv_inference_pending_request_count") >= 16
+        srv.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=60)
+        assert srv.stop() == 0
+        assert statuses == [200] * 16 and len(answers) == 8
+        for answer in answers:
+            np.testing.assert_allclose(answer, eager_rows(exported[1], x), atol=1e-5)
+    finally:
+        if srv.proc.poll() is None:  # a failed assertion must not leave the server running
+            srv.proc.kill()
+            srv.proc.wait(timeout=30)
 
 
 def test_dashboard_and_alerts_use_metrics_the_server_exposes(server):
