@@ -109,6 +109,28 @@ def summary(work, name):
     return json.loads((work / "runs" / name / "summary.json").read_text())
 
 
+def warned(work, name, command, faults, recorded="SIGUSR1"):
+    """Run ``command`` (a training of ``name``), send SIGUSR1 once step 5 is logged; its exit code and
+    stderr. ``recorded``: the signal the workers got, as the summary names it.
+
+    A 2 s pause before the 12th forward pass makes the signal's arrival mid-run certain."""
+    process = subprocess.Popen(
+        command,
+        cwd=work,
+        env=env(TORCHKEEL_TEST_STEP_FAULTS=faults),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_step(work, name, 5, process)
+    process.send_signal(signal.SIGUSR1)
+    _, err = process.communicate(timeout=120)
+    stopped = summary(work, name)
+    assert stopped["status"] == "preempted" and stopped["signal"] == recorded, err[-3000:]
+    assert final(work, name)[0].step == stopped["steps"] < 400  # the checkpoint of the step it stopped at
+    return process.returncode, err
+
+
 def test_the_warning_signal_saves_and_exits_143_like_sigterm(work):
     command = [
         sys.executable,
@@ -120,21 +142,8 @@ def test_the_warning_signal_saves_and_exits_143_like_sigterm(work):
         "name=usr1",
         "train.max_steps=400",
     ]
-    process = subprocess.Popen(
-        command,
-        cwd=work,
-        env=env(TORCHKEEL_TEST_STEP_FAULTS="sleep:12=2"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    wait_for_step(work, "usr1", 5, process)
-    process.send_signal(signal.SIGUSR1)
-    _, err = process.communicate(timeout=120)
-    assert process.returncode == 143, err[-3000:]
-    stopped = summary(work, "usr1")
-    assert stopped["status"] == "preempted" and stopped["signal"] == "SIGUSR1"
-    assert final(work, "usr1")[0].step == stopped["steps"] < 400
+    code, err = warned(work, "usr1", command, "sleep:12=2")
+    assert code == 143, err[-3000:]
 
 
 def test_torchrun_passes_the_warning_to_every_worker(work):
@@ -148,37 +157,15 @@ def test_torchrun_passes_the_warning_to_every_worker(work):
         "--monitor-interval=0.2",
         *keel_command(1, "name=usr1-dist", "train.max_steps=400")[1:],
     ]
-    process = subprocess.Popen(
-        command,
-        cwd=work,
-        env=env(TORCHKEEL_TEST_STEP_FAULTS="sleep:12=2@rank=0"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    wait_for_step(work, "usr1-dist", 5, process)
-    process.send_signal(signal.SIGUSR1)
-    _, err = process.communicate(timeout=120)
+    _, err = warned(work, "usr1-dist", command, "sleep:12=2@rank=0")
     assert "keel: rank 1: stopped by SIGUSR1" in err and "(exit 143)" in err, err[-3000:]
-    stopped = summary(work, "usr1-dist")
-    assert stopped["status"] == "preempted" and stopped["signal"] == "SIGUSR1"
-    assert final(work, "usr1-dist")[0].step == stopped["steps"]
 
 
 def test_keel_train_nproc_passes_the_warning_on_and_exits_143(work):
-    process = subprocess.Popen(
-        keel_command(1, "name=usr1-nproc", "train.max_steps=400", "--nproc", "2"),
-        cwd=work,
-        env=env(TORCHKEEL_TEST_STEP_FAULTS="sleep:12=2@rank=0"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    wait_for_step(work, "usr1-nproc", 5, process)
-    process.send_signal(signal.SIGUSR1)
-    _, err = process.communicate(timeout=120)
-    assert process.returncode == 143, err[-3000:]
-    assert summary(work, "usr1-nproc")["status"] == "preempted"
+    command = keel_command(1, "name=usr1-nproc", "train.max_steps=400", "--nproc", "2")
+    # keel's launcher passes the warning to torchrun as SIGTERM, which torchrun hands on by default.
+    code, err = warned(work, "usr1-nproc", command, "sleep:12=2@rank=0", recorded="SIGTERM")
+    assert code == 143, err[-3000:]
 
 
 @pytest.mark.slow

@@ -76,3 +76,21 @@ def test_a_directory_every_rank_sees_passes_and_a_private_one_is_refused(tmp_pat
     answers = iter([[(0, "rank-0-probe")], [(True, "a"), (False, "b")]])
     with pytest.raises(ConfigError, match="is not shared across the job's machines: rank 1 on b"):
         check_shared_directory(shared, 1, lambda value: next(answers), settle_s=0.2)
+
+
+def test_ray_gets_the_numbers_of_train_and_val_rows_only():
+    from torchkeel.integrations.ray import _report
+
+    sent = []
+    rows = [
+        {"kind": "train", "step": 10, "loss": 0.5, "lr": 1e-3, "wall_s": 1.2, "note": "text", "nonfinite": False},
+        {"kind": "val", "step": 10, "val_loss": 0.4},
+        {"kind": "resume", "step": 6, "checkpoint": "runs/x/step-6"},
+        {"kind": "dist", "step": 0, "world_size": 2},
+    ]
+    for row in rows:
+        _report(sent.append, row)
+    assert sent == [
+        {"kind": "train", "step": 10, "loss": 0.5, "lr": 1e-3, "wall_s": 1.2},
+        {"kind": "val", "step": 10, "val_loss": 0.4},
+    ]
