@@ -138,6 +138,11 @@ def run(coro):
     return asyncio.run(coro)
 
 
+# Tests that are not about the queue timeout set it to an hour: a machine that stalls the process
+# for longer than the default 10 s must not turn a batching test into a QueueTimeout.
+HOUR_MS = 3_600_000
+
+
 def test_batcher_stacks_concurrent_requests_and_splits_answers():
     batches = []
 
@@ -146,7 +151,7 @@ def test_batcher_stacks_concurrent_requests_and_splits_answers():
         return x * 2
 
     async def main():
-        batcher = DynamicBatcher(model, max_batch_size=8, max_queue_delay_ms=50)
+        batcher = DynamicBatcher(model, max_batch_size=8, max_queue_delay_ms=50, queue_timeout_ms=HOUR_MS)
         await batcher.start()
         inputs = [np.full((1, 3), i, dtype=np.float32) for i in range(20)]
         outputs = await asyncio.gather(*(batcher.submit(x) for x in inputs))
@@ -171,7 +176,7 @@ def test_threads_submit_into_the_same_batches_as_the_event_loop():
         return x * 3
 
     async def main():
-        batcher = DynamicBatcher(model, max_batch_size=64, inline_max_ms=0)
+        batcher = DynamicBatcher(model, max_batch_size=64, inline_max_ms=0, queue_timeout_ms=HOUR_MS)
         await batcher.start()
         loop_inputs = [np.full((1, 2), i, dtype=np.float32) for i in range(8)]
         thread_inputs = [np.full((2, 2), 100 + i, dtype=np.float32) for i in range(8)]
@@ -205,7 +210,7 @@ def test_threads_submit_into_the_same_batches_as_the_event_loop():
 def test_a_lone_request_is_not_kept_waiting():
     async def main():
         # A batcher that waited for the batch to fill would sit out the whole hour.
-        batcher = DynamicBatcher(lambda x: x, max_batch_size=64, max_queue_delay_ms=3_600_000)
+        batcher = DynamicBatcher(lambda x: x, max_batch_size=64, max_queue_delay_ms=HOUR_MS, queue_timeout_ms=HOUR_MS)
         await batcher.start()
         answer = await asyncio.wait_for(batcher.submit(np.ones((1, 2))), timeout=60)
         await batcher.stop()
@@ -227,7 +232,7 @@ def test_requests_arriving_while_the_model_is_busy_form_the_next_batch_at_once()
         return x + 1
 
     async def main():
-        batcher = DynamicBatcher(model, max_batch_size=64, max_queue_delay_ms=3_600_000)
+        batcher = DynamicBatcher(model, max_batch_size=64, max_queue_delay_ms=HOUR_MS, queue_timeout_ms=HOUR_MS)
         await batcher.start()
         first = asyncio.ensure_future(batcher.submit(np.zeros((1, 2))))
         await asyncio.sleep(0.05)
@@ -278,7 +283,7 @@ def test_a_burst_after_quiet_traffic_is_still_batched():
         return x * 3
 
     async def main():
-        batcher = DynamicBatcher(model, max_batch_size=64)
+        batcher = DynamicBatcher(model, max_batch_size=64, queue_timeout_ms=HOUR_MS)
         await batcher.start()
         for i in range(40):  # a lone client: every request runs alone, inline
             await batcher.submit(np.full((1, 1), i))

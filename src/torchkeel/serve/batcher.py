@@ -72,7 +72,7 @@ class BatchStats:
     queue_s: list[float] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(eq=False)  # found in the queue by identity: comparing arrays is ambiguous
 class _Item:
     inputs: Batch
     future: asyncio.Future | concurrent.futures.Future  # the same done/set_result/set_exception
