@@ -158,6 +158,8 @@ def test_plain_kubernetes_gets_a_deployment_service_and_autoscaler_the_client_ac
     assert d.spec.selector.match_labels == s.spec.selector
     assert d.spec.template.spec.volumes[0].persistent_volume_claim.claim_name == "exports"
     assert d.spec.template.spec.containers[0].readiness_probe.http_get.path == "/v2/health/ready"
+    startup = d.spec.template.spec.containers[0].startup_probe  # liveness waits for load and warm-up
+    assert startup.http_get.path == "/v2/health/live" and startup.period_seconds * startup.failure_threshold == 600
     assert {p.port for p in s.spec.ports} == {8080, 8081}
     assert a.spec.scale_target_ref.name == d.metadata.name and (a.spec.min_replicas, a.spec.max_replicas) == (2, 6)
 

@@ -4,7 +4,8 @@
   ``--model_name`` names the model, v1 ``GET /v1/models/{name}`` answers ``{"name", "ready"}``.
   (KServe's defaults, all interfaces on 8080 and 8081, are checked without binding them: tests
   listen on 127.0.0.1 only.)
-- Warm-up: a model is ready only after it ran one batch of every warm-up size.
+- Warm-up: a model is ready only after it ran one batch of every warm-up size, and the server
+  has sent it requests of each protocol through its own app (not counted anywhere).
 - Scale-down: SIGTERM while 64 clients send; every request the server accepted is answered.
 """
 
@@ -19,13 +20,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from serveproc import Server, exported  # noqa: F401 - exported is a fixture
+from serveproc import Server, exported, free_port  # noqa: F401 - exported is a fixture
 
 from torchkeel.errors import ConfigError
+from torchkeel.serve.app import create_app
 from torchkeel.serve.kserve import LOCAL, is_kserve, kserve_defaults
 from torchkeel.serve.metrics import ServerMetrics
 from torchkeel.serve.model import ServeOptions
 from torchkeel.serve.repository import ModelRepository
+from torchkeel.serve.warmup import CONCURRENCY, WAVES, WarmupFailed, warm_requests
 
 BODY = json.dumps({"inputs": [{"name": "input", "shape": [1, 32], "datatype": "FP32", "data": [0.0] * 32}]})
 
@@ -95,6 +98,74 @@ def test_a_model_whose_warmup_fails_is_unavailable_with_the_reason(exported):
     asyncio.run(repo.start())
     assert not repo.ready and not repo.models
     assert "warm-up failed: Expected all tensors to be on the same device" in repo.unavailable[0].reason
+
+
+def test_requests_through_the_app_warm_the_request_path_and_are_not_counted(exported):
+    app = create_app(exported[0], ServeOptions(max_batch_size=8))
+    server = app.state.server
+    (model,) = server.repository.models.values()
+    batches, forward = [], model.batcher.run_batch
+
+    def recording(batch):
+        batches.append(len(batch))
+        return forward(batch)
+
+    async def main():
+        await server.repository.start()  # the forward warm-up
+        model.batcher.run_batch = recording
+        answered = await warm_requests(app, model)
+        await server.repository.stop()
+        return answered
+
+    assert asyncio.run(main()) == 2 * WAVES * CONCURRENCY  # v1 and v2, every one answered 200
+    assert sum(batches) == 2 * WAVES * CONCURRENCY and max(batches) > 1  # concurrent: batched as clients are
+    assert server.metrics.answered() == (0, 0, 0)
+    text = server.metrics.render().decode()
+    assert 'nv_inference_exec_count{model="tiny",version="1"} 0.0' in text
+    assert 'nv_inference_request_success{model="tiny",version="1"} 0.0' in text
+
+
+def test_a_route_refused_as_configured_is_left_out_and_a_server_error_fails_the_warmup(exported):
+    app = create_app(exported[0], ServeOptions(max_batch_size=8))
+    (model,) = app.state.server.repository.models.values()
+
+    def answering(status, prefix):
+        async def wrapped(scope, receive, send):  # the app, except that one route answers `status`
+            if not scope["path"].startswith(prefix):
+                return await app(scope, receive, send)
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            await send({"type": "http.response.body", "body": b"model execution failed: boom"})
+
+        return wrapped
+
+    async def main():
+        await app.state.server.repository.start()
+        try:
+            only_v2 = await warm_requests(answering(400, "/v1/"), model)
+            with pytest.raises(WarmupFailed, match=r"POST /v2/models/tiny/infer answered 500: model execution failed"):
+                await warm_requests(answering(500, "/v2/"), model)
+        finally:
+            await app.state.server.repository.stop()
+        return only_v2
+
+    assert asyncio.run(main()) == WAVES * CONCURRENCY
+
+
+def test_a_model_whose_warmup_requests_fail_is_unavailable_and_grpc_starts_after_warmup(exported):
+    server = create_app(exported[0], ServeOptions(max_batch_size=4, grpc_port=free_port())).state.server
+    calls = []
+
+    async def failing(model):
+        calls.append((model.name, model.ready, server.grpc))
+        raise RuntimeError("POST /v1/models/tiny:predict answered 500: model execution failed")
+
+    asyncio.run(server.start(warm=failing))
+    assert calls == [("tiny", True, None)]  # warmed once its forward warm-up made it ready, before gRPC
+    assert server.grpc is not None
+    assert not server.repository.ready and not server.repository.models
+    (gone,) = server.repository.unavailable
+    assert gone.reason == "warm-up request failed: POST /v1/models/tiny:predict answered 500: model execution failed"
+    asyncio.run(server.stop())
 
 
 def test_sigterm_while_64_clients_send_answers_every_request_it_accepted(exported):

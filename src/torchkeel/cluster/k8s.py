@@ -181,6 +181,10 @@ MODEL_FORMATS = {"onnx": "onnx", "torchscript": "pytorch", "torch-export": "pyto
 """KServe's model format names for each export format (TorchScript is KServe's ``pytorch``)."""
 
 
+STARTUP_FAILURES = 120
+"""Startup probes (every 5 s) that may fail before the container is restarted: 10 minutes to load and warm up."""
+
+
 def _serve_container(spec: ServeSpec, name: str) -> dict[str, Any]:
     resources: dict[str, Any] = {
         "requests": {"cpu": spec.cpu, "memory": spec.memory},
@@ -197,6 +201,13 @@ def _serve_container(spec: ServeSpec, name: str) -> dict[str, Any]:
             {"containerPort": HTTP_PORT, "name": "http1", "protocol": "TCP"},
             {"containerPort": GRPC_PORT, "name": "h2c", "protocol": "TCP"},
         ],
+        # The server listens only once its models are loaded and warm: until then the liveness
+        # probe must not count failures, or a slow start is killed and restarted in a loop.
+        "startupProbe": {
+            "httpGet": {"path": "/v2/health/live", "port": HTTP_PORT},
+            "periodSeconds": 5,
+            "failureThreshold": STARTUP_FAILURES,
+        },
         "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": HTTP_PORT}, "periodSeconds": 2},
         "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": HTTP_PORT}, "periodSeconds": 10},
         "resources": resources,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gc
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -39,6 +40,7 @@ from torchkeel.serve.protocol import (
 from torchkeel.serve.repository import ModelRepository
 from torchkeel.serve.server import Server
 from torchkeel.serve.tensors import ProtocolError
+from torchkeel.serve.warmup import warm_requests
 
 # An oversized body is read to its end and dropped, up to 4x the limit (at least 64 MiB) or 5 s,
 # before the 413 is sent and the connection closed; past that bound the connection is closed at once.
@@ -59,7 +61,7 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        await server.start()
+        await server.start(warm=functools.partial(warm_requests, app))
         gc.freeze()  # the models and imports never become garbage; full collections then stay short
         yield
         await server.stop()  # everything already queued is answered first

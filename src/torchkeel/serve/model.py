@@ -108,6 +108,7 @@ class ServedModel:
         )
         self.metrics = metrics.model(self.name, self.version, self.drift, pending=lambda: self.batcher.pending)
         self.ready = False
+        self._quiet = False
 
     @property
     def is_image_model(self) -> bool:
@@ -134,11 +135,22 @@ class ServedModel:
         so that the first requests after ready do not pay for first-call allocation or planning."""
         sizes = self.options.warmup_sizes()
         for size in sizes:
-            arrays = {t.name: _sample(t, size) for t in self.tensors}
-            self.run(self.feed(arrays))
+            self.run(self.feed(warmup_arrays(self.tensors, size)))
         return sizes
 
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Requests and batches in this block are not counted in the metrics nor seen by the
+        drift monitor: the server's own warm-up requests (``serve.warmup``)."""
+        self._quiet = True
+        try:
+            yield
+        finally:
+            self._quiet = False
+
     def _on_batch(self, stats: BatchStats, inputs: Batch) -> None:
+        if self._quiet:
+            return
         self.metrics.batch_done(stats.batch_size, stats.num_requests, stats.compute_s, sum(stats.queue_s))
         if self.drift is not None:  # once per batch, not per request; on the preprocessed tensors
             self.drift.observe(inputs[self._drift_input] if isinstance(inputs, dict) else inputs)
@@ -155,8 +167,9 @@ class ServedModel:
 
     @contextlib.contextmanager
     def _counting(self, protocol: str) -> Iterator[None]:
-        start = time.perf_counter()
-        self.metrics.request_started()
+        start, counts = time.perf_counter(), not self._quiet
+        if counts:
+            self.metrics.request_started()
         failure = None
         try:
             yield
@@ -167,7 +180,8 @@ class ServedModel:
             failure, error = _failed(exc)
             raise error from None
         finally:
-            self.metrics.request_done(protocol, time.perf_counter() - start, failure)
+            if counts:
+                self.metrics.request_done(protocol, time.perf_counter() - start, failure)
 
     async def predict(self, batch: Batch) -> np.ndarray:
         """The model's output rows for a batch of (preprocessed) inputs: one array, or the
@@ -262,6 +276,11 @@ def spec_dict(t: TensorSpec) -> dict[str, Any]:
 
 WARMUP_LENGTH = 16
 """The length of a dynamic axis other than the batch in a warm-up batch."""
+
+
+def warmup_arrays(specs: list[TensorSpec], batch_size: int) -> dict[str, np.ndarray]:
+    """A warm-up batch by input name: zeros, or the lowest id an integer input allows."""
+    return {spec.name: _sample(spec, batch_size) for spec in specs}
 
 
 def _sample(spec: TensorSpec, batch_size: int) -> np.ndarray:

@@ -112,6 +112,13 @@ class ModelRepository:
             await model.batcher.start()
             model.ready = True
 
+    async def retire(self, name: str, reason: str) -> None:
+        """Take a loaded model out of service: unavailable, with ``reason``."""
+        model = self.models.pop(name)
+        model.ready = False
+        await model.batcher.stop()
+        self.unavailable.append(Unavailable(name, str(model.path), reason))
+
     async def stop(self) -> None:
         """Stop taking requests, answer everything already queued, stop the batchers."""
         for model in self.models.values():

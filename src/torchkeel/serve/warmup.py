@@ -1,0 +1,130 @@
+"""Warm the request path before the server listens: requests through the ASGI app itself.
+
+A model's warm-up forwards (``ServedModel.warm_up``) take the first-call cost out of the model.
+The first requests still pay for the code around it — routing, body reading, JSON parsing and
+encoding, the batcher's joins — running for the first time: Python specializes a function's
+bytecode only after it has run a few times. So, before the server listens, each model answers
+``WAVES`` waves of ``CONCURRENCY`` one-sample requests of each protocol (v1 ``predict`` and v2
+``infer``), sent to the app in process while nothing else can reach the model (the ASGI
+server listens, and gRPC starts, only after the app's start-up). They are not counted in the
+metrics, the drift window or the count printed at stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from torchkeel.serve.model import ServedModel, warmup_arrays
+from torchkeel.serve.tensors import DTYPES
+
+CONCURRENCY = 8
+WAVES = 8
+BUDGET_S = 5.0
+"""A slow model stops its request warm-up after the wave that crosses this (at least one wave)."""
+
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+
+
+class WarmupFailed(Exception):
+    """A warm-up request was answered with a server error: the model cannot serve requests."""
+
+
+async def warm_requests(app: ASGIApp, model: ServedModel) -> int:
+    """Send the model's warm-up requests through ``app``; return how many were answered.
+
+    A route that answers 4xx (the request does not fit the server's settings for this model) is
+    left out of the warm-up, as its clients get the same answer.
+
+    Raises:
+        WarmupFailed: a request was answered with a server error (its route, status and message).
+    """
+    if any(DTYPES.get(t.datatype) is None for t in model.tensors):
+        return 0  # BF16 inputs travel as binary only: the JSON requests below cannot carry them
+    requests = _requests(model)
+    concurrency = max(1, min(CONCURRENCY, model.options.max_queue))  # a queue of 2 would refuse the rest
+    answered, start = 0, time.perf_counter()
+    with model.quiet():
+        for _ in range(WAVES):
+            for path, body in list(requests):
+                statuses = await asyncio.gather(*(_post(app, path, body) for _ in range(concurrency)))
+                for status, text in statuses:
+                    if 400 <= status < 500:  # the route refuses this request as configured (v1 --top-k on
+                        requests.remove((path, body))  # a model without classes): clients are told so too
+                        break
+                    if status != 200:
+                        raise WarmupFailed(f"POST {path} answered {status}: {text[:300]}")
+                else:
+                    answered += len(statuses)
+            if not requests or time.perf_counter() - start > BUDGET_S:
+                break
+    return answered
+
+
+def _requests(model: ServedModel) -> list[tuple[str, bytes]]:
+    """A one-sample v1 and v2 request of the model's warm-up values."""
+    arrays = warmup_arrays(model.tensors, 1)
+    if model.has_named_inputs:
+        instance: Any = {name: array[0].tolist() for name, array in arrays.items()}
+    else:
+        instance = arrays[model.tensor.name][0].tolist()
+    v2 = {
+        "inputs": [
+            {
+                "name": t.name,
+                "shape": list(arrays[t.name].shape),
+                "datatype": t.datatype,
+                "data": arrays[t.name].reshape(-1).tolist(),
+            }
+            for t in model.tensors
+        ]
+    }
+    return [
+        (f"/v1/models/{model.name}:predict", json.dumps({"instances": [instance]}).encode()),
+        (f"/v2/models/{model.name}/infer", json.dumps(v2).encode()),
+    ]
+
+
+async def _post(app: ASGIApp, path: str, body: bytes) -> tuple[int, str]:
+    """One POST through the ASGI app, as a server would hand it over; its status and body."""
+    scope: Scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 0),
+        "server": ("127.0.0.1", 0),
+        "state": {},
+    }
+    sent, done = False, asyncio.Event()
+    status, chunks = 0, []
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await done.wait()  # as a connection: after the body, the next event is the client leaving
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                done.set()
+
+    await app(scope, receive, send)
+    return status, b"".join(chunks).decode(errors="replace")
