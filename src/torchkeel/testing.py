@@ -19,6 +19,9 @@ Training-step faults (``TORCHKEEL_TEST_STEP_FAULTS``), run before each forward p
 - ``sleep:N=SECONDS``: pause before the N-th forward pass (a stalled rank);
 - ``kill:N``: SIGKILL this process before the N-th forward pass.
 
+A slow served model (``TORCHKEEL_TEST_FORWARD_SLEEP_S``, read by ``keel serve``): every forward
+of the batcher pauses that long first, so that requests are certainly in flight (``slowed``).
+
 Any rule may end in ``@rank=R`` (only on that rank) and ``@restart=K`` (only in torchrun's K-th
 restart of the workers, ``TORCHELASTIC_RESTART_COUNT``), so that a fault happens once per job.
 Where no launcher counts restarts (Ray), ``@once=PATH`` does that: the rule holds while ``PATH``
@@ -120,6 +123,16 @@ def _scoped_rules(spec: str) -> list[tuple[str, str | None]]:
         if all(here.get(key) == value for key, value in pairs if key != "once"):
             kept.append((rule, once))
     return kept
+
+
+def slowed(forward: Callable[[Any], Any], seconds: float) -> Callable[[Any], Any]:
+    """``forward`` that sleeps ``seconds`` before each call."""
+
+    def slow(batch: Any) -> Any:
+        time.sleep(seconds)
+        return forward(batch)
+
+    return slow
 
 
 class OomInjector:

@@ -232,4 +232,8 @@ def test_k8s_serve_reads_the_exports_name_and_format(tmp_path, capsys):
     assert service["spec"]["predictor"]["model"]["modelFormat"] == {"name": "onnx"}
     assert service["spec"]["predictor"]["model"]["storageUri"] == "pvc://digits-cnn-models"
     assert main(["k8s", "serve", str(tmp_path), "--image", "i:1"]) == 2
-    assert "has no model.json; pass a directory written by keel export" in capsys.readouterr().err
+    assert "model.json' not found; pass a directory written by `keel export`" in capsys.readouterr().err
+    (export / "model.json").write_text('{"name": "Digits_CNN", "form')  # cut short by a full disk
+    assert main(["k8s", "serve", str(export), "--image", "i:1"]) == 2
+    err = capsys.readouterr().err
+    assert "model.json' is unreadable (JSONDecodeError); export again" in err and "Traceback" not in err

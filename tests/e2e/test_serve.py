@@ -282,9 +282,9 @@ def test_overload_gives_503_and_memory_settles(exported):
 def test_sigterm_answers_everything_in_flight_over_rest_and_grpc(exported):
     import tritonclient.grpc as tritongrpc
 
-    # A long batching window: all 24 requests are queued together, waiting for a batch to fill.
-    # Without warm-up the first forward is slow (TorchScript's first call): the burst queues behind it.
-    srv = Server(exported[0], "--max-queue-delay-ms", "5000", "--warmup-batch-sizes", "none", grpc=True)
+    # Every forward takes 2 s (a test seam): the burst of 24 is certainly in the server when SIGTERM comes.
+    slow = {"TORCHKEEL_TEST_FORWARD_SLEEP_S": "2"}
+    srv = Server(exported[0], "--inline-max-ms", "0", "--warmup-batch-sizes", "none", grpc=True, env=slow)
     statuses: list[int] = []
     answers: list[np.ndarray] = []
     x = np.random.default_rng(3).normal(size=(1, 32)).astype(np.float32)
@@ -307,7 +307,7 @@ def test_sigterm_answers_everything_in_flight_over_rest_and_grpc(exported):
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
-        # Wait until the requests are in the server, queued for a batch that waits up to 2 s to fill.
+        # Wait until the requests are in the server: queued behind, or in, a 2 s forward.
         while metric(srv, "nv_inference_pending_request_count") < 16 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert metric(srv, "nv_inference_pending_request_count") >= 16

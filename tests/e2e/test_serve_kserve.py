@@ -200,7 +200,9 @@ def test_sigterm_while_64_clients_send_answers_every_request_it_accepted(exporte
     threads = [threading.Thread(target=client) for _ in range(64)]
     for t in threads:
         t.start()
-    time.sleep(1.5)  # all 64 clients are sending
+    deadline = time.monotonic() + 30
+    while outcomes.get("200", 0) <= 64 and time.monotonic() < deadline:  # the clients are all sending
+        time.sleep(0.05)
     srv.proc.send_signal(signal.SIGTERM)
     terminated.set()
     code = srv.proc.wait(timeout=60)

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from torchkeel.cluster.k8s import ServeSpec, TrainSpec, kserve, plain, pytorch_job, to_yaml, train_job
 from torchkeel.config.load import load_config
-from torchkeel.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,10 +69,9 @@ def _train(args: argparse.Namespace) -> list:
 
 
 def _serve(args: argparse.Namespace) -> list:
-    meta_path = Path(args.export_dir) / "model.json"
-    if not meta_path.is_file():
-        raise ConfigError(f"'{args.export_dir}' has no model.json; pass a directory written by keel export")
-    meta = json.loads(meta_path.read_text())
+    from torchkeel.export.formats import read_model_json  # imports torch: only for k8s serve
+
+    meta = read_model_json(args.export_dir)
     name = (args.name or str(meta["name"])).replace("_", "-").lower()
     spec = ServeSpec(
         name=name,

@@ -103,6 +103,12 @@ def run(args: argparse.Namespace) -> int:
 
     def on_start(repository) -> None:
         started.append(repository)
+        delay = os.environ.get("TORCHKEEL_TEST_FORWARD_SLEEP_S")  # a test seam, see torchkeel.testing
+        if delay:
+            from torchkeel.testing import slowed
+
+            for model in repository.models.values():
+                model.batcher.run_batch = slowed(model.batcher.run_batch, float(delay))
         _report(repository, f"http://{args.host}:{args.port}{grpc}")
 
     serve(args.export_dirs, args.host, args.port, options, on_start=on_start)

@@ -82,8 +82,9 @@ def fit(
 
     ``address``: an existing cluster (``ray.init(address=...)``); none starts a local one.
     ``storage_path``: Ray Train's own storage for the run's results (default: next to the run
-    directory). ``worker_env``: variables set in each worker before the Trainer starts. The run directory (``out_dir``) is made absolute here so that every worker writes
-    the same place; on several machines it must be a shared filesystem.
+    directory). ``worker_env``: variables set in each worker before the Trainer starts. The run
+    directory (``out_dir``) is made absolute here so that every worker writes the same place; on
+    several machines it must be a shared filesystem.
     """
     try:
         import ray

@@ -100,20 +100,19 @@ class ModelRepository:
         return sorted(rows, key=lambda r: r["name"])
 
     async def start(self) -> None:
-        """Warm every model up (off the event loop: health checks still answer), then mark it ready.
-        A model whose warm-up fails stays unready, listed with the reason."""
+        """Warm every model up (on a thread: the event loop stays free), then mark it ready.
+        A model whose warm-up fails is unavailable, with the reason."""
         for name, model in list(self.models.items()):
             try:
                 await asyncio.to_thread(model.warm_up)
             except Exception as exc:  # noqa: BLE001 - the model's own failure, reported with it
-                self.unavailable.append(Unavailable(name, str(model.path), f"warm-up failed: {first_line(exc)}"))
-                del self.models[name]
+                await self.retire(name, f"warm-up failed: {first_line(exc)}")
                 continue
             await model.batcher.start()
             model.ready = True
 
     async def retire(self, name: str, reason: str) -> None:
-        """Take a loaded model out of service: unavailable, with ``reason``."""
+        """Take a loaded model out of service (its batcher answers what it holds): unavailable, with ``reason``."""
         model = self.models.pop(name)
         model.ready = False
         await model.batcher.stop()
