@@ -96,7 +96,9 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(self.proc.stderr.read())
             time.sleep(0.1)
-        raise RuntimeError("server did not become ready")
+        self.proc.kill()  # the test never gets the server to stop: it must not outlive the test
+        _, err = self.proc.communicate(timeout=30)
+        raise RuntimeError(f"server did not become ready in 60 s: {err[-2000:]}")
 
     @property
     def grpc_url(self) -> str:

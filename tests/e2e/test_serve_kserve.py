@@ -19,6 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 from serveproc import Server, exported, free_port  # noqa: F401 - exported is a fixture
 
@@ -28,7 +29,7 @@ from torchkeel.serve.kserve import LOCAL, is_kserve, kserve_defaults
 from torchkeel.serve.metrics import ServerMetrics
 from torchkeel.serve.model import ServeOptions
 from torchkeel.serve.repository import ModelRepository
-from torchkeel.serve.warmup import CONCURRENCY, WAVES, WarmupFailed, warm_requests
+from torchkeel.serve.warmup import CONCURRENCY, WAVES, Warmed, warm_requests
 
 BODY = json.dumps({"inputs": [{"name": "input", "shape": [1, 32], "datatype": "FP32", "data": [0.0] * 32}]})
 
@@ -113,11 +114,11 @@ def test_requests_through_the_app_warm_the_request_path_and_are_not_counted(expo
     async def main():
         await server.repository.start()  # the forward warm-up
         model.batcher.run_batch = recording
-        answered = await warm_requests(app, model)
+        warmed = await warm_requests(app, model)
         await server.repository.stop()
-        return answered
+        return warmed
 
-    assert asyncio.run(main()) == 2 * WAVES * CONCURRENCY  # v1 and v2, every one answered 200
+    assert asyncio.run(main()) == Warmed(2 * WAVES * CONCURRENCY)  # v1 and v2, every one answered 200
     assert sum(batches) == 2 * WAVES * CONCURRENCY and max(batches) > 1  # concurrent: batched as clients are
     assert server.metrics.answered() == (0, 0, 0)
     text = server.metrics.render().decode()
@@ -125,46 +126,59 @@ def test_requests_through_the_app_warm_the_request_path_and_are_not_counted(expo
     assert 'nv_inference_request_success{model="tiny",version="1"} 0.0' in text
 
 
-def test_a_route_refused_as_configured_is_left_out_and_a_server_error_fails_the_warmup(exported):
+def test_a_route_that_fails_on_the_warmup_values_is_left_out_and_the_model_still_serves(exported):
+    # A model that normalizes its input (x / x.norm()) answers NaN for zeros: v1 cannot write NaN
+    # as JSON (500). The model is fine for real inputs: it must stay in service.
     app = create_app(exported[0], ServeOptions(max_batch_size=8))
     (model,) = app.state.server.repository.models.values()
+    forward = model.batcher.run_batch
 
-    def answering(status, prefix):
-        async def wrapped(scope, receive, send):  # the app, except that one route answers `status`
-            if not scope["path"].startswith(prefix):
-                return await app(scope, receive, send)
-            await send({"type": "http.response.start", "status": status, "headers": []})
-            await send({"type": "http.response.body", "body": b"model execution failed: boom"})
+    def normalizing(batch):  # the model's first step: inputs scaled to unit length
+        return forward(batch / np.linalg.norm(batch, axis=1, keepdims=True))
 
-        return wrapped
+    def refusing(scope, receive, send):  # the app, except that v2 refuses as a misconfigured route would
+        if scope["path"].startswith("/v2/"):
+            return _answer(send, 400, b"parameters.top_k needs one score per class")
+        return app(scope, receive, send)
 
     async def main():
         await app.state.server.repository.start()
+        model.batcher.run_batch = normalizing
         try:
-            only_v2 = await warm_requests(answering(400, "/v1/"), model)
-            with pytest.raises(WarmupFailed, match=r"POST /v2/models/tiny/infer answered 500: model execution failed"):
-                await warm_requests(answering(500, "/v2/"), model)
+            return await warm_requests(app, model), await warm_requests(refusing, model), model.ready
         finally:
             await app.state.server.repository.stop()
-        return only_v2
 
-    assert asyncio.run(main()) == WAVES * CONCURRENCY
+    with np.errstate(invalid="ignore"):
+        nan_v1, refused_v2, ready = asyncio.run(main())
+    assert nan_v1.answered == WAVES * CONCURRENCY  # v2 carries on
+    nan = (
+        'POST /v1/models/tiny:predict answered 500: {"error":"model execution failed: ValueError: Out of range '
+        'float values are not JSON compliant"}'
+    )
+    assert nan_v1.left_out == [nan]
+    assert refused_v2.answered == 0 and len(refused_v2.left_out) == 2  # v1 (NaN) and v2 (refused) both out
+    assert (
+        refused_v2.left_out[1] == "POST /v2/models/tiny/infer answered 400: parameters.top_k needs one score per class"
+    )
+    assert ready
 
 
-def test_a_model_whose_warmup_requests_fail_is_unavailable_and_grpc_starts_after_warmup(exported):
+async def _answer(send, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": []})
+    await send({"type": "http.response.body", "body": body})
+
+
+def test_grpc_starts_after_the_request_warmup(exported):
     server = create_app(exported[0], ServeOptions(max_batch_size=4, grpc_port=free_port())).state.server
     calls = []
 
-    async def failing(model):
+    async def warm(model):
         calls.append((model.name, model.ready, server.grpc))
-        raise RuntimeError("POST /v1/models/tiny:predict answered 500: model execution failed")
 
-    asyncio.run(server.start(warm=failing))
+    asyncio.run(server.start(warm=warm))
     assert calls == [("tiny", True, None)]  # warmed once its forward warm-up made it ready, before gRPC
-    assert server.grpc is not None
-    assert not server.repository.ready and not server.repository.models
-    (gone,) = server.repository.unavailable
-    assert gone.reason == "warm-up request failed: POST /v1/models/tiny:predict answered 500: model execution failed"
+    assert server.grpc is not None and server.repository.ready
     asyncio.run(server.stop())
 
 

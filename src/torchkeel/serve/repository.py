@@ -106,17 +106,11 @@ class ModelRepository:
             try:
                 await asyncio.to_thread(model.warm_up)
             except Exception as exc:  # noqa: BLE001 - the model's own failure, reported with it
-                await self.retire(name, f"warm-up failed: {first_line(exc)}")
+                self.unavailable.append(Unavailable(name, str(model.path), f"warm-up failed: {first_line(exc)}"))
+                del self.models[name]
                 continue
             await model.batcher.start()
             model.ready = True
-
-    async def retire(self, name: str, reason: str) -> None:
-        """Take a loaded model out of service (its batcher answers what it holds): unavailable, with ``reason``."""
-        model = self.models.pop(name)
-        model.ready = False
-        await model.batcher.stop()
-        self.unavailable.append(Unavailable(name, str(model.path), reason))
 
     async def stop(self) -> None:
         """Stop taking requests, answer everything already queued, stop the batchers."""

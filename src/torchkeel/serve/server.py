@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from torchkeel.errors import first_line
 from torchkeel.serve.grpc import start_grpc
 from torchkeel.serve.metrics import ServerMetrics
 from torchkeel.serve.model import ServedModel, ServeOptions
@@ -29,15 +28,11 @@ class Server:
 
     async def start(self, warm: Callable[[ServedModel], Awaitable[object]] | None = None) -> None:
         """Load and warm the models, then start gRPC. ``warm(model)`` runs for each ready model
-        before anything can reach it (the HTTP app's request warm-up); a model it fails for is
-        unavailable, with the reason."""
+        before anything else can reach it (the HTTP app's request warm-up)."""
         await self.repository.start()
         if warm is not None and self.options.warmup_sizes():
-            for model in list(self.repository.models.values()):
-                try:
-                    await warm(model)
-                except Exception as exc:  # noqa: BLE001 - reported with the model, as a failed load is
-                    await self.repository.retire(model.name, f"warm-up request failed: {first_line(exc)}")
+            for model in self.repository.models.values():
+                await warm(model)
         if self.options.grpc_port:
             self.grpc = start_grpc(self)
 

@@ -16,6 +16,7 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from torchkeel.serve.model import ServedModel, warmup_arrays
@@ -30,39 +31,44 @@ Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
 
-class WarmupFailed(Exception):
-    """A warm-up request was answered with a server error: the model cannot serve requests."""
+@dataclass
+class Warmed:
+    """What a model's request warm-up did."""
+
+    answered: int
+    """Warm-up requests answered with 200."""
+    left_out: list[str] = field(default_factory=list)
+    """Routes left out, with their first answer other than 200."""
 
 
-async def warm_requests(app: ASGIApp, model: ServedModel) -> int:
-    """Send the model's warm-up requests through ``app``; return how many were answered.
+async def warm_requests(app: ASGIApp, model: ServedModel) -> Warmed:
+    """Send the model's warm-up requests through ``app``.
 
-    A route that answers 4xx (the request does not fit the server's settings for this model) is
-    left out of the warm-up, as its clients get the same answer.
-
-    Raises:
-        WarmupFailed: a request was answered with a server error (its route, status and message).
+    A route whose answer is not 200 is left out from then on, and the model serves as before:
+    the warm-up's values are synthetic (zeros), and a model may rightly fail on them (NaN from
+    normalizing a zero vector cannot be written as JSON) or a route refuse them as the server
+    is configured (v1 ``--top-k`` for a model without class scores). Its clients get the same
+    answer for the same request.
     """
+    warmed = Warmed(0)
     if any(DTYPES.get(t.datatype) is None for t in model.tensors):
-        return 0  # BF16 inputs travel as binary only: the JSON requests below cannot carry them
+        return warmed  # BF16 inputs travel as binary only: the JSON requests below cannot carry them
     requests = _requests(model)
     concurrency = max(1, min(CONCURRENCY, model.options.max_queue))  # a queue of 2 would refuse the rest
-    answered, start = 0, time.perf_counter()
+    start = time.perf_counter()
     with model.quiet():
         for _ in range(WAVES):
             for path, body in list(requests):
-                statuses = await asyncio.gather(*(_post(app, path, body) for _ in range(concurrency)))
-                for status, text in statuses:
-                    if 400 <= status < 500:  # the route refuses this request as configured (v1 --top-k on
-                        requests.remove((path, body))  # a model without classes): clients are told so too
-                        break
-                    if status != 200:
-                        raise WarmupFailed(f"POST {path} answered {status}: {text[:300]}")
+                answers = await asyncio.gather(*(_post(app, path, body) for _ in range(concurrency)))
+                refused = next(((status, text) for status, text in answers if status != 200), None)
+                if refused is not None:
+                    requests.remove((path, body))
+                    warmed.left_out.append(f"POST {path} answered {refused[0]}: {refused[1][:300]}")
                 else:
-                    answered += len(statuses)
+                    warmed.answered += len(answers)
             if not requests or time.perf_counter() - start > BUDGET_S:
                 break
-    return answered
+    return warmed
 
 
 def _requests(model: ServedModel) -> list[tuple[str, bytes]]:
