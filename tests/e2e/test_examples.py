@@ -70,9 +70,10 @@ TOKENS = ROOT / "examples" / "tokens"
     [
         "tokens",
         pytest.param("tokens-parquet", marks=pytest.mark.slow),  # the Parquet × dict journey runs in the default suite
+        "gpt2",  # model.hf: a transformers GPT-2 from its config, on the Parquet files
     ],
 )
-def test_the_tokens_example_trains_exports_and_learns(tmp_path, name):
+def test_the_tokens_example_trains_exports_and_learns(tmp_path, monkeypatch, name):
     """A strict transformers-shaped model on padded dict batches, from map-style data and from
     Parquet list columns (data.columns), as documented in docs/data.md."""
     sys.path.insert(0, str(TOKENS))
@@ -98,6 +99,7 @@ def test_the_tokens_example_trains_exports_and_learns(tmp_path, name):
     assert summary["val_loss"] < 1.0  # from ln(32) = 3.5: it learnt to count on
     from torchkeel.export import export_run
 
+    monkeypatch.chdir(tmp_path)  # the config's data paths are relative to where keel train ran
     sys.path.insert(0, str(TOKENS))  # what keel export imports from the working directory
     try:
         meta = export_run(run, "onnx")

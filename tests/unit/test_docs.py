@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
+import typing
 from pathlib import Path
 
 import torchkeel as tk
@@ -13,11 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def config_keys(cls=KeelConfig, prefix=""):
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.type) or (
-            isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)
-        ):
-            yield from config_keys(f.default_factory, f"{prefix}{f.name}.")
+        # a section (``train.ema``), or an optional one (``model.hf``: ``HFModelConfig | None``)
+        tp = hints[f.name]
+        options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
+        section = next((t for t in (tp, *options) if dataclasses.is_dataclass(t)), None)
+        if section is not None:
+            yield from config_keys(section, f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.metadata.get('key', f.name)}"
 

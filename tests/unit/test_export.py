@@ -14,6 +14,7 @@ from conftest import train_tiny
 from torchkeel.errors import ConfigError, ParityError
 from torchkeel.export import export_run, read_model_json
 from torchkeel.export.formats import load_exported
+from torchkeel.export.parity import check_parity, describe
 from torchkeel.export.triton import parse_model_config, write_triton_repo
 
 
@@ -202,3 +203,28 @@ def test_an_axis_the_model_fixes_fails_torch_export_by_name(tmp_path):
     with pytest.raises(ParityError, match=r"torch.export fixed axis 1 of input 'input_ids' to \d+.*--format onnx"):
         export_run(tmp_path / "gru", "torch-export", tmp_path / "out")
     assert export_run(tmp_path / "gru", "torchscript", tmp_path / "ts")["parity"]["passed"]
+
+
+def test_parity_allows_rounding_that_grows_with_the_output_and_nothing_more():
+    # Logits of a language model are tens: float32 rounding through its layers grows with them.
+    model = torch.nn.Linear(4, 3)
+    samples = torch.randn(8, 4)
+
+    def shifted(offset):
+        def run(inputs):
+            with torch.inference_mode():
+                return model(torch.as_tensor(inputs)).numpy() + offset
+
+        return run
+
+    with torch.no_grad():  # outputs of about 100: allowed 1e-5 + 1.3e-6 * 100 = 1.4e-4
+        model.weight.zero_()
+        model.bias.fill_(100.0)
+    passed = check_parity(model, shifted(1e-4), samples, [1, 8])
+    assert passed["passed"] and 0.65 < passed["worst"]["max_share"] < 0.75
+    failed = check_parity(model, shifted(2e-4), samples, [1, 8])
+    assert not failed["passed"] and "what 1e-05 + 1.3e-06*|eager| allows" in describe(failed)
+    with torch.no_grad():  # outputs of 0: the absolute 1e-5 alone
+        model.bias.zero_()
+    assert not check_parity(model, shifted(1.1e-5), samples, [1])["passed"]
+    assert check_parity(model, shifted(0.9e-5), samples, [1])["passed"]

@@ -18,6 +18,7 @@ from torchkeel.distributed.rank import RankInfo
 from torchkeel.env.cpus import choose_threads, usable_cpus
 from torchkeel.errors import ConfigError, first_line
 from torchkeel.testing import parse_fault_rules, parse_step_faults
+from torchkeel.train.hf import check_hf_model
 from torchkeel.train.preempt import PREEMPT_SIGNALS, WARNING_SIGNALS, preempt_exit_code
 from torchkeel.train.trainer import Trainer
 
@@ -121,6 +122,8 @@ def check_import_paths(config: KeelConfig) -> None:
     (each rank would otherwise print the same error, and torchrun its traceback)."""
     if config.model.target is not None:
         check_target(config.model.target, config.model.args, "model")
+    if config.model.hf is not None:
+        check_hf_model(config.model.hf)
     if config.data.format == "map" and config.data.target is not None:
         check_target(config.data.target, config.data.args, "data")
     if config.loss.step_fn is None:

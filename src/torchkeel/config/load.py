@@ -129,6 +129,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         if value is None and type(None) in options:
             return None
         inner = [o for o in options if o is not type(None)]
+        if len(inner) == 1:  # Optional[X]: X's own error, which names the inner key at fault
+            return _convert(inner[0], value, key)
         errors = []
         for option in inner:
             try:

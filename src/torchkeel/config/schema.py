@@ -18,9 +18,27 @@ OptimName = Literal["adamw", "adam", "sgd"]
 
 
 @dataclass
+class HFModelConfig:
+    config: Optional[dict[str, Any]] = None
+    """A transformers config to build the model from (random weights, nothing downloaded):
+    ``model_type`` (``gpt2``, ``llama``, ``bert``...) and that model's settings (``n_layer: 2``)."""
+    path: Optional[str] = None
+    """Instead of ``config``: a local directory written by ``save_pretrained`` (its
+    ``.safetensors`` weights; a directory holding pickle weights is refused)."""
+    task: Literal["causal-lm", "sequence-classification", "token-classification"] = "causal-lm"
+    """The head: a language model, or a classifier of sequences or of tokens (``num_labels`` in
+    ``config``)."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for transformers' ``from_config`` / ``from_pretrained``
+    (``attn_implementation: eager``...)."""
+
+
+@dataclass
 class ModelConfig:
     target: Optional[str] = None
     """``module:callable`` that returns the ``torch.nn.Module`` to train."""
+    hf: Optional[HFModelConfig] = None
+    """Instead of ``target``: a transformers model (``pip install 'torchkeel[hf]'``)."""
     args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for ``target``."""
     init_from: Optional[str] = None

@@ -13,6 +13,7 @@ from torchkeel.errors import ConfigError
 def check_config(cfg: Any) -> None:
     """Raise ``ConfigError`` for the first value or combination of ``cfg`` that cannot run."""
     _check_train(cfg)
+    _check_model(cfg)
     _check_data(cfg)
     _check_optim(cfg)
     _check_checkpoint(cfg)
@@ -36,6 +37,15 @@ def _check_train(cfg: Any) -> None:
         raise ConfigError(
             "train.ema does not work with dist.strategy=fsdp yet (the average would need the "
             "full weights on every rank); use dist.strategy=ddp or set train.ema.decay=0"
+        )
+
+
+def _check_model(cfg: Any) -> None:
+    """model.*: one way to build it."""
+    if cfg.model.hf is not None and cfg.model.target is not None:
+        raise ConfigError(
+            f"model.target={cfg.model.target!r} and model.hf are both set; keep one (model.target=null "
+            "to train the transformers model)"
         )
 
 

@@ -20,6 +20,7 @@ from torchkeel.rng import seed_everything
 from torchkeel.train.accumulate import total_steps
 from torchkeel.train.compile import CompiledOrEager, Reporter
 from torchkeel.train.ema import WeightAverage
+from torchkeel.train.hf import build_hf_model
 from torchkeel.train.metricset import MetricSet
 from torchkeel.train.objective import Objective
 from torchkeel.train.optim import build_optimizer
@@ -158,9 +159,14 @@ def resolve_device(name: str, rank: RankInfo | None = None) -> torch.device:
 
 
 def build_model(cfg: ModelConfig) -> torch.nn.Module:
-    """Call ``model.target(**model.args)``; it must return an ``nn.Module``."""
+    """Call ``model.target(**model.args)`` (it must return an ``nn.Module``), or build ``model.hf``."""
+    if cfg.hf is not None:
+        return build_hf_model(cfg.hf)
     if cfg.target is None:
-        raise ConfigError("model.target is not set; give a 'module:callable' that returns an nn.Module")
+        raise ConfigError(
+            "model.target is not set; give a 'module:callable' that returns an nn.Module, or model.hf "
+            "for a transformers model"
+        )
     model = build_target(cfg.target, cfg.args, "model")
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(

@@ -1,0 +1,108 @@
+"""``model.hf``: a transformers model built from a config, or loaded from a local ``save_pretrained``
+directory — nothing is downloaded, and no pickle is read.
+
+The model's own loss is the step (``model(**batch).loss``, see ``train.objective``): a causal LM
+shifts its labels itself, and the step counts the labels that are not ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchkeel.config.schema import HFModelConfig
+from torchkeel.errors import ConfigError, MissingExtraError, first_line
+
+TASKS = {
+    "causal-lm": "AutoModelForCausalLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+}
+"""``model.hf.task`` → the transformers Auto class that picks the head."""
+
+PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle")
+"""Weight files read with pickle (``pytorch_model.bin``...): refused, as everywhere in torchkeel."""
+
+
+def build_hf_model(cfg: HFModelConfig) -> torch.nn.Module:
+    """The transformers model ``cfg`` describes (weights initialized from the seeded RNG for
+    ``config``, read from safetensors for ``path``).
+
+    Raises:
+        MissingExtraError: transformers is not installed.
+        ConfigError: naming the ``model.hf`` key at fault and the fix.
+    """
+    auto = _auto_class(cfg)
+    if cfg.path is not None:
+        directory = _checked_directory(cfg.path)
+        try:
+            return auto.from_pretrained(
+                directory, local_files_only=True, use_safetensors=True, trust_remote_code=False, **cfg.args
+            )
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(f"model.hf.path={cfg.path!r} could not be loaded: {first_line(exc)}") from exc
+    config = hf_config(cfg.config or {})
+    try:
+        return auto.from_config(config, **cfg.args)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"model.hf.task={cfg.task!r} does not fit model_type {config.model_type!r}: {first_line(exc)}"
+        ) from exc
+
+
+def hf_config(values: dict[str, Any]) -> Any:
+    """A ``PretrainedConfig`` from ``model.hf.config``: ``model_type`` and that model's settings."""
+    transformers = _transformers()
+    values = dict(values)
+    model_type = values.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise ConfigError("model.hf.config needs model_type (e.g. gpt2, llama, bert) and that model's settings")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **values)
+    except ValueError as exc:
+        raise ConfigError(f"model.hf.config.model_type={model_type!r}: {first_line(exc)}") from exc
+
+
+def check_hf_model(cfg: HFModelConfig) -> None:
+    """What can be checked before any rank starts: the keys, transformers, the directory."""
+    _auto_class(cfg)
+    if cfg.path is not None:
+        _checked_directory(cfg.path)
+    else:
+        hf_config(cfg.config or {})
+
+
+def _auto_class(cfg: HFModelConfig) -> Any:
+    if (cfg.config is None) == (cfg.path is None):
+        raise ConfigError(
+            "model.hf needs exactly one of config (a transformers config: {model_type: gpt2, ...}) "
+            "and path (a directory written by save_pretrained)"
+        )
+    return getattr(_transformers(), TASKS[cfg.task])
+
+
+def _checked_directory(path: str) -> Path:
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        raise ConfigError(
+            f"model.hf.path={path!r} is not a directory written by save_pretrained (no config.json there)"
+        )
+    pickled = sorted(p.name for pattern in PICKLED for p in directory.glob(pattern))
+    if pickled:
+        raise ConfigError(
+            f"model.hf.path={path!r} holds weights stored with pickle ({', '.join(pickled)}), which torchkeel "
+            "does not read; save the model with save_pretrained(dir) (safetensors) and remove them"
+        )
+    if not any(directory.glob("*.safetensors")):
+        raise ConfigError(f"model.hf.path={path!r} has no .safetensors weights; save the model with save_pretrained")
+    return directory
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise MissingExtraError("hf", "transformers", "model.hf") from None
+    return transformers
