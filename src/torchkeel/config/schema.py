@@ -224,6 +224,11 @@ class TrainConfig:
     """Micro-batches per optimizer step; the update equals one step on the concatenated batch."""
     clip_grad_norm: Optional[float] = 1.0
     """Clip the global gradient norm to this value (``null``: no clipping; the norm is still logged)."""
+    activation_checkpointing: Union[bool, list[str]] = False
+    """Recompute activations in the backward pass instead of keeping them (less memory for a
+    longer sequence or a bigger batch, about a third more compute, the same losses): ``true``
+    for every transformer block, found by structure (a transformers model does its own), or a
+    list of class names. ``dist.activation_checkpointing`` is its old name."""
     val_every: int = 0
     """Validate every N optimizer steps; 0 validates at the end of each epoch. Always at the end."""
     log_every: int = 10

@@ -41,7 +41,12 @@ def _check_train(cfg: Any) -> None:
 
 
 def _check_model(cfg: Any) -> None:
-    """model.*: one way to build it."""
+    """model.* and activation checkpointing: one way to build and run it."""
+    if cfg.train.activation_checkpointing not in (False, []) and cfg.dist.activation_checkpointing:
+        raise ConfigError(
+            "train.activation_checkpointing and dist.activation_checkpointing (its old name) are both set; keep "
+            "train.activation_checkpointing"
+        )
     if cfg.model.hf is not None and cfg.model.target is not None:
         raise ConfigError(
             f"model.target={cfg.model.target!r} and model.hf are both set; keep one (model.target=null "

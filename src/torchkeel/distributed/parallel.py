@@ -33,16 +33,19 @@ def resolve_strategy(cfg: DistConfig, world_size: int) -> Strategy:
     return cfg.strategy
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, class_names: list[str]) -> int:
+def apply_activation_checkpointing(
+    model: torch.nn.Module, class_names: list[str], key: str = "dist.activation_checkpointing"
+) -> int:
     """Recompute the activations of every module whose class is named, in the backward pass;
-    return how many modules. The state-dict keys do not change (the forward is wrapped in place)."""
+    return how many modules. The state-dict keys do not change (the forward is wrapped in place),
+    and the random state is replayed (dropout draws the same masks)."""
     if not class_names:
         return 0
     wanted = set(class_names)
     found = [m for m in model.modules() if type(m).__name__ in wanted]
     if not found:
         raise ConfigError(
-            f"dist.activation_checkpointing: no module of class {sorted(wanted)} in the model; "
+            f"{key}: no module of class {sorted(wanted)} in the model; "
             f"its classes: {sorted({type(m).__name__ for m in model.modules()})}"
         )
     for module in found:

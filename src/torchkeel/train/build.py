@@ -25,6 +25,7 @@ from torchkeel.train.metricset import MetricSet
 from torchkeel.train.objective import Objective
 from torchkeel.train.optim import build_optimizer
 from torchkeel.train.precision import Precision
+from torchkeel.train.recompute import checkpoint_activations
 from torchkeel.train.schedule import build_scheduler
 
 
@@ -80,6 +81,7 @@ def build_training(
         )
         if skipped:
             print(f"keel: warning: model.init_from '{path}': not loaded: {', '.join(skipped)}", file=sys.stderr)
+    checkpoint_activations(model, cfg.train.activation_checkpointing)
     wrapped = job.wrap(model, precision=cfg.precision, batch_size=cfg.train.batch_size, accumulate=cfg.train.accumulate)
     job.seed_rank(cfg.seed)
     c = cfg.compile

@@ -240,7 +240,7 @@ def _synced(
         if min(proposals) == 0:
             raise SampleTooLarge(
                 f"out of memory with a micro-batch of one sample on rank {failed[0]}; use a smaller "
-                "model, lower precision (bf16) or dist.activation_checkpointing"
+                "model, lower precision (bf16) or train.activation_checkpointing"
             )
         return sums, int(min(proposals)), agreed, True
     factor = sync.world_size * sync.nominal / max(sum(counts), 1e-12)
