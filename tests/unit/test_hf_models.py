@@ -54,6 +54,8 @@ def test_a_save_pretrained_directory_loads_the_same_weights(tmp_path):
     assert type(loaded).__name__ == "GPT2LMHeadModel"
     assert built.state_dict().keys() == loaded.state_dict().keys()
     assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(), loaded.state_dict().values()))
+    built.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")  # transformers 5 would load it as bf16
+    assert {p.dtype for p in build_model(hf(path=str(tmp_path / "bf16"))).parameters()} == {torch.float32}
 
 
 def test_a_directory_with_pickle_weights_is_refused_naming_the_file(tmp_path):

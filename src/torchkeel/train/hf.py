@@ -28,7 +28,8 @@ PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle")
 
 def build_hf_model(cfg: HFModelConfig) -> torch.nn.Module:
     """The transformers model ``cfg`` describes (weights initialized from the seeded RNG for
-    ``config``, read from safetensors for ``path``).
+    ``config``, read from safetensors for ``path``; in fp32 either way unless ``model.hf.args``
+    says ``dtype``: ``train.precision`` decides what the step computes in).
 
     Raises:
         MissingExtraError: transformers is not installed.
@@ -37,9 +38,12 @@ def build_hf_model(cfg: HFModelConfig) -> torch.nn.Module:
     auto = _auto_class(cfg)
     if cfg.path is not None:
         directory = _checked_directory(cfg.path)
+        args = dict(cfg.args)
+        if "dtype" not in args and "torch_dtype" not in args:  # fp32 weights; train.precision does the rest
+            args["dtype" if _major(_transformers().__version__) >= 5 else "torch_dtype"] = torch.float32
         try:
             return auto.from_pretrained(
-                directory, local_files_only=True, use_safetensors=True, trust_remote_code=False, **cfg.args
+                directory, local_files_only=True, use_safetensors=True, trust_remote_code=False, **args
             )
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise ConfigError(f"model.hf.path={cfg.path!r} could not be loaded: {first_line(exc)}") from exc
@@ -98,6 +102,10 @@ def _checked_directory(path: str) -> Path:
     if not any(directory.glob("*.safetensors")):
         raise ConfigError(f"model.hf.path={path!r} has no .safetensors weights; save the model with save_pretrained")
     return directory
+
+
+def _major(version: str) -> int:
+    return int(version.split(".", 1)[0])
 
 
 def _transformers() -> Any:
