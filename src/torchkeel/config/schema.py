@@ -347,6 +347,18 @@ class CompileConfig:
 
 
 @dataclass
+class ProfileConfig:
+    steps: list[int] = field(default_factory=list)
+    """``[start, end]``: write a ``torch.profiler`` trace of training steps start to end (counted
+    from 1, both included) into ``<run_dir>/profile``, with a summary of where their time went
+    (``[]``: no profiling)."""
+    record_shapes: bool = False
+    """Record each operator's input shapes (a larger trace)."""
+    memory: bool = False
+    """Record tensor allocations and frees (memory per operator, a larger trace)."""
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = False
     """Write TensorBoard event files under ``<run_dir>/tensorboard`` (needs ``tensorboard``)."""
@@ -396,6 +408,7 @@ class KeelConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     metrics: list[MetricConfig] = field(default_factory=list)
     """Validation metrics (torchmetrics): a list of ``{name, target, args}``, each computed over the
     whole validation set and logged as ``val_<name>``; with none, classification gets ``val_accuracy``."""

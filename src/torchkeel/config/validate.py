@@ -41,11 +41,16 @@ def _check_train(cfg: Any) -> None:
 
 
 def _check_model(cfg: Any) -> None:
-    """model.* and activation checkpointing: one way to build and run it."""
+    """model.*, activation checkpointing and profiling: one way to build and run it."""
     if cfg.train.activation_checkpointing not in (False, []) and cfg.dist.activation_checkpointing:
         raise ConfigError(
             "train.activation_checkpointing and dist.activation_checkpointing (its old name) are both set; keep "
             "train.activation_checkpointing"
+        )
+    steps = cfg.profile.steps
+    if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+        raise ConfigError(
+            f"profile.steps must be [start, end] with 1 <= start <= end (steps count from 1), got {steps}"
         )
     if cfg.model.hf is not None and cfg.model.target is not None:
         raise ConfigError(

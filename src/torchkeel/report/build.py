@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from torchkeel.errors import MissingExtraError
+from torchkeel.train.profiling import describe, read_summary
 from torchkeel.train.runlog import read_metrics
 
 FIGSIZE, DPI = (8.0, 3.0), 100  # every chart is 800 × 300 pixels
@@ -261,6 +262,24 @@ pre{{background:#f6f6f6;padding:1em;max-height:20em;overflow:auto}} .missing{{co
 {f'<h2>Missing</h2><ul class="missing">{missing}</ul>' if missing else ""}
 <h2>Timeline</h2>{images or '<p class="missing">no charts: nothing was logged yet</p>'}
 <h2>Incidents</h2>{f"<table><tr><th>step</th><th>kind</th><th>message</th></tr>{listed}</table>" if listed else "<p>none</p>"}
-<h2>Config</h2><pre>{esc(config)}</pre>
+{_profile_html(run)}<h2>Config</h2><pre>{esc(config)}</pre>
 </body></html>
 """
+
+
+def _profile_html(run: Path) -> str:
+    """The ``profile`` section: where the profiled steps' time went, and the top operators."""
+    summary = read_summary(run)
+    if summary is None:
+        return ""
+    esc = html.escape
+    rows = "".join(
+        f"<tr><td>{esc(op['name'])}</td><td>{op['calls']}</td><td>{op['self_ms']:.3f}</td><td>{op['total_ms']:.3f}</td>"
+        f"<td>{op.get('device_ms', 0.0):.3f}</td></tr>"
+        for op in summary.get("top_ops", [])
+    )
+    return (
+        f"<h2>Profile</h2><p>{esc(describe(summary))}. The trace is in <code>profile/</code> (Perfetto, TensorBoard).</p>"
+        "<table><tr><th>operator</th><th>calls (all steps)</th><th>self ms a step</th><th>total ms a step</th>"
+        f"<th>device ms a step</th></tr>{rows}</table>\n"
+    )

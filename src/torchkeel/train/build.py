@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from torchkeel.train.metricset import MetricSet
 from torchkeel.train.objective import Objective
 from torchkeel.train.optim import build_optimizer
 from torchkeel.train.precision import Precision
+from torchkeel.train.profiling import StepProfiler
 from torchkeel.train.recompute import checkpoint_activations
 from torchkeel.train.schedule import build_scheduler
 
@@ -46,6 +48,7 @@ class Training:
     optimizer: torch.optim.Optimizer
     total_steps: int
     scheduler: Any
+    profiler: StepProfiler
 
 
 def build_training(
@@ -106,8 +109,20 @@ def build_training(
         decay=cfg.schedule.decay,
         min_lr=cfg.schedule.min_lr,
     )
+    profiler = StepProfiler(cfg.profile, Path(cfg.out_dir) / cfg.name / "profile", model, rank.rank)
     return Training(
-        data, model, forward_model, objective, val_scores, train_scores, params, ema, optimizer, steps, scheduler
+        data,
+        model,
+        forward_model,
+        objective,
+        val_scores,
+        train_scores,
+        params,
+        ema,
+        optimizer,
+        steps,
+        scheduler,
+        profiler,
     )
 
 

@@ -84,7 +84,7 @@ class Trainer:
             raise
         self.data, self.train_loader, self.val_loader = t.data, t.data.train, t.data.val
         self.model, self.forward_model, self.objective, self.params = t.model, t.forward_model, t.objective, t.params
-        self.val_scores, self.train_scores, self.ema = t.val_scores, t.train_scores, t.ema
+        self.val_scores, self.train_scores, self.ema, self.profiler = t.val_scores, t.train_scores, t.ema, t.profiler
         self.optimizer, self.scheduler, self.total_steps = t.optimizer, t.scheduler, t.total_steps
         self.step_options = step_options(cfg, t, self.precision, self.job, before_forward=oom_hook, agree=self._agree)
         self.parts = TrainingParts(self.model, self.optimizer, self.scheduler, self.precision.scaler, self.ema)
@@ -114,6 +114,7 @@ class Trainer:
         try:
             return self._fit()
         finally:
+            self.profiler.close()
             self.job.close()
 
     def _fit(self) -> dict[str, Any]:
@@ -172,6 +173,7 @@ class Trainer:
                     end_at_floor(self.scheduler, self.optimizer)  # fewer steps than planned (bad samples)
                 is_log = (c.step + 1) % train.log_every == 0 or is_last
                 lr = self.optimizer.param_groups[0]["lr"] if is_log else 0.0
+                self.profiler.before_step(c.step + 1)
                 with self.job.watch_step(c.step + 1):
                     result = self._step(group)
                 c.step, c.batch_in_epoch = c.step + 1, c.batch_in_epoch + len(group)
