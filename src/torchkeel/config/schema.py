@@ -359,9 +359,21 @@ class ProfileConfig:
 
 
 @dataclass
+class MlflowConfig:
+    tracking_uri: Optional[str] = None
+    """Where the runs go: a server (``http://mlflow:5000``), a database (``sqlite:///mlflow.db``)
+    or a directory (``file:./mlruns``); ``null``: MLflow's default (``MLFLOW_TRACKING_URI``)."""
+    experiment: Optional[str] = None
+    """The MLflow experiment (``null``: the run's ``name``)."""
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = False
     """Write TensorBoard event files under ``<run_dir>/tensorboard`` (needs ``tensorboard``)."""
+    mlflow: Optional[MlflowConfig] = None
+    """Send the run to MLflow (``pip install 'torchkeel[mlflow]'``): every scalar at its step, the
+    config as params, incidents as tags, the run ended with the run's status."""
     loggers: list[str] = field(default_factory=list)
     """``module:callable`` per extra logger, called with ``(run_dir, config_dict)``; it returns an
     object with ``log_metrics(step, values)``, ``log_incident(row)`` and ``close()``."""

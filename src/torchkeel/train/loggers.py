@@ -1,7 +1,8 @@
 """Where a run's rows go besides ``metrics.jsonl``: TensorBoard, or any logger with three methods.
 
-A logger is anything with ``log_metrics(step, values)``, ``log_incident(row)`` and ``close()``.
-TensorBoard is built in (``logging.tensorboard: true``); others plug in through
+A logger is anything with ``log_metrics(step, values)``, ``log_incident(row)`` and ``close()``
+(and, if it wants the run's final status, ``finish(status)``, called instead of ``close()``).
+TensorBoard and MLflow are built in (``logging.tensorboard: true``, ``logging.mlflow``); others plug in through
 ``logging.loggers: [module:callable]``, each called with ``(run_dir, config_dict)``. Only rank 0
 logs.
 """
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 
 from torchkeel.config.imports import build_target
 from torchkeel.errors import ConfigError, MissingExtraError
+from torchkeel.train.tracking import MlflowLogger
 
 _NOT_SCALARS = {"kind", "step", "epoch", "wall_s", "time"}
 FLUSH_ROWS, FLUSH_S = 100, 30.0
@@ -94,6 +96,17 @@ class RunLoggers:
         loggers: list[Logger] = []
         if logging_config.tensorboard:
             loggers.append(TensorBoardLogger(run_dir / "tensorboard", config_text=config_text, purge_step=resume_step))
+        if logging_config.mlflow is not None:
+            ml = logging_config.mlflow
+            loggers.append(
+                MlflowLogger(
+                    run_dir,
+                    config,
+                    tracking_uri=ml.tracking_uri,
+                    experiment=ml.experiment,
+                    resume=resume_step is not None,
+                )
+            )
         for i, spec in enumerate(logging_config.loggers):
             logger = build_target(spec, {}, f"logging.loggers[{i}]", call_args=(run_dir, config))
             missing = [m for m in ("log_metrics", "log_incident", "close") if not callable(getattr(logger, m, None))]
@@ -124,6 +137,11 @@ class RunLoggers:
         for logger in self.loggers:
             logger.log_incident(row)
 
-    def close(self) -> None:
+    def close(self, status: str | None = None) -> None:
+        """Close every logger; one with ``finish(status)`` is told how the run ended instead."""
         for logger in self.loggers:
-            logger.close()
+            finish = getattr(logger, "finish", None)
+            if callable(finish):
+                finish(status)
+            else:
+                logger.close()

@@ -237,7 +237,7 @@ class RunFiles:
         line = self.incidents.summary_line(distinct)
         if line and self.is_main:
             print(f"keel: {line} (details: {self.run_dir / 'incidents.jsonl'})", file=sys.stderr)
-        self._loggers.close()
+        self._loggers.close(summary.get("status"))
         if self._metrics is not None:
             self._metrics.close()
             write_json_atomic(self.run_dir / "summary.json", summary)

@@ -1,0 +1,94 @@
+"""Experiment trackers as built-in loggers: ``logging.mlflow``.
+
+The same rows as ``metrics.jsonl`` and ``incidents.jsonl`` go to the tracker on rank 0: every
+scalar as ``<kind>/<key>`` at its step, the resolved config as the run's params, each incident as
+a tag. The tracker's run ends with the torchkeel run's status (finished, killed when preempted or
+interrupted, failed), and a resumed run continues the same tracker run.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from torchkeel.errors import MissingExtraError
+
+MAX_PARAM = 500
+"""Characters of a param's value kept (older MLflow servers refuse longer values)."""
+MAX_TAG = 5000
+PARAMS_PER_CALL = 100  # MLflow's limit per log_batch
+END_STATES = {"completed": "FINISHED", "stopped_early": "FINISHED", "preempted": "KILLED", "interrupted": "KILLED"}
+"""torchkeel's final status → MLflow's run status (any other: ``FAILED``)."""
+
+
+class MlflowLogger:
+    """A torchkeel run as an MLflow run, through ``MlflowClient`` (no global state of mlflow's).
+
+    ``tracking_uri``: where runs go (``None``: MLflow's default, ``MLFLOW_TRACKING_URI``);
+    ``experiment``: its name (``None``: the run's ``name``). The run's id is kept in
+    ``<run_dir>/mlflow_run_id`` so that a resumed run continues it.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        *,
+        tracking_uri: str | None = None,
+        experiment: str | None = None,
+        resume: bool = False,
+    ) -> None:
+        try:
+            from mlflow import MlflowClient
+            from mlflow.entities import Metric, Param
+        except ImportError:
+            raise MissingExtraError("mlflow", "mlflow-skinny", "logging.mlflow") from None
+        self._metric = Metric
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        name = experiment or str(config.get("name") or "torchkeel")
+        found = self.client.get_experiment_by_name(name)
+        experiment_id = found.experiment_id if found is not None else self.client.create_experiment(name)
+        id_file = Path(run_dir) / "mlflow_run_id"
+        self.incidents = 0
+        if resume and id_file.is_file():
+            self.run_id = id_file.read_text().strip()
+            self.client.update_run(self.run_id, status="RUNNING")
+            self.incidents = int(self.client.get_run(self.run_id).data.tags.get("torchkeel.incidents", "0"))
+            return
+        run = self.client.create_run(
+            experiment_id, run_name=Path(run_dir).name, tags={"torchkeel.run_dir": str(run_dir)}
+        )
+        self.run_id = run.info.run_id
+        id_file.write_text(self.run_id)
+        params = [Param(key[:250], str(value)[:MAX_PARAM]) for key, value in flatten(config).items()]
+        for start in range(0, len(params), PARAMS_PER_CALL):
+            self.client.log_batch(self.run_id, params=params[start : start + PARAMS_PER_CALL])
+
+    def log_metrics(self, step: int, values: dict[str, float]) -> None:
+        at = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[self._metric(k, v, at, step) for k, v in values.items()])
+
+    def log_incident(self, row: dict[str, Any]) -> None:
+        self.incidents += 1
+        text = f"step {row.get('step')} {row.get('kind')}: {row.get('message', '')}"
+        self.client.set_tag(self.run_id, f"torchkeel.incident.{self.incidents:04d}", text[:MAX_TAG])
+        self.client.set_tag(self.run_id, "torchkeel.incidents", str(self.incidents))
+
+    def finish(self, status: str | None) -> None:
+        """End the MLflow run with the torchkeel run's final ``status``."""
+        self.client.set_terminated(self.run_id, END_STATES.get(status or "completed", "FAILED"))
+
+    def close(self) -> None:
+        self.finish(None)
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config → ``{"optim.lr": 0.001, ...}``."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

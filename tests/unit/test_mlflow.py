@@ -1,0 +1,90 @@
+"""``logging.mlflow``, read back with MLflow's own client from a local file store: every
+metrics.jsonl scalar at its step, the config as params, incidents as tags, and the MLflow run
+ended as the torchkeel run ended — completed, preempted (then resumed into the same run), failed."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+
+mlflow = pytest.importorskip("mlflow")  # in the dev extra, which make setup installs
+from mlflow import MlflowClient  # noqa: E402
+from test_loggers import BUSY, rows_of  # noqa: E402
+from test_trainer_checkpoints import SignalAt  # noqa: E402
+
+import torchkeel as tk  # noqa: E402
+from torchkeel.errors import MissingExtraError  # noqa: E402
+from torchkeel.train.tracking import MlflowLogger  # noqa: E402
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store for local use
+    return f"file:{tmp_path / 'mlruns'}"
+
+
+def the_run(store, trainer):
+    run_id = (trainer.run_dir / "mlflow_run_id").read_text()
+    return MlflowClient(tracking_uri=store), run_id
+
+
+def test_every_scalar_the_config_and_the_incidents_reach_mlflow(tiny_config, store):
+    trainer = tk.Trainer(tiny_config(f"logging.mlflow.tracking_uri={store}", *BUSY), progress=False)
+    trainer.fit()
+    client, run_id = the_run(store, trainer)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "tiny"
+    assert client.get_experiment(run.info.experiment_id).name == "tiny"  # the run's name by default
+    for kind, key in (("train", "loss"), ("train", "lr"), ("val", "val_loss"), ("memory", "rss_bytes")):
+        expected = [(r["step"], r[key]) for r in rows_of(trainer.run_dir, kind)]
+        got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, f"{kind}/{key}"))
+        assert [s for s, _ in got] == [s for s, _ in expected] and expected, key
+        assert all(v == pytest.approx(w, rel=1e-9) for (_, v), (_, w) in zip(got, expected)), key
+    params = run.data.params
+    assert params["optim.lr"] == str(trainer.config.optim.lr) and params["train.max_epochs"] == "2"
+    incidents = (trainer.run_dir / "incidents.jsonl").read_text().splitlines()
+    tags = {k: v for k, v in run.data.tags.items() if k.startswith("torchkeel.incident.")}
+    assert len(tags) == len(incidents) > 0 and run.data.tags["torchkeel.incidents"] == str(len(incidents))
+    assert tags["torchkeel.incident.0001"].startswith("step 5 memory: ")
+
+
+def test_a_preempted_run_is_killed_then_resumed_into_the_same_mlflow_run(tiny_config, store):
+    options = (f"logging.mlflow.tracking_uri={store}", "logging.mlflow.experiment=team")
+    first = tk.Trainer(tiny_config(*options), model=SignalAt(9, signal.SIGTERM), progress=False)
+    assert first.fit()["status"] == "preempted"
+    client, run_id = the_run(store, first)
+    assert client.get_run(run_id).info.status == "KILLED"
+    second = tk.Trainer(tiny_config(*options), model=SignalAt(0, signal.SIGTERM), resume="auto", progress=False)
+    assert second.fit()["status"] == "completed"
+    assert the_run(store, second)[1] == run_id and client.get_run(run_id).info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
+    assert max(steps) == max(r["step"] for r in rows_of(second.run_dir, "train"))
+    assert len(client.search_runs([client.get_experiment_by_name("team").experiment_id])) == 1
+
+
+def test_a_failed_run_fails_in_mlflow(tiny_config, store):
+    trainer = tk.Trainer(tiny_config(f"logging.mlflow.tracking_uri={store}"), model=Exploding(), progress=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit()
+    client, run_id = the_run(store, trainer)
+    assert client.get_run(run_id).info.status == "FAILED"
+
+
+def test_without_mlflow_the_error_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(
+        MissingExtraError, match=r"logging.mlflow needs the 'mlflow-skinny' package: pip install 'torchkeel\[mlflow\]'"
+    ):
+        MlflowLogger(tmp_path, {"name": "x"})
+
+
+class Exploding(SignalAt):
+    def __init__(self):
+        super().__init__(0, signal.SIGTERM)
+
+    def forward(self, x):
+        if self.calls == 3:
+            raise RuntimeError("boom")
+        return super().forward(x)
