@@ -38,6 +38,7 @@ bench: setup
 	$(PY) bench/checkpoint.py
 	$(PY) bench/serve.py
 	$(PY) bench/data.py
+	$(PY) bench/lm.py
 	$(PY) bench/ddp.py
 	$(PY) bench/diagnose.py
 	$(PY) bench/leaks.py
