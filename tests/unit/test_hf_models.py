@@ -14,6 +14,7 @@ import torchkeel as tk
 from torchkeel.cli.main import main
 from torchkeel.errors import ConfigError, MissingExtraError
 from torchkeel.export import export_run
+from torchkeel.export.export import trained_model
 from torchkeel.train.build import build_model
 from torchkeel.train.hf import build_hf_model
 
@@ -123,3 +124,32 @@ def test_without_transformers_the_error_names_the_extra(monkeypatch):
         MissingExtraError, match=r"model.hf needs the 'transformers' package: pip install 'torchkeel\[hf\]'"
     ):
         build_model(hf(config=GPT2))
+
+
+def test_keel_export_hf_writes_the_trained_weights_back_as_a_save_pretrained_directory(tmp_path, capsys):
+    config = {
+        "name": "lm",
+        "out_dir": str(tmp_path),
+        "model": {"hf": {"config": {**GPT2, "pad_token_id": 0}}},
+        "data": {"target": "tokens:make_data", "args": {"num_train": 32, "num_val": 16}, "collate": "pad"},
+        "train": {"batch_size": 16},
+    }
+    (tmp_path / "lm.yaml").write_text(yaml.safe_dump(config))
+    assert main(["train", str(tmp_path / "lm.yaml")]) == 0
+    assert main(["export", str(tmp_path / "lm"), "--format", "hf"]) == 0
+    assert "save_pretrained directory" in capsys.readouterr().out
+    out = tmp_path / "lm" / "export-hf"
+    assert (out / "config.json").is_file() and list(out.glob("*.safetensors")) and not list(out.glob("*.bin"))
+    reference, *_ = trained_model(tmp_path / "lm")  # the checkpoint's weights
+    loaded = build_model(hf(path=str(out)))  # back through model.hf.path
+    assert reference.state_dict().keys() == loaded.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), loaded.state_dict().values()))
+
+
+def test_keel_export_hf_of_a_model_that_is_not_transformers_is_refused(tmp_path, capsys):
+    from conftest import train_tiny
+
+    train_tiny(tmp_path, 4)
+    assert main(["export", str(tmp_path / "tiny"), "--format", "hf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--format hf writes a transformers model with save_pretrained" in err[0]

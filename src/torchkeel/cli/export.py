@@ -1,4 +1,4 @@
-"""``keel export RUN_DIR_OR_CHECKPOINT --format torchscript|torch-export|onnx [--out DIR]``."""
+"""``keel export RUN_DIR_OR_CHECKPOINT --format torchscript|torch-export|onnx|hf [--out DIR]``."""
 
 from __future__ import annotations
 
@@ -9,14 +9,19 @@ from pathlib import Path
 from typing import Any
 
 from torchkeel.errors import ConfigError
-from torchkeel.export.export import export_run
+from torchkeel.export.export import export_pretrained, export_run
 from torchkeel.export.formats import FILENAMES
 from torchkeel.export.parity import describe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="run directory (its newest valid checkpoint) or a checkpoint directory")
-    parser.add_argument("--format", required=True, choices=list(FILENAMES), help="artifact format")
+    parser.add_argument(
+        "--format",
+        required=True,
+        choices=[*FILENAMES, "hf"],
+        help="artifact format (hf: a transformers model's save_pretrained directory)",
+    )
     parser.add_argument("--out", help="output directory (default: RUN_DIR/export-FORMAT)")
     parser.add_argument("--batch-sizes", default="1,8", help="parity batch sizes, comma-separated (default 1,8)")
     image = parser.add_argument_group(
@@ -35,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if os.getcwd() not in sys.path:  # the run's model.target is imported, as for keel train
         sys.path.insert(0, os.getcwd())
+    if args.format == "hf":
+        out = export_pretrained(args.source, args.out)
+        print(f"wrote a save_pretrained directory (config.json, safetensors) to {out}")
+        return 0
     sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
     meta = export_run(
         args.source, args.format, args.out, sizes, preprocess=_preprocess(args), labels=_labels(args.labels)

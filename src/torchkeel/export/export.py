@@ -1,4 +1,5 @@
-"""``export_run``: a run directory or checkpoint → an exported model, checked, with ``model.json``."""
+"""``export_run``: a run directory or checkpoint → an exported model, checked, with ``model.json``;
+``export_pretrained``: a transformers model's weights back as a ``save_pretrained`` directory."""
 
 from __future__ import annotations
 
@@ -68,14 +69,7 @@ def export_run(
     """
     if fmt not in FILENAMES:
         raise ConfigError(f"--format must be one of {', '.join(FILENAMES)}, got {fmt!r}")
-    checkpoint, run_dir = _resolve(Path(source))
-    config = load_config(run_dir / "config.yaml")
-    model = build_model(config.model)
-    ema = checkpoint.state.get("ema") if checkpoint.state else None
-    weights = averaged_weights(ema) if ema is not None else checkpoint_weights(checkpoint)
-    which = "ema" if ema is not None else "model"
-    load_model_weights(model, weights, strict=True, source=f"checkpoint '{checkpoint.path}' ({which} weights)")
-    model = model.float().eval()
+    model, checkpoint, run_dir, config, which = trained_model(source)
     inputs = run_inputs(config, model, limit=max(max(batch_sizes), 8))
     module = ExportModule(model, inputs.signature)
     first = inputs.feeds[0]
@@ -132,6 +126,39 @@ def export_run(
     if not parity["passed"]:
         raise ParityError(f"{describe(parity)}; nothing was shipped as good (see {out / 'model.json'})")
     return meta
+
+
+def trained_model(source: str | Path) -> tuple[torch.nn.Module, Any, Path, Any, str]:
+    """The model of a run directory (its newest valid checkpoint) or of a checkpoint, with its
+    weights — the averaged ones when the run kept an EMA — in fp32, in eval mode; with the
+    checkpoint, the run directory, the run's config and which weights (``ema`` or ``model``)."""
+    checkpoint, run_dir = _resolve(Path(source))
+    config = load_config(run_dir / "config.yaml")
+    model = build_model(config.model)
+    ema = checkpoint.state.get("ema") if checkpoint.state else None
+    weights = averaged_weights(ema) if ema is not None else checkpoint_weights(checkpoint)
+    which = "ema" if ema is not None else "model"
+    load_model_weights(model, weights, strict=True, source=f"checkpoint '{checkpoint.path}' ({which} weights)")
+    return model.float().eval(), checkpoint, run_dir, config, which
+
+
+def export_pretrained(source: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Write a transformers model's trained weights back as a ``save_pretrained`` directory
+    (``config.json`` and safetensors; default ``<run_dir>/export-hf``), which ``model.hf.path``,
+    transformers' ``from_pretrained`` and the tools built on it load. Returns the directory.
+
+    Raises:
+        ConfigError: the run's model is not a transformers model (it has no ``save_pretrained``).
+    """
+    model, _, run_dir, _, _ = trained_model(source)
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise ConfigError(
+            f"--format hf writes a transformers model with save_pretrained, and the model of '{run_dir}' is a "
+            f"{type(model).__name__}; use --format onnx, torchscript or torch-export"
+        )
+    out = Path(out_dir) if out_dir is not None else run_dir / "export-hf"
+    model.save_pretrained(out)
+    return out
 
 
 def _resolve(source: Path):
