@@ -21,6 +21,7 @@ from torchkeel.errors import KeelError
 COMMANDS = {
     "train": ("train", "train the model a YAML config describes (overrides: key=value, e.g. optim.lr=3e-4)"),
     "demo": ("demo", "train a small CNN on scikit-learn's handwritten digits (runs again and again into OUT_DIR/demo)"),
+    "lr-find": ("lrfind", "the learning-rate range test: train a copy at rising rates, plot the loss, suggest a rate"),
     "export": ("export", "export a trained model, check parity with the eager model, write model.json"),
     "triton-repo": (
         "triton_repo",
