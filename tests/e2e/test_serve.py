@@ -314,7 +314,10 @@ def test_sigterm_answers_everything_in_flight_over_rest_and_grpc(exported):
         srv.proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(timeout=60)
-        assert srv.stop() == 0
+        # One SIGTERM, as Kubernetes sends: a second one (srv.stop() sends it to a process still
+        # running) could land while the process exits, after it put the default handler back.
+        assert srv.proc.wait(timeout=60) == 0
+        srv.stop()
         assert statuses == [200] * 16 and len(answers) == 8
         for answer in answers:
             np.testing.assert_allclose(answer, eager_rows(exported[1], x), atol=1e-5)
