@@ -88,3 +88,17 @@ class Exploding(SignalAt):
         if self.calls == 3:
             raise RuntimeError("boom")
         return super().forward(x)
+
+
+def test_metrics_are_sent_in_batches_not_one_request_per_logged_step(tmp_path, store):
+    logger = MlflowLogger(tmp_path, {"name": "batched"}, tracking_uri=store)
+    calls = []
+    send = logger.client.log_batch
+    logger.client.log_batch = lambda run_id, **kw: (calls.append(len(kw.get("metrics", []))), send(run_id, **kw))
+    for step in range(1, 31):
+        logger.log_metrics(step, {"train/loss": 1.0 / step, "train/lr": 0.1})
+    assert calls == []  # held: 60 values in well under FLUSH_S
+    logger.finish("completed")
+    assert calls == [60]
+    history = MlflowClient(tracking_uri=store).get_metric_history(logger.run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, 31))

@@ -17,7 +17,9 @@ from torchkeel.errors import MissingExtraError
 MAX_PARAM = 500
 """Characters of a param's value kept (older MLflow servers refuse longer values)."""
 MAX_TAG = 5000
-PARAMS_PER_CALL = 100  # MLflow's limit per log_batch
+PARAMS_PER_CALL, METRICS_PER_CALL = 100, 1000  # MLflow's limits per log_batch
+FLUSH_S = 30.0
+"""Metrics are sent at least this often (and all of them when the run ends)."""
 END_STATES = {"completed": "FINISHED", "stopped_early": "FINISHED", "preempted": "KILLED", "interrupted": "KILLED"}
 """torchkeel's final status → MLflow's run status (any other: ``FAILED``)."""
 
@@ -45,6 +47,8 @@ class MlflowLogger:
         except ImportError:
             raise MissingExtraError("mlflow", "mlflow-skinny", "logging.mlflow") from None
         self._metric = Metric
+        self._pending: list[Any] = []
+        self._sent_at = time.monotonic()
         self.client = MlflowClient(tracking_uri=tracking_uri)
         name = experiment or str(config.get("name") or "torchkeel")
         found = self.client.get_experiment_by_name(name)
@@ -66,8 +70,19 @@ class MlflowLogger:
             self.client.log_batch(self.run_id, params=params[start : start + PARAMS_PER_CALL])
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
+        """Held and sent in batches (one request per ``FLUSH_S`` or ``METRICS_PER_CALL`` values), not
+        one request per logged step on the training thread."""
         at = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[self._metric(k, v, at, step) for k, v in values.items()])
+        self._pending += [self._metric(k, v, at, step) for k, v in values.items()]
+        if len(self._pending) >= METRICS_PER_CALL or time.monotonic() - self._sent_at >= FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the metrics held."""
+        while self._pending:
+            batch, self._pending = self._pending[:METRICS_PER_CALL], self._pending[METRICS_PER_CALL:]
+            self.client.log_batch(self.run_id, metrics=batch)
+        self._sent_at = time.monotonic()
 
     def log_incident(self, row: dict[str, Any]) -> None:
         self.incidents += 1
@@ -76,7 +91,8 @@ class MlflowLogger:
         self.client.set_tag(self.run_id, "torchkeel.incidents", str(self.incidents))
 
     def finish(self, status: str | None) -> None:
-        """End the MLflow run with the torchkeel run's final ``status``."""
+        """Send what is held, then end the MLflow run with the torchkeel run's final ``status``."""
+        self.flush()
         self.client.set_terminated(self.run_id, END_STATES.get(status or "completed", "FAILED"))
 
     def close(self) -> None:
