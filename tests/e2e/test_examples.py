@@ -8,6 +8,8 @@ import sys
 import pytest
 from keelproc import ROOT, run_keel
 
+from torchkeel.config import load_config
+
 EXAMPLES = ROOT / "examples" / "streaming"
 
 
@@ -106,3 +108,33 @@ def test_the_tokens_example_trains_exports_and_learns(tmp_path, monkeypatch, nam
     finally:
         sys.path.remove(str(TOKENS))
     assert [i["name"] for i in meta["inputs"]] == ["input_ids", "attention_mask"] and meta["parity"]["passed"]
+
+
+TEXT = ROOT / "examples" / "text"
+
+
+def test_the_text_example_config_is_valid():
+    config = load_config(str(TEXT / "gpt2-bytes.yaml"))
+    assert config.data.format == "text" and config.model.hf.config["vocab_size"] == 257
+
+
+@pytest.mark.slow  # the text journey (tests/journeys/test_text_journey.py) takes the same path in the default suite
+def test_the_text_example_learns_from_the_standard_librarys_documentation(tmp_path):
+    sys.path.insert(0, str(TEXT))
+    try:
+        import corpus
+    finally:
+        sys.path.remove(str(TEXT))
+    corpus.write(tmp_path / "data", limit=40)
+    result = run_keel(
+        "train",
+        str(TEXT / "gpt2-bytes.yaml"),
+        "--no-progress",
+        "train.max_steps=150",
+        f"out_dir={tmp_path / 'runs'}",
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "runs" / "gpt2-bytes" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["val_loss"] < 2.6  # from ln(257) = 5.55

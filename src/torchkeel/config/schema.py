@@ -69,10 +69,20 @@ class PreprocessConfig:
 
 
 @dataclass
+class TokenizerConfig:
+    path: str = ""
+    """A directory written by ``save_pretrained`` (its ``tokenizer.json``) or a ``tokenizer.json``."""
+    eos: Optional[str] = None
+    """The end-of-text token put between documents (``null``: the one the tokenizer's config names,
+    or ``<|endoftext|>``, ``</s>``, ``<eos>`` if it has one)."""
+
+
+@dataclass
 class DataConfig:
-    format: Literal["map", "parquet", "webdataset"] = "map"
-    """``map``: ``target`` returns map-style datasets; ``parquet`` / ``webdataset``: stream the
-    files of ``train`` / ``val``."""
+    format: Literal["map", "parquet", "webdataset", "text", "datasets"] = "map"
+    """``map``: ``target`` returns map-style datasets; ``parquet`` / ``webdataset`` / ``text``:
+    stream the files of ``train`` / ``val``; ``datasets``: ``train`` / ``val`` are Hugging Face
+    datasets on disk (``save_to_disk`` directories or ``.arrow`` files), read map-style."""
     target: Optional[str] = None
     """Format ``map``: ``module:callable`` that returns ``(train_dataset, val_dataset)``.
     Streaming formats: the label column (Parquet) or sample key (WebDataset, e.g. ``cls``);
@@ -139,6 +149,18 @@ class DataConfig:
     """Shuffle the training set each epoch (the order depends only on ``seed`` and the epoch)."""
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     """Image decoding and normalization of each sample's input, recorded in the export for serving."""
+    tokenizer: Union[str, TokenizerConfig] = "byte"
+    """Text: ``byte`` (UTF-8 bytes as ids 0-255, end-of-text 256), a directory written by
+    ``save_pretrained`` (its ``tokenizer.json``) or a ``tokenizer.json`` file, or ``{path, eos}``."""
+    block_size: int = 1024
+    """Text: tokens per sample."""
+    pack: bool = True
+    """Text: join documents with the end-of-text token and cut them into full blocks; ``false``:
+    a document per sample, cut into pieces of at most ``block_size`` (needs ``collate: pad``)."""
+    text_key: str = "text"
+    """Text: the string field of each ``.jsonl`` line."""
+    chunk_bytes: int = 1048576
+    """Text: about how many bytes of a file make one unit of work (cut at a line end)."""
 
 
 @dataclass
@@ -368,12 +390,24 @@ class MlflowConfig:
 
 
 @dataclass
+class WandbConfig:
+    project: Optional[str] = None
+    """The W&B project (``null``: the run's ``name``)."""
+    mode: Optional[Literal["online", "offline", "disabled"]] = None
+    """``offline`` writes under ``<run_dir>/wandb`` (send it later with ``wandb sync``); ``null``:
+    W&B's default (``WANDB_MODE``, else online)."""
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = False
     """Write TensorBoard event files under ``<run_dir>/tensorboard`` (needs ``tensorboard``)."""
     mlflow: Optional[MlflowConfig] = None
     """Send the run to MLflow (``pip install 'torchkeel[mlflow]'``): every scalar at its step, the
     config as params, incidents as tags, the run ended with the run's status."""
+    wandb: Optional[WandbConfig] = None
+    """Send the run to Weights & Biases (``pip install 'torchkeel[wandb]'``): every scalar against
+    the step, the config, incidents as tags, the run ended with the run's status."""
     loggers: list[str] = field(default_factory=list)
     """``module:callable`` per extra logger, called with ``(run_dir, config_dict)``; it returns an
     object with ``log_metrics(step, values)``, ``log_incident(row)`` and ``close()``."""

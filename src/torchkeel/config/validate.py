@@ -79,15 +79,15 @@ def _check_data(cfg: Any) -> None:
     if not 0 <= d.max_bad_fraction <= 1:
         raise ConfigError(f"data.max_bad_fraction must be in [0, 1], got {d.max_bad_fraction}")
     if d.format == "map" and d.train is not None:
-        raise ConfigError("data.train is for streaming formats; set data.format=parquet or webdataset")
+        raise ConfigError("data.train is for streaming formats; set data.format=parquet, webdataset or text")
     if d.format == "parquet" and d.input is None and not d.columns and d.train is not None:
         raise ConfigError(
             "data.format=parquet needs data.input (the feature columns, or one list-valued column) "
             "or data.columns (the columns of dict samples)"
         )
-    if d.columns and (d.format != "parquet" or d.input is not None or d.target is not None):
+    if d.columns and (d.format not in ("parquet", "datasets") or d.input is not None or d.target is not None):
         raise ConfigError(
-            "data.columns makes dict samples of Parquet columns: use it with data.format=parquet, "
+            "data.columns makes dict samples of Parquet or datasets columns: use it with data.format=parquet or datasets, "
             "without data.input and data.target (name the label column among data.columns)"
         )
     if d.format == "webdataset" and d.bucket_by is not None:
@@ -95,8 +95,27 @@ def _check_data(cfg: Any) -> None:
             "data.bucket_by works with parquet and map-style data; for webdataset, "
             "write shards grouped by length or drop data.bucket_by"
         )
-    if d.batch_transform is not None and d.format != "parquet":
-        raise ConfigError("data.batch_transform applies to parquet row blocks; use data.transform per sample")
+    if d.batch_transform is not None and d.format not in ("parquet", "text"):
+        raise ConfigError("data.batch_transform applies to parquet and text row blocks; use data.transform per sample")
+    if d.format == "text":
+        _check_text(d)
+    if d.format == "datasets" and not d.columns:
+        raise ConfigError("data.format=datasets needs data.columns: the columns of each sample ([input_ids, labels])")
+
+
+def _check_text(d: Any) -> None:
+    """data.* of ``format: text``: block size, packing, and the keys that belong to other formats."""
+    _positive("data.block_size", d.block_size)
+    _positive("data.chunk_bytes", d.chunk_bytes)
+    for name in ("input", "target", "image", "bucket_by"):
+        if getattr(d, name) is not None:
+            raise ConfigError(
+                f"data.{name} is not used by data.format=text (samples are input_ids and labels); remove it"
+            )
+    if not d.pack and d.collate == "default":
+        raise ConfigError(
+            "data.pack=false makes a sample of each document, of different lengths; set data.collate: pad"
+        )
 
 
 def _check_optim(cfg: Any) -> None:

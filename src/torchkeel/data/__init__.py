@@ -1,15 +1,17 @@
 """Data: map-style and streaming loaders with a seeded, resumable, exactly-once order; sources
-(Parquet, WebDataset); collate functions; the worker-count trial."""
+(Parquet, WebDataset, text); collate functions; the worker-count trial."""
 
 from torchkeel._lazy import lazy_exports
 
 _EXPORTS = {
     "DefaultCollate": "torchkeel.data.collate",
     "EpochLoader": "torchkeel.data.loader",
+    "HFDiskDataset": "torchkeel.data.sources.hfdatasets",
     "LoaderOptions": "torchkeel.data.options",
     "PadCollate": "torchkeel.data.collate",
     "ParquetSource": "torchkeel.data.sources.parquet",
     "StreamLoader": "torchkeel.data.stream",
+    "TextSource": "torchkeel.data.sources.text",
     "TuneResult": "torchkeel.data.tune",
     "WebDatasetSource": "torchkeel.data.sources.webdataset",
     "epoch_seed": "torchkeel.data.order",
@@ -22,10 +24,12 @@ _EXPORTS = {
 __all__ = [
     "DefaultCollate",
     "EpochLoader",
+    "HFDiskDataset",
     "LoaderOptions",
     "PadCollate",
     "ParquetSource",
     "StreamLoader",
+    "TextSource",
     "TuneResult",
     "WebDatasetSource",
     "epoch_seed",

@@ -17,7 +17,9 @@ from torchkeel.data.collate import build_collate
 from torchkeel.data.images import ImagePreprocess
 from torchkeel.data.loader import EpochLoader
 from torchkeel.data.options import LoaderOptions
+from torchkeel.data.sources.hfdatasets import HFDiskDataset
 from torchkeel.data.sources.parquet import ParquetSource
+from torchkeel.data.sources.text import TextSource
 from torchkeel.data.sources.webdataset import WebDatasetSource
 from torchkeel.data.stream import StreamLoader
 from torchkeel.data.tune import TuneResult, tune_workers
@@ -106,6 +108,16 @@ def build_sources(cfg: DataConfig) -> tuple[Any, Any]:
                 key=key,
                 fixed_length=cfg.collate == "default",
             )
+        if cfg.format == "text":
+            return TextSource(
+                paths,
+                tokenizer=cfg.tokenizer,
+                block_size=cfg.block_size,
+                pack=cfg.pack,
+                text_key=cfg.text_key,
+                chunk_bytes=cfg.chunk_bytes,
+                key=key,
+            )
 
         return WebDatasetSource(
             paths,
@@ -176,6 +188,11 @@ def resolve_data(cfg: DataConfig, train_data: Any = None, val_data: Any = None) 
     """``train_data``/``val_data`` as given, or what the config names (datasets or sources)."""
     if train_data is not None:
         return train_data, val_data
+    if cfg.format == "datasets":
+        if cfg.train is None:
+            raise ConfigError("data.format=datasets needs data.train: a save_to_disk directory or .arrow files")
+        val = HFDiskDataset(cfg.val, cfg.columns, "data.val") if cfg.val is not None else None
+        return HFDiskDataset(cfg.train, cfg.columns), val
     return build_datasets(cfg) if cfg.format == "map" else build_sources(cfg)
 
 
@@ -266,7 +283,7 @@ def data_fingerprint(data: Any, cfg: DataConfig, batch_size: int) -> str:
     """Identifies the data and batch settings for the worker-count cache."""
     what = (
         data.fingerprint()
-        if is_source(data)
+        if is_source(data) or callable(getattr(data, "fingerprint", None))
         else [f"{type(data).__module__}.{type(data).__qualname__}", len(data), cfg.target, cfg.args]
     )
     return json.dumps(

@@ -113,7 +113,23 @@ def run_inputs(config: KeelConfig, model: torch.nn.Module, limit: int) -> RunInp
     feeds = [_floats(signature.feed(call)) for call in calls]
     reference_feeds = [_floats(signature.feed(call)) for call in reference_calls]
     axes = dynamic_axes(signature, calls + reference_calls)
+    declared = {k: v for k, v in getattr(train_data, "sequence_axes", {}).items() if k in axes}
+    if declared:  # token blocks all of one length: the export still takes any length up to it
+        for name, extra in declared.items():
+            axes[name] = sorted({*axes[name], *extra})
+        feeds.append(_shortened(feeds[0], declared))
     return RunInputs(signature, feeds, reference_feeds, axes, train_data)
+
+
+def _shortened(feed: dict[str, torch.Tensor], axes: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """``feed`` with its declared sequence axes cut to half their length, to check the export at
+    another length than the data's."""
+    out = {}
+    for name, tensor in feed.items():
+        for axis in axes.get(name, []):
+            tensor = tensor.narrow(axis, 0, max(1, tensor.shape[axis] // 2))
+        out[name] = tensor
+    return out
 
 
 def _calls(model: torch.nn.Module, objective: Any, loader: Any, limit: int, min_batches: int) -> list[Call]:

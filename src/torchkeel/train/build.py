@@ -21,7 +21,7 @@ from torchkeel.rng import seed_everything
 from torchkeel.train.accumulate import total_steps
 from torchkeel.train.compile import CompiledOrEager, Reporter
 from torchkeel.train.ema import WeightAverage
-from torchkeel.train.hf import build_hf_model
+from torchkeel.train.hf import build_hf_model, check_tokens_fit
 from torchkeel.train.metricset import MetricSet
 from torchkeel.train.objective import Objective
 from torchkeel.train.optim import build_optimizer
@@ -77,6 +77,7 @@ def build_training(
         world_size=rank.world_size,
     )
     model = (model if model is not None else build_model(cfg.model)).to(device)
+    check_tokens_fit(model, getattr(data.train, "source", None))
     if cfg.model.init_from:
         path = cfg.model.init_from
         skipped = load_model_weights(

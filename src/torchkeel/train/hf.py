@@ -78,6 +78,31 @@ def check_hf_model(cfg: HFModelConfig) -> None:
         hf_config(cfg.config or {})
 
 
+def check_tokens_fit(model: Any, source: Any) -> None:
+    """A token source's ids and block length fit the model's input embedding and positions (else
+    the first step fails with an index error deep in the model, or a device-side assert on GPU).
+
+    Raises:
+        ConfigError: naming the sizes and the keys to change.
+    """
+    vocab, block = getattr(source, "vocab_size", None), getattr(source, "block_size", None)
+    embeddings = getattr(model, "get_input_embeddings", None)
+    if vocab is None or not callable(embeddings):
+        return
+    rows = getattr(embeddings(), "num_embeddings", None)
+    if rows is not None and rows < vocab:
+        raise ConfigError(
+            f"data.tokenizer has {vocab} token ids but the model's input embedding has {rows} rows; "
+            f"give the model vocab_size >= {vocab} (model.hf.config.vocab_size)"
+        )
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(positions, int) and block is not None and positions < block:
+        raise ConfigError(
+            f"data.block_size={block} is longer than the model's {positions} positions; lower "
+            "data.block_size or raise the model's n_positions / max_position_embeddings"
+        )
+
+
 def _auto_class(cfg: HFModelConfig) -> Any:
     if (cfg.config is None) == (cfg.path is None):
         raise ConfigError(

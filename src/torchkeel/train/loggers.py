@@ -2,7 +2,7 @@
 
 A logger is anything with ``log_metrics(step, values)``, ``log_incident(row)`` and ``close()``
 (and, if it wants the run's final status, ``finish(status)``, called instead of ``close()``).
-TensorBoard and MLflow are built in (``logging.tensorboard: true``, ``logging.mlflow``); others plug in through
+TensorBoard, MLflow and W&B are built in (``logging.tensorboard: true``, ``logging.mlflow``, ``logging.wandb``); others plug in through
 ``logging.loggers: [module:callable]``, each called with ``(run_dir, config_dict)``. Only rank 0
 logs.
 """
@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from torchkeel.config.imports import build_target
 from torchkeel.errors import ConfigError, MissingExtraError
-from torchkeel.train.tracking import MlflowLogger
+from torchkeel.train.tracking import MlflowLogger, WandbLogger
 
 _NOT_SCALARS = {"kind", "step", "epoch", "wall_s", "time"}
 FLUSH_ROWS, FLUSH_S = 100, 30.0
@@ -106,6 +106,11 @@ class RunLoggers:
                     experiment=ml.experiment,
                     resume=resume_step is not None,
                 )
+            )
+        if logging_config.wandb is not None:
+            wb = logging_config.wandb
+            loggers.append(
+                WandbLogger(run_dir, config, project=wb.project, mode=wb.mode, resume=resume_step is not None)
             )
         for i, spec in enumerate(logging_config.loggers):
             logger = build_target(spec, {}, f"logging.loggers[{i}]", call_args=(run_dir, config))

@@ -1,13 +1,14 @@
-"""Experiment trackers as built-in loggers: ``logging.mlflow``.
+"""Experiment trackers as built-in loggers: ``logging.mlflow`` and ``logging.wandb``.
 
 The same rows as ``metrics.jsonl`` and ``incidents.jsonl`` go to the tracker on rank 0: every
 scalar as ``<kind>/<key>`` at its step, the resolved config as the run's params, each incident as
-a tag. The tracker's run ends with the torchkeel run's status (finished, killed when preempted or
-interrupted, failed), and a resumed run continues the same tracker run.
+a tag. The tracker's run ends with the torchkeel run's status (finished, killed or preempted when
+preempted or interrupted, failed), and a resumed run continues the same tracker run.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,82 @@ class MlflowLogger:
         """Send what is held, then end the MLflow run with the torchkeel run's final ``status``."""
         self.flush()
         self.client.set_terminated(self.run_id, END_STATES.get(status or "completed", "FAILED"))
+
+    def close(self) -> None:
+        self.finish(None)
+
+
+PREEMPTED = {"preempted", "interrupted"}
+EXIT_CODES = {"completed": 0, "stopped_early": 0, "preempted": 143, "interrupted": 130}
+"""torchkeel's final status → the exit code W&B records (any other: 1, failed)."""
+
+
+class WandbLogger:
+    """A torchkeel run as a Weights & Biases run, through ``wandb.init(reinit="create_new")`` (its
+    own run object, whatever else the process logs to W&B).
+
+    ``project``: the W&B project (``None``: the run's ``name``); ``mode``: ``online``,
+    ``offline`` (written under ``<run_dir>/wandb``, sent later with ``wandb sync``) or
+    ``disabled`` (``None``: W&B's default, ``WANDB_MODE``). Metrics are plotted against the
+    torchkeel step (the ``step`` key), so the rows a resumed run logs again after its checkpoint
+    do not break W&B's own increasing step. Incidents: a tag per kind (``incident:<kind>``) and
+    each one's text in the summary. The run's id is kept in ``<run_dir>/wandb_run_id`` so that a
+    resumed run continues it.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        *,
+        project: str | None = None,
+        mode: str | None = None,
+        resume: bool = False,
+    ) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise MissingExtraError("wandb", "wandb", "logging.wandb") from None
+        id_file = Path(run_dir) / "wandb_run_id"
+        resumed = resume and id_file.is_file()
+        run_id = id_file.read_text().strip() if resumed else secrets.token_hex(6)
+        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, save_code=False)
+        self.run = wandb.init(
+            project=project or str(config.get("name") or "torchkeel"),
+            name=Path(run_dir).name,
+            id=run_id,
+            resume="allow" if resumed else None,
+            config=config,
+            dir=str(run_dir),
+            mode=mode,
+            reinit="create_new",
+            settings=settings,
+        )
+        id_file.write_text(run_id)
+        self.run.define_metric("step", hidden=True)
+        self.run.define_metric("*", step_metric="step")
+        self.incidents = int(self.run.summary.get("torchkeel.incidents", 0) or 0) if resumed else 0
+
+    def log_metrics(self, step: int, values: dict[str, float]) -> None:
+        self.run.log({"step": step, **values})
+
+    def log_incident(self, row: dict[str, Any]) -> None:
+        self.incidents += 1
+        kind = str(row.get("kind"))
+        tag = f"incident:{kind}"[:64]  # W&B's limit on a tag
+        if tag not in self.run.tags:
+            self.run.tags = (*self.run.tags, tag)
+        text = f"step {row.get('step')} {kind}: {row.get('message', '')}"
+        self.run.summary[f"torchkeel.incident.{self.incidents:04d}"] = text[:MAX_TAG]
+        self.run.summary["torchkeel.incidents"] = self.incidents
+
+    def finish(self, status: str | None) -> None:
+        """End the W&B run with the torchkeel run's final ``status``: exit code 0 when it completed,
+        marked preempting (W&B shows it preempted) when it was preempted or interrupted, else 1."""
+        status = status or "completed"
+        if status in PREEMPTED:
+            self.run.mark_preempting()
+        self.run.finish(exit_code=EXIT_CODES.get(status, 1))
 
     def close(self) -> None:
         self.finish(None)

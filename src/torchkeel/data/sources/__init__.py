@@ -1,4 +1,5 @@
-"""Streaming sources: data cut into units of work (Parquet row groups, WebDataset shards).
+"""Streaming sources: data cut into units of work (Parquet row groups, WebDataset shards, chunks
+of text files).
 
 A source lists its units and reads one from a position. It yields ``Rows`` (a columnar block of
 samples, already tensors) or ``Sample`` (one sample), and ``Bad`` for a sample it could not read
@@ -66,16 +67,20 @@ class Source(Protocol):
         """Names sample ``row`` of ``unit`` for a person."""
 
 
-def expand_paths(pattern: str | Sequence[str], key: str, suffix: str) -> list[str]:
-    """Files of a glob, a brace pattern (``train-{000..099}.tar``), a directory or a list of them."""
+def expand_paths(
+    pattern: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], key: str, suffix: str | tuple[str, ...]
+) -> list[str]:
+    """Files of a glob, a brace pattern (``train-{000..099}.tar``), a directory (its files ending
+    in ``suffix``, or one of the suffixes) or a list of them."""
     from braceexpand import braceexpand
 
-    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
+    suffixes = (suffix,) if isinstance(suffix, str) else suffix
+    patterns = [os.fspath(p) for p in ([pattern] if isinstance(pattern, (str, os.PathLike)) else pattern)]
     paths: list[str] = []
     for item in patterns:
         for expanded in braceexpand(os.path.expanduser(item)):
             if os.path.isdir(expanded):
-                paths += sorted(glob.glob(os.path.join(expanded, f"*{suffix}")))
+                paths += sorted(p for s in suffixes for p in glob.glob(os.path.join(expanded, f"*{s}")))
             elif any(ch in expanded for ch in "*?["):
                 paths += sorted(glob.glob(expanded))
             elif os.path.isfile(expanded):
@@ -83,7 +88,7 @@ def expand_paths(pattern: str | Sequence[str], key: str, suffix: str) -> list[st
             else:
                 raise ConfigError(f"{key}: file '{expanded}' not found; check the path or pattern")
     if not paths:
-        raise ConfigError(f"{key}={pattern!r} matches no {suffix} file; check the path or pattern")
+        raise ConfigError(f"{key}={pattern!r} matches no {' or '.join(suffixes)} file; check the path or pattern")
     return paths
 
 

@@ -1,0 +1,436 @@
+"""Text files tokenized and packed into blocks: chunks of files are the units of work.
+
+Each file is cut into chunks of about ``chunk_bytes`` at line ends (a seek and a line read per
+chunk), so that one large file spreads over every rank and stream. A unit's size must be known
+before the epoch, so every chunk is tokenized once at the start — in a pool of processes, never
+in the training process — to count its blocks; the counts are cached per files, tokenizer and
+settings. Afterwards a chunk is tokenized again where it is read, in the DataLoader workers, and
+its blocks are put in their seeded order, which makes a position in it one number, as for a
+Parquet row group.
+
+Documents: a ``.txt`` file is one document (its text as it is, newlines kept); each line of a
+``.jsonl`` file is one, the string under ``text_key``. With ``pack``, a chunk's documents are
+joined with the end-of-text token after each and cut into blocks of ``block_size`` tokens (the
+tokens after the chunk's last whole block are left out: fewer than ``block_size`` per chunk);
+without it, each document is a sample of its own, cut into pieces of at most ``block_size``.
+A line that is not UTF-8, not JSON or has no text is a bad sample named by file and line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from torchkeel.data.order import Unit
+from torchkeel.data.sources import Bad, Rows, Sample, expand_paths, files_fingerprint
+from torchkeel.errors import ConfigError, DataError, MissingExtraError, first_line
+
+SUFFIXES = (".txt", ".jsonl")
+INLINE_BYTES = 32 << 20
+"""Below this many bytes of byte-level text the blocks are counted in this process (reading the
+bytes is all that counting them takes); above it, and for any other tokenizer, in a pool."""
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Bytes ``[start, stop)`` of ``path``, a whole number of lines; ``last``: it ends its file."""
+
+    path: str
+    start: int
+    stop: int
+    last: bool
+    jsonl: bool
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Which tokenizer, in a form every process can load it from: ``path`` is ``None`` for bytes."""
+
+    path: str | None = None
+    eos: str | None = None
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0–255, the end of a document 256: no vocabulary file needed."""
+
+    eos_id = 256
+    vocab_size = 257
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+
+class FileTokenizer:
+    """A ``tokenizers`` tokenizer from a ``tokenizer.json`` (a file, or a directory written by
+    ``save_pretrained``); a directory without one is loaded through transformers' fast tokenizer."""
+
+    def __init__(self, spec: TokenizerSpec, key: str = "data.tokenizer") -> None:
+        assert spec.path is not None
+        path = Path(spec.path)
+        self.tokenizer = _load_tokenizer(path, key)
+        eos = spec.eos or _configured_eos(path) or next((n for n in EOS_NAMES if self._id(n) is not None), None)
+        if eos is None:
+            raise ConfigError(
+                f"{key}.eos: the tokenizer in '{path}' names no end-of-text token; set {key}.eos to one of its tokens"
+            )
+        eos_id = self._id(eos)
+        if eos_id is None:
+            raise ConfigError(f"{key}.eos={eos!r} is not a token of the tokenizer in '{path}'; name one of its tokens")
+        self.eos_id = eos_id
+        self.vocab_size = int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def _id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    def encode(self, text: str) -> np.ndarray:
+        # One text at a time: ``encode_batch`` starts the library's thread pool, which a later
+        # fork of DataLoader workers would have to switch off (with a warning).
+        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+
+def tokenizer_spec(value: Any, key: str = "data.tokenizer") -> TokenizerSpec:
+    """``byte``, a path (a directory or a ``tokenizer.json``), or ``{path, eos}`` as a spec."""
+    if value == "byte":
+        return TokenizerSpec()
+    if isinstance(value, str):
+        value = {"path": value}
+    elif not isinstance(value, dict):
+        value = {"path": getattr(value, "path", None), "eos": getattr(value, "eos", None)}
+    unknown = set(value) - {"path", "eos"}
+    if unknown or not value.get("path"):
+        raise ConfigError(f"{key} must be 'byte', a tokenizer directory, or {{path, eos}}; got {value!r}")
+    path = os.path.expanduser(str(value["path"]))
+    if not os.path.exists(path):
+        raise ConfigError(
+            f"{key}: '{path}' not found; give a directory with tokenizer.json (save_pretrained), "
+            "a tokenizer.json file, or 'byte'"
+        )
+    return TokenizerSpec(path, value.get("eos"))
+
+
+def load_tokenizer(spec: TokenizerSpec, key: str = "data.tokenizer") -> ByteTokenizer | FileTokenizer:
+    return ByteTokenizer() if spec.path is None else FileTokenizer(spec, key)
+
+
+class TextSource:
+    """Samples ``{"input_ids", "labels"}`` (the same ids; a causal LM shifts them) from text files.
+
+    Args:
+        paths: ``.txt`` / ``.jsonl`` files, globs, brace patterns or directories.
+        tokenizer: ``"byte"`` (ids 0–255, end-of-text 256), a directory written by
+            ``save_pretrained`` or a ``tokenizer.json`` file, or ``{"path", "eos"}`` naming the
+            end-of-text token when the tokenizer's config does not.
+        block_size: tokens per sample.
+        pack: join documents (end-of-text after each) and cut the stream into full blocks;
+            ``False``: each document is a sample, cut into pieces of at most ``block_size``
+            (samples of different lengths: batch them with ``PadCollate``).
+        text_key: the string field of each ``.jsonl`` line.
+        chunk_bytes: about how many bytes of a file make one unit of work.
+        cache_dir: where the block counts are kept (default: torchkeel's cache directory).
+
+    Example::
+
+        source = TextSource("corpus/*.txt", tokenizer="byte", block_size=256)
+    """
+
+    sequence_axes = {"input_ids": [1], "labels": [1]}
+    """Axes that hold the sequence: an export takes any length there, not only ``block_size``."""
+
+    def __init__(
+        self,
+        paths: str | Sequence[str],
+        *,
+        tokenizer: Any = "byte",
+        block_size: int = 1024,
+        pack: bool = True,
+        text_key: str = "text",
+        chunk_bytes: int = 1 << 20,
+        key: str = "data.train",
+        cache_dir: str | Path | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ConfigError(f"data.block_size must be >= 1, got {block_size}")
+        if chunk_bytes < 1:
+            raise ConfigError(f"data.chunk_bytes must be >= 1, got {chunk_bytes}")
+        self.paths = expand_paths(paths, key, SUFFIXES)
+        self.spec = tokenizer_spec(tokenizer)
+        tok = load_tokenizer(self.spec)
+        self.eos_id, self.vocab_size = tok.eos_id, tok.vocab_size
+        self.block_size, self.pack, self.text_key = block_size, pack, text_key
+        self._chunks = [c for path in self.paths for c in _chunks(path, chunk_bytes)]
+        self._fingerprint = json.dumps(
+            [
+                "text",
+                files_fingerprint(self.paths),
+                _tokenizer_identity(self.spec),
+                block_size,
+                pack,
+                text_key,
+                chunk_bytes,
+            ]
+        )
+        counts = _counts(self, cache_dir)
+        self._first_lines = _first_lines(self._chunks, [lines for _, lines in counts])
+        self._units = [
+            Unit(f"{c.path} bytes {c.start}-{c.stop}", samples) for c, (samples, _) in zip(self._chunks, counts)
+        ]
+        self._tokenizer: ByteTokenizer | FileTokenizer | None = None  # loaded in each worker
+
+    def units(self) -> list[Unit]:
+        return self._units
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def where(self, unit: int, row: int) -> str:
+        what = "block" if self.pack else "piece"
+        return f"{self._chunks[unit].path} {what} {row} of the lines from {self._first_lines[unit]}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tokenizer": None}
+
+    def read(
+        self, unit: int, first: int, rng: np.random.Generator | None, *, as_samples: bool
+    ) -> Iterator[Rows | Sample | Bad]:
+        import torch
+
+        chunk = self._chunks[unit]
+        documents, bad, _ = chunk_documents(chunk, self.text_key)
+        if first == 0:  # a bad line holds no position: it is reported when the chunk is begun
+            for line, error in bad:
+                yield Bad(f"{chunk.path} line {self._first_lines[unit] + line}", error, 0)
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.spec)
+        samples = chunk_samples(documents, self._tokenizer, self.block_size, self.pack)
+        n = len(samples) if isinstance(samples, list) else samples.shape[0]
+        if n != self._units[unit].num_samples:
+            raise DataError(
+                f"{chunk.path} changed since its blocks were counted ({self._units[unit].num_samples}, now {n}); "
+                "keep the training files unchanged during a run, or start a new one"
+            )
+        order = rng.permutation(n) if rng is not None else np.arange(n)
+        positions = np.arange(first, n)
+        rows = order[first:]
+        if isinstance(samples, np.ndarray) and not as_samples:
+            if rows.size:
+                blocks = torch.from_numpy(samples[rows])
+                yield Rows({"input_ids": blocks, "labels": blocks.clone()}, positions + 1, rows)
+            return
+        for pos, row in zip(positions.tolist(), rows.tolist()):
+            ids = torch.from_numpy(np.array(samples[row]))
+            yield Sample({"input_ids": ids, "labels": ids.clone()}, pos + 1, self.where(unit, row))
+
+
+def chunk_documents(chunk: Chunk, text_key: str) -> tuple[list[tuple[str, bool]], list[tuple[int, str]], int]:
+    """The chunk's documents as ``(text, ends here)``, its bad lines as ``(line in the chunk,
+    why)`` (0-based), and its number of line ends."""
+    with open(chunk.path, "rb") as f:
+        f.seek(chunk.start)
+        raw = f.read(chunk.stop - chunk.start)
+    documents, bad = _documents(raw, chunk, text_key)
+    return documents, bad, raw.count(b"\n")
+
+
+def _documents(raw: bytes, chunk: Chunk, text_key: str) -> tuple[list[tuple[str, bool]], list[tuple[int, str]]]:
+    if not chunk.jsonl:
+        try:
+            return [(raw.decode("utf-8"), chunk.last)], []
+        except UnicodeDecodeError:
+            pass
+        good, bad = [], []
+        for i, line in enumerate(_lines(raw)):
+            try:
+                good.append(line.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                bad.append((i, f"not UTF-8 text ({first_line(exc)})"))
+        return [("".join(good), chunk.last)], bad
+    documents: list[tuple[str, bool]] = []
+    bad = []
+    for i, line in enumerate(_lines(raw)):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.rstrip(b"\r\n"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            bad.append((i, f"not a JSON line ({type(exc).__name__}: {first_line(exc)})"))
+            continue
+        text = record.get(text_key) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            what = (
+                f"'{text_key}' is {type(text).__name__}, not a string"
+                if isinstance(record, dict) and text_key in record
+                else f"no '{text_key}' key (it has: {', '.join(map(str, record))})"
+                if isinstance(record, dict)
+                else f"a JSON {type(record).__name__}, not an object with '{text_key}'"
+            )
+            bad.append((i, f"{what}; set data.text_key to the text field"))
+            continue
+        documents.append((text, True))
+    return documents, bad
+
+
+def chunk_samples(
+    documents: list[tuple[str, bool]], tokenizer: ByteTokenizer | FileTokenizer, block_size: int, pack: bool
+) -> np.ndarray | list[np.ndarray]:
+    """The chunk's samples in file order: ``[blocks, block_size]`` token ids when packing, else
+    each document's pieces of at most ``block_size``."""
+    eos = np.array([tokenizer.eos_id], dtype=np.int64)
+    tokens = [
+        np.concatenate([tokenizer.encode(text), eos]) if ends else tokenizer.encode(text) for text, ends in documents
+    ]
+    if pack:
+        ids = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int64)
+        n = len(ids) // block_size
+        return ids[: n * block_size].reshape(n, block_size)
+    return [ids[i : i + block_size] for ids in tokens for i in range(0, len(ids), block_size)]
+
+
+def count_chunk(job: tuple[Chunk, str, TokenizerSpec, int, bool]) -> tuple[int, int]:
+    """``(samples, lines)`` of one chunk: what a pool process runs."""
+    chunk, text_key, spec, block_size, pack = job
+    documents, _, lines = chunk_documents(chunk, text_key)
+    samples = chunk_samples(documents, _pool_tokenizer(spec), block_size, pack)
+    return (len(samples) if isinstance(samples, list) else int(samples.shape[0])), lines
+
+
+_POOL_TOKENIZERS: dict[TokenizerSpec, Any] = {}
+
+
+def _pool_tokenizer(spec: TokenizerSpec) -> ByteTokenizer | FileTokenizer:
+    if spec not in _POOL_TOKENIZERS:
+        _POOL_TOKENIZERS[spec] = load_tokenizer(spec)
+    return _POOL_TOKENIZERS[spec]
+
+
+def _counts(source: TextSource, cache_dir: str | Path | None) -> list[tuple[int, int]]:
+    """Every chunk's ``(samples, lines)``, from the cache or counted (and cached)."""
+    from torchkeel.data.tune import default_cache_dir
+    from torchkeel.io import write_json_atomic
+
+    digest = hashlib.sha256(source.fingerprint().encode()).hexdigest()[:32]
+    path = Path(cache_dir if cache_dir is not None else default_cache_dir()) / "text" / f"{digest}.json"
+    try:
+        cached = json.loads(path.read_text())
+        if isinstance(cached, list) and len(cached) == len(source._chunks):
+            return [(int(s), int(n)) for s, n in cached]
+    except (OSError, ValueError, TypeError):
+        pass
+    jobs = [(c, source.text_key, source.spec, source.block_size, source.pack) for c in source._chunks]
+    size = sum(c.stop - c.start for c in source._chunks)
+    if source.spec.path is None and size <= INLINE_BYTES or len(jobs) == 0:
+        counts = [count_chunk(job) for job in jobs]
+    else:
+        counts = _count_in_pool(jobs)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, [list(c) for c in counts])
+    except OSError:
+        pass  # a read-only cache: counted again next time
+    return counts
+
+
+def _count_in_pool(jobs: list[tuple[Chunk, str, TokenizerSpec, int, bool]]) -> list[tuple[int, int]]:
+    """Count in worker processes started as the DataLoader starts its own, sharing the machine
+    with the other ranks on it."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from torchkeel.data.stream import worker_context
+
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    workers = max(1, min(len(jobs), usable // max(1, ranks_here)))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(worker_context(None))) as pool:
+        return list(pool.map(count_chunk, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
+
+
+def _chunks(path: str, chunk_bytes: int) -> list[Chunk]:
+    """``path`` cut at the first line end after every ``chunk_bytes`` bytes."""
+    size = os.path.getsize(path)
+    jsonl = path.endswith(".jsonl")
+    bounds = [0]
+    with open(path, "rb") as f:
+        while bounds[-1] + chunk_bytes < size:
+            f.seek(bounds[-1] + chunk_bytes - 1)
+            f.readline()  # to the end of the line that holds the cut
+            if f.tell() >= size:
+                break
+            bounds.append(f.tell())
+    bounds.append(size)
+    return [Chunk(path, a, b, i == len(bounds) - 2, jsonl) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+
+def _first_lines(chunks: list[Chunk], lines: list[int]) -> list[int]:
+    """The 1-based line number of each chunk's first line in its file."""
+    first: list[int] = []
+    for i, chunk in enumerate(chunks):
+        same_file = i > 0 and chunks[i - 1].path == chunk.path
+        first.append(first[-1] + lines[i - 1] if same_file else 1)
+    return first
+
+
+def _lines(raw: bytes) -> list[bytes]:
+    """The lines of ``raw``, each with its newline (the last may have none)."""
+    lines = raw.split(b"\n")
+    return [line + b"\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
+
+
+def _load_tokenizer(path: Path, key: str) -> Any:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise MissingExtraError("hf", "tokenizers", f"{key}={str(path)!r}") from None
+    file = path if path.is_file() else path / "tokenizer.json"
+    if file.is_file():
+        try:
+            return Tokenizer.from_file(str(file))
+        except Exception as exc:
+            raise ConfigError(f"{key}: '{file}' is not a tokenizer file: {first_line(exc)}") from exc
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise MissingExtraError("hf", "transformers", f"{key}={str(path)!r} without tokenizer.json") from None
+    try:
+        loaded = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
+    except Exception as exc:
+        raise ConfigError(f"{key}: no tokenizer could be loaded from '{path}': {first_line(exc)}") from exc
+    if not getattr(loaded, "is_fast", False):
+        raise ConfigError(f"{key}: '{path}' holds a slow tokenizer only; save it with a tokenizer.json (a fast one)")
+    return loaded.backend_tokenizer
+
+
+def _configured_eos(path: Path) -> str | None:
+    """The end-of-text token a ``save_pretrained`` directory names, if it names one."""
+    if not path.is_dir():
+        return None
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            eos = json.loads((path / name).read_text()).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str) and eos:
+            return eos
+    return None
+
+
+def _tokenizer_identity(spec: TokenizerSpec) -> Any:
+    """What a block count depends on in the tokenizer: its files' contents."""
+    if spec.path is None:
+        return "byte"
+    path = Path(spec.path)
+    files = [path] if path.is_file() else [path / name for name in TOKENIZER_FILES if (path / name).is_file()]
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode() + b"\0" + file.read_bytes())
+    return [digest.hexdigest(), spec.eos]
