@@ -207,3 +207,38 @@ def test_label_checks_cover_class_losses_and_leave_other_layouts_alone():
         check_labels(logits, torch.tensor([[0] * 7, [1, 9, 0, 0, 0, 0, 0]]), nn.CrossEntropyLoss())
     check_labels(logits, torch.tensor([[-100] * 7, [4] * 7]), nn.CrossEntropyLoss())  # ignore_index
     check_labels(torch.zeros(2, 7, 5), torch.full((2, 7), 4), lambda out, target: out.sum())  # unknown layout
+
+
+class RejectsEmpty(nn.Module):
+    """Reshapes with -1 as a transformers attention does: a batch of no rows cannot pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, input_ids, labels):
+        self.seen.append(input_ids)
+        h = self.embed(input_ids).view(input_ids.shape[0], input_ids.shape[1], -1, 4).flatten(2)
+        logits = self.norm(h.mean(1)) @ self.embed.weight.T
+        return {"loss": nn.functional.cross_entropy(logits, labels[:, 0]), "logits": logits}
+
+
+def test_an_empty_share_runs_stand_in_rows_and_adds_nothing():
+    torch.manual_seed(0)
+    model = RejectsEmpty()
+    objective = Objective(nn.functional.cross_entropy)
+    ids = torch.randint(0, VOCAB, (4, 6))
+    batch = {"input_ids": ids, "labels": ids}
+    empty = {k: v[:0] for k, v in batch.items()}
+    never = objective(model, empty, torch.device("cpu"))  # before any real batch: rows of zeros
+    assert model.seen[-1].shape == (2, 6) and not model.seen[-1].any()
+    never.loss.backward()
+    assert never.loss.item() == 0 and all(not p.grad.any() for p in model.parameters())
+    objective(model, batch, torch.device("cpu"))
+    model.zero_grad()
+    out = objective(model, empty, torch.device("cpu"))
+    assert torch.equal(model.seen[-1], ids[[0, 0]])  # the last real batch's first row, twice
+    out.loss.backward()
+    assert out.loss.item() == 0 and all(not p.grad.any() for p in model.parameters())

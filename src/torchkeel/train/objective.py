@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from torchkeel.batch import num_samples, to_device
+from torchkeel.batch import map_tensors, num_samples, take, to_device
 from torchkeel.errors import DataError
 
 
@@ -77,6 +77,7 @@ class Objective:
             raise ValueError("Objective needs exactly one of loss_fn and step_fn")
         self.loss_fn, self.step_fn, self.count_key = loss_fn, step_fn, count_key
         self.ignore_index, self.shift_labels = ignore_index, shift_labels
+        self._last: Any = None  # the last batch run: its first row stands in for an empty one
 
     @classmethod
     def of(cls, loss: "Objective | Callable[[Any, Any], torch.Tensor]") -> "Objective":
@@ -103,7 +104,15 @@ class Objective:
     def __call__(
         self, model: torch.nn.Module, batch: Any, device: torch.device, non_blocking: bool = False
     ) -> LossOutput:
-        """Forward one micro-batch (still on the CPU as the loader gave it) and compute its loss."""
+        """Forward one micro-batch (still on the CPU as the loader gave it) and compute its loss.
+
+        An empty batch (a rank whose share ran out, kept in step with the others) runs the model on
+        stand-in rows and returns their loss times zero: every rank takes part in the same
+        collectives, and a model that cannot take a batch of no rows (a transformers attention
+        reshapes with ``-1``) is never given one."""
+        if not num_samples(batch):
+            return self._stand_in(model, batch, device, non_blocking)
+        self._last = batch
         if self.step_fn is not None:
             return _step_output(self.step_fn(model, to_device(batch, device, non_blocking)))
         if not isinstance(batch, (tuple, list)) and isinstance(batch, Mapping):
@@ -121,6 +130,22 @@ class Objective:
             check_labels(outputs, targets, self.loss_fn)
             loss = self.loss_fn(outputs, targets_on_device)
         return LossOutput(loss, outputs=outputs, targets=targets_on_device)
+
+
+    def _stand_in(self, model: torch.nn.Module, batch: Any, device: torch.device, non_blocking: bool) -> LossOutput:
+        """The loss of two rows, times zero: the first row of the last batch this objective ran, twice
+        (real data, which the model takes; two, as a batch norm in training needs more than one),
+        or rows of zeros of the empty batch's shapes before any. A batch norm's running statistics
+        see these rows."""
+        last = self._last
+        rows = take(last, torch.zeros(2, dtype=torch.long)) if last is not None else map_tensors(batch, _zero_rows)
+        out = self(model, rows, device, non_blocking)
+        count = out.count * 0 if out.count is not None else None
+        return LossOutput(out.loss * 0, is_sum=out.is_sum, count=count, metrics={k: v * 0 for k, v in out.metrics.items()})
+
+
+def _zero_rows(t: torch.Tensor) -> torch.Tensor:
+    return t.new_zeros((2, *t.shape[1:])) if t.dim() > 0 else t
 
 
 def is_label_key(key: str) -> bool:
