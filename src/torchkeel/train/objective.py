@@ -131,7 +131,6 @@ class Objective:
             loss = self.loss_fn(outputs, targets_on_device)
         return LossOutput(loss, outputs=outputs, targets=targets_on_device)
 
-
     def _stand_in(self, model: torch.nn.Module, batch: Any, device: torch.device, non_blocking: bool) -> LossOutput:
         """The loss of two rows, times zero: the first row of the last batch this objective ran, twice
         (real data, which the model takes; two, as a batch norm in training needs more than one),
@@ -141,7 +140,9 @@ class Objective:
         rows = take(last, torch.zeros(2, dtype=torch.long)) if last is not None else map_tensors(batch, _zero_rows)
         out = self(model, rows, device, non_blocking)
         count = out.count * 0 if out.count is not None else None
-        return LossOutput(out.loss * 0, is_sum=out.is_sum, count=count, metrics={k: v * 0 for k, v in out.metrics.items()})
+        return LossOutput(
+            out.loss * 0, is_sum=out.is_sum, count=count, metrics={k: v * 0 for k, v in out.metrics.items()}
+        )
 
 
 def _zero_rows(t: torch.Tensor) -> torch.Tensor:
