@@ -266,3 +266,17 @@ def test_a_model_too_small_for_the_tokens_is_a_config_error_before_the_first_ste
         check_tokens_fit(gpt2(vocab_size=256, n_positions=64), source)
     with pytest.raises(ConfigError, match=r"data.block_size=64 is longer than the model's 32 positions"):
         check_tokens_fit(gpt2(vocab_size=300, n_positions=32), source)
+
+
+def test_num_workers_auto_never_tokenizes_in_the_training_process(tmp_path):
+    from torchkeel.data.build import build_loaders
+
+    root, _ = corpus(tmp_path / "c")
+    config = load_config(
+        None,
+        ["data.format=text", f"data.train={root}", "data.block_size=16", "model.target=m:f", "train.max_steps=1"],
+    )
+    loaders = build_loaders(config.data, batch_size=8, seed=0, device=torch.device("cpu"))
+    assert [t.num_workers for t in loaders.tuning.trials][0] == 1
+    assert loaders.train.num_workers >= 1
+    loaders.train.close()

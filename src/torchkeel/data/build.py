@@ -220,6 +220,7 @@ def build_loaders(
                 lambda n: make(train_data, n),
                 fingerprint=data_fingerprint(train_data, cfg, batch_size),
                 limit=cfg.streams if is_source(train_data) else None,
+                least=getattr(train_data, "min_workers", 0),
             )
         num_workers = tuning.num_workers
         if world_size > 1:  # the ranks share the machine's CPUs; streams must match on every rank

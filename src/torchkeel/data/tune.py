@@ -68,10 +68,10 @@ class TuneResult:
         return "\n".join(lines)
 
 
-def candidates(limit: int | None = None) -> list[int]:
-    """0, 1, … up to the CPUs this process may use (``limit`` caps it)."""
+def candidates(limit: int | None = None, least: int = 0) -> list[int]:
+    """``least``, ``least`` + 1, … up to the CPUs this process may use (``limit`` caps it)."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return list(range(0, min(usable, limit if limit is not None else usable) + 1))
+    return list(range(least, max(least, min(usable, limit if limit is not None else usable)) + 1))
 
 
 def tune_workers(
@@ -81,6 +81,7 @@ def tune_workers(
     cache_dir: str | Path | None = None,
     trial_s: float = 0.6,
     limit: int | None = None,
+    least: int = 0,
     use_cache: bool = True,
 ) -> TuneResult:
     """Pick the worker count for the loader ``make_loader(num_workers)`` builds.
@@ -90,9 +91,11 @@ def tune_workers(
         fingerprint: identifies the data and batch settings; with the machine, the cache key.
         cache_dir: where the choice is kept (default ``$XDG_CACHE_HOME/torchkeel``).
         trial_s: seconds of loading per candidate, after its first batch.
+        limit: the most workers tried; ``least``: the fewest (1 for data whose reading should
+            never run in the training process, as tokenizing text).
     """
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    key = hashlib.sha256(json.dumps([fingerprint, machine()]).encode()).hexdigest()[:32]
+    key = hashlib.sha256(json.dumps([fingerprint, machine(), least]).encode()).hexdigest()[:32]
     cache = _read_cache(path / "num_workers.json")
     if use_cache and key in cache:
         hit = cache[key]
@@ -102,7 +105,7 @@ def tune_workers(
             [Trial(**t) for t in hit.get("trials", [])],
             cached=True,
         )
-    trials = [_trial(make_loader, n, trial_s) for n in candidates(limit)]
+    trials = [_trial(make_loader, n, trial_s) for n in candidates(limit, least)]
     result = choose(trials)
     if max(t.samples_per_s for t in trials) == 0:
         return result  # nothing loaded: training will report why; not cached

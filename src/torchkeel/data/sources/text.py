@@ -144,6 +144,8 @@ class TextSource:
 
     sequence_axes = {"input_ids": [1], "labels": [1]}
     """Axes that hold the sequence: an export takes any length there, not only ``block_size``."""
+    min_workers = 1
+    """``num_workers: auto`` tries no fewer: tokenizing in the training process takes from the step."""
 
     def __init__(
         self,
