@@ -8,25 +8,18 @@ with 2 ranks (train, kill, resume) is ``slow``."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import textdata
 import torch
-from test_journeys import Served, kill_tree
-
-from torchkeel.checkpoint import CheckpointStore
-from torchkeel.checkpoint.foreign import checkpoint_weights
+from test_journeys import Journey, Served
 
 pytest.importorskip("transformers")  # in `all`, so in `make test`; an install without it skips only this
 
-ROOT = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).parent
 GPT2 = {
     "model_type": "gpt2",
     "n_layer": 2,
@@ -39,7 +32,10 @@ GPT2 = {
 }
 
 
-class TextJourney:
+class TextJourney(Journey):
+    """The journeys' runner (``keel train``/``export`` in subprocesses, SIGKILL of the whole job)
+    on the text data and a GPT-2 built from its config."""
+
     def __init__(self, root: Path, ranks: int) -> None:
         self.root, self.ranks = root, ranks
         train, self.bad = textdata.write(root / "corpus")
@@ -53,7 +49,7 @@ class TextJourney:
                 "val": str(root / "corpus" / "val"),
                 "tokenizer": "byte",
                 "block_size": 64,
-                "chunk_bytes": 2048,
+                "chunk_bytes": 1024,  # 16 blocks: a batch per unit, throttled by textdata:throttle
                 "batch_transform": "textdata:throttle",
                 "max_bad_fraction": 0.01,
             },
@@ -64,76 +60,11 @@ class TextJourney:
         }
         (root / "cfg.yaml").write_text(json.dumps(config))
 
-    def env(self, **extra: str) -> dict[str, str]:
+    def env(self, cache: str = "cache", **extra: str) -> dict[str, str]:
         # One intra-op thread: GPT-2 training on 2 CPU threads is not bitwise the same from one
         # uninterrupted run to the next here (about 1 run in 7 differs by 1e-7 from some step on),
         # which would hide what this test checks, the resume.
-        return {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(HERE),
-            "XDG_CACHE_HOME": str(self.root / "cache"),
-            **extra,
-        }
-
-    def command(self, name: str, *args: str) -> list[str]:
-        nproc = ["--nproc", str(self.ranks)] if self.ranks > 1 else []
-        return [
-            sys.executable,
-            "-m",
-            "torchkeel.cli.main",
-            "train",
-            "cfg.yaml",
-            f"name={name}",
-            "--no-progress",
-            *nproc,
-            *args,
-        ]
-
-    def keel(self, *args: str) -> subprocess.CompletedProcess:
-        result = subprocess.run(
-            [sys.executable, "-m", "torchkeel.cli.main", *args],
-            cwd=self.root,
-            env=self.env(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        return result
-
-    def run_dir(self, name: str) -> Path:
-        return self.root / "runs" / name
-
-    def weights(self, name: str) -> dict[str, torch.Tensor]:
-        found, problems = CheckpointStore(self.run_dir(name) / "checkpoints").latest_valid()
-        assert found is not None, problems
-        return checkpoint_weights(found)
-
-    def kill_mid_epoch_and_resume(self, name: str) -> None:
-        proc = subprocess.Popen(
-            self.command(name),
-            cwd=self.root,
-            env=self.env(JOURNEY_DELAY="0.05"),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        manifest = self.run_dir(name) / "checkpoints" / "step-00000010" / "manifest.json"
-        deadline = time.monotonic() + 300
-        try:
-            while time.monotonic() < deadline and proc.poll() is None and not manifest.exists():
-                time.sleep(0.05)
-            time.sleep(0.5)  # a few steps past it: mid-epoch, after the checkpoint
-            assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-2000:]}"
-        finally:
-            kill_tree(proc.pid)
-            proc.wait(timeout=60)
-        resumed = self.keel(*self.command(name, "--resume", "auto")[3:])
-        rows = [json.loads(line) for line in (self.run_dir(name) / "metrics.jsonl").read_text().splitlines()]
-        resume = [r for r in rows if r.get("kind") == "resume"]
-        assert resume and resume[0]["epoch"] == 0 and resume[0]["batch_in_epoch"] > 0, resume
-        assert "keel: resumed: step" in resumed.stderr
+        return {**super().env(cache, **extra), "OMP_NUM_THREADS": "1"}
 
     def check_bad_lines(self, name: str) -> None:
         """Each bad line is named by file and line in every epoch, and the run completed both epochs."""
@@ -149,7 +80,20 @@ class TextJourney:
         from transformers import AutoModelForCausalLM, GPT2Config
 
         out = self.root / "export-onnx"
-        self.keel("export", str(self.run_dir(name)), "--format", "onnx", "--out", str(out))
+        export = [
+            sys.executable,
+            "-m",
+            "torchkeel.cli.main",
+            "export",
+            str(self.run_dir(name)),
+            "--format",
+            "onnx",
+            "--out",
+        ]
+        result = subprocess.run(
+            [*export, str(out)], cwd=self.root, env=self.env(), capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
         meta = json.loads((out / "model.json").read_text())
         assert meta["parity"]["passed"]
         assert [(i["name"], i["shape"]) for i in meta["inputs"]] == [("input_ids", [-1, -1])]
@@ -172,10 +116,10 @@ class TextJourney:
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"])
 def test_the_text_journey(tmp_path, ranks):
     run = TextJourney(tmp_path, ranks)
-    run.keel(*run.command("first")[3:])
+    run.train("first", "cache")
     run.check_bad_lines("first")
     reference = run.weights("first")
-    run.kill_mid_epoch_and_resume("killed")
+    run.kill_mid_epoch_and_resume("killed", "cache")
     run.check_bad_lines("killed")
     weights = run.weights("killed")
     assert weights.keys() == reference.keys()
