@@ -27,8 +27,13 @@ def run(args: argparse.Namespace) -> int:
         fingerprint=data_fingerprint(train_data, cfg.data, cfg.train.batch_size),
         trial_s=args.trial_s,
         limit=args.max_workers,
+        least=getattr(train_data, "min_workers", 0),
         use_cache=False,
     )
+    if getattr(train_data, "min_workers", 0):
+        print(
+            f"from {train_data.min_workers} worker: this data is tokenized in the workers, never in the training process"
+        )
     print(result.table())
     print(f"best: num_workers={result.num_workers} ({result.reason})")
     return 0

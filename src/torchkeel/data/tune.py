@@ -138,7 +138,7 @@ def choose(trials: list[Trial]) -> TuneResult:
             if chosen is not best
             else f", the fastest of {len(trials)} candidates"
         )
-        + (f"; 0 workers: {trials[0].samples_per_s:.0f}/s" if chosen.num_workers else "")
+        + (f"; 0 workers: {trials[0].samples_per_s:.0f}/s" if chosen.num_workers and not trials[0].num_workers else "")
     )
     return TuneResult(chosen.num_workers, reason, trials)
 
