@@ -99,13 +99,18 @@ class Journey:
         ]
 
     def train(self, name: str, cache: str, *args: str, **extra: str) -> subprocess.CompletedProcess:
+        return self.succeeds(self.command(name, *args), cache, **extra)
+
+    def export(self, name: str, fmt: str, out: Path) -> dict:
+        """``keel export`` of run ``name``, as a user runs it; returns its ``model.json``."""
+        command = [sys.executable, "-m", "torchkeel.cli.main", "export", str(self.run_dir(name))]
+        self.succeeds([*command, "--format", fmt, "--out", str(out)], "cache")
+        return json.loads((out / "model.json").read_text())
+
+    def succeeds(self, command: list[str], cache: str, **extra: str) -> subprocess.CompletedProcess:
+        """``command`` in the journey's folder; it must succeed."""
         result = subprocess.run(
-            self.command(name, *args),
-            cwd=self.root,
-            env=self.env(cache, **extra),
-            capture_output=True,
-            text=True,
-            timeout=600,
+            command, cwd=self.root, env=self.env(cache, **extra), capture_output=True, text=True, timeout=600
         )
         assert result.returncode == 0, result.stderr[-3000:]
         return result
@@ -158,29 +163,8 @@ class Journey:
             expected = eager(*inputs.values()) if self.batch == "pair" else eager(**inputs).logits
         for fmt in ("onnx", "torchscript"):
             out = self.root / f"export-{fmt}"
-            if fmt in serve:  # keel export, as a user runs it
-                result = subprocess.run(
-                    [
-                        sys.executable,
-                        "-m",
-                        "torchkeel.cli.main",
-                        "export",
-                        str(self.run_dir(name)),
-                        "--format",
-                        fmt,
-                        "--out",
-                        str(out),
-                    ],
-                    cwd=self.root,
-                    env=self.env("cache"),
-                    capture_output=True,
-                    text=True,
-                    timeout=300,
-                )
-                assert result.returncode == 0, result.stderr[-3000:]
-            else:  # the function keel export calls, in this process
-                export_run(self.run_dir(name), fmt, out)
-            meta = json.loads((out / "model.json").read_text())
+            # keel export as a user runs it, or the function it calls, in this process
+            meta = self.export(name, fmt, out) if fmt in serve else export_run(self.run_dir(name), fmt, out)
             assert meta["parity"]["passed"] and [i["name"] for i in meta["inputs"]] == list(inputs)
             if fmt not in serve:
                 run = load_exported(fmt, out / meta["file"], list(inputs), meta["outputs"][0]["name"])

@@ -8,8 +8,6 @@ with 2 ranks (train, kill, resume) is ``slow``."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -79,22 +77,7 @@ class TextJourney(Journey):
         length equal the eager model's."""
         from transformers import AutoModelForCausalLM, GPT2Config
 
-        out = self.root / "export-onnx"
-        export = [
-            sys.executable,
-            "-m",
-            "torchkeel.cli.main",
-            "export",
-            str(self.run_dir(name)),
-            "--format",
-            "onnx",
-            "--out",
-        ]
-        result = subprocess.run(
-            [*export, str(out)], cwd=self.root, env=self.env(), capture_output=True, text=True, timeout=300
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        meta = json.loads((out / "model.json").read_text())
+        meta = self.export(name, "onnx", self.root / "export-onnx")
         assert meta["parity"]["passed"]
         assert [(i["name"], i["shape"]) for i in meta["inputs"]] == [("input_ids", [-1, -1])]
         assert {tuple(r.get("shapes", {}).get("input_ids", [0, 64])[1:]) for r in meta["parity"]["results"]} == {
@@ -107,7 +90,7 @@ class TextJourney(Journey):
         prompt = torch.tensor([list(b"def dumps(obj, *, skipkeys=False"), list(b"class DictReader(f, fieldnames=N")])
         with torch.inference_mode():
             expected = eager(input_ids=prompt).logits.numpy()
-        with Served(out, self.env()) as server:
+        with Served(self.root / "export-onnx", self.env()) as server:
             answer = server.v2(meta["name"], {"input_ids": prompt})
         assert answer.shape == (2, prompt.shape[1], 257)
         assert np.abs(answer - expected).max() <= 1e-5

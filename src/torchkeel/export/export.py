@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -128,10 +128,19 @@ def export_run(
     return meta
 
 
-def trained_model(source: str | Path) -> tuple[torch.nn.Module, Any, Path, Any, str]:
-    """The model of a run directory (its newest valid checkpoint) or of a checkpoint, with its
-    weights — the averaged ones when the run kept an EMA — in fp32, in eval mode; with the
-    checkpoint, the run directory, the run's config and which weights (``ema`` or ``model``)."""
+class TrainedModel(NamedTuple):
+    model: torch.nn.Module
+    """In fp32 and eval mode, with the checkpoint's weights (the averaged ones when the run kept an EMA)."""
+    checkpoint: Any
+    run_dir: Path
+    config: Any
+    which: str
+    """``ema`` or ``model``: which weights were loaded."""
+
+
+def trained_model(source: str | Path) -> TrainedModel:
+    """The model of a run directory (its newest valid checkpoint) or of a checkpoint, with what
+    it came from."""
     checkpoint, run_dir = _resolve(Path(source))
     config = load_config(run_dir / "config.yaml")
     model = build_model(config.model)
@@ -139,7 +148,7 @@ def trained_model(source: str | Path) -> tuple[torch.nn.Module, Any, Path, Any, 
     weights = averaged_weights(ema) if ema is not None else checkpoint_weights(checkpoint)
     which = "ema" if ema is not None else "model"
     load_model_weights(model, weights, strict=True, source=f"checkpoint '{checkpoint.path}' ({which} weights)")
-    return model.float().eval(), checkpoint, run_dir, config, which
+    return TrainedModel(model.float().eval(), checkpoint, run_dir, config, which)
 
 
 def export_pretrained(source: str | Path, out_dir: str | Path | None = None) -> Path:
@@ -150,7 +159,8 @@ def export_pretrained(source: str | Path, out_dir: str | Path | None = None) -> 
     Raises:
         ConfigError: the run's model is not a transformers model (it has no ``save_pretrained``).
     """
-    model, _, run_dir, _, _ = trained_model(source)
+    trained = trained_model(source)
+    model, run_dir = trained.model, trained.run_dir
     if not callable(getattr(model, "save_pretrained", None)):
         raise ConfigError(
             f"--format hf writes a transformers model with save_pretrained, and the model of '{run_dir}' is a "

@@ -54,10 +54,10 @@ class MlflowLogger:
         name = experiment or str(config.get("name") or "torchkeel")
         found = self.client.get_experiment_by_name(name)
         experiment_id = found.experiment_id if found is not None else self.client.create_experiment(name)
-        id_file = Path(run_dir) / "mlflow_run_id"
+        id_file, saved = saved_run_id(run_dir, "mlflow_run_id", resume)
         self.incidents = 0
-        if resume and id_file.is_file():
-            self.run_id = id_file.read_text().strip()
+        if saved is not None:
+            self.run_id = saved
             self.client.update_run(self.run_id, status="RUNNING")
             self.incidents = int(self.client.get_run(self.run_id).data.tags.get("torchkeel.incidents", "0"))
             return
@@ -131,9 +131,9 @@ class WandbLogger:
             import wandb
         except ImportError:
             raise MissingExtraError("wandb", "wandb", "logging.wandb") from None
-        id_file = Path(run_dir) / "wandb_run_id"
-        resumed = resume and id_file.is_file()
-        run_id = id_file.read_text().strip() if resumed else secrets.token_hex(6)
+        id_file, saved = saved_run_id(run_dir, "wandb_run_id", resume)
+        resumed = saved is not None
+        run_id = saved or secrets.token_hex(6)
         settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, save_code=False)
         self.run = wandb.init(
             project=project or str(config.get("name") or "torchkeel"),
@@ -174,6 +174,13 @@ class WandbLogger:
 
     def close(self) -> None:
         self.finish(None)
+
+
+def saved_run_id(run_dir: Path, name: str, resume: bool) -> tuple[Path, str | None]:
+    """The file in the run directory that keeps the tracker's run id, and the id it holds when the
+    torchkeel run resumes (``None``: a new tracker run)."""
+    id_file = Path(run_dir) / name
+    return id_file, (id_file.read_text().strip() if resume and id_file.is_file() else None)
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -41,12 +41,12 @@ class HFDiskDataset(torch.utils.data.Dataset):
                 "data.format=datasets needs data.columns: the token columns of each sample ([input_ids, labels])"
             )
         self.columns = list(columns)
-        self.where = str(path)
+        self.location = str(path)
         dataset = _open(datasets, path, key)
         missing = [c for c in self.columns if c not in dataset.column_names]
         if missing:
             raise ConfigError(
-                f"data.columns: {', '.join(repr(c) for c in missing)} not in '{self.where}' "
+                f"data.columns: {', '.join(repr(c) for c in missing)} not in '{self.location}' "
                 f"(columns: {', '.join(dataset.column_names)})"
             )
         self.dataset = dataset.select_columns(self.columns)
@@ -61,7 +61,7 @@ class HFDiskDataset(torch.utils.data.Dataset):
         for name in self.columns:
             value = row[name]
             if value is None:
-                raise ValueError(f"row {index} of '{self.where}': a null value in column '{name}'")
+                raise ValueError(f"row {index} of '{self.location}': a null value in column '{name}'")
             sample[name] = torch.as_tensor(value)
         return sample
 

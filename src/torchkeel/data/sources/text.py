@@ -76,7 +76,7 @@ class FileTokenizer:
     def __init__(self, spec: TokenizerSpec, key: str = "data.tokenizer") -> None:
         assert spec.path is not None
         path = Path(spec.path)
-        self.tokenizer = _load_tokenizer(path, key)
+        self.tokenizer = _tokenizers_object(path, key)
         eos = spec.eos or _configured_eos(path) or next((n for n in EOS_NAMES if self._id(n) is not None), None)
         if eos is None:
             raise ConfigError(
@@ -386,7 +386,7 @@ def _lines(raw: bytes) -> list[bytes]:
     return [line + b"\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
 
 
-def _load_tokenizer(path: Path, key: str) -> Any:
+def _tokenizers_object(path: Path, key: str) -> Any:
     try:
         from tokenizers import Tokenizer
     except ImportError:
