@@ -439,6 +439,28 @@ def test_a_trial_that_crashes_on_bad_data_leaves_the_error_to_training(tmp_path)
         list(EpochLoader(Crashes(), 8).epoch(0))
 
 
+def test_close_stops_the_workers_even_when_an_error_keeps_the_iterator_alive():
+    """A batch that cannot be collated raises in the middle of the epoch; the traceback keeps the
+    DataLoader's iterator alive, and close() must still stop its workers there and then."""
+    import multiprocessing
+
+    class Crashes(Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return torch.ones(3 if i % 2 else 4), torch.tensor(0)
+
+    loader = EpochLoader(Crashes(), 8, num_workers=2)
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(DataError) as caught:
+        list(loader.epoch(0))
+    workers = [p for p in multiprocessing.active_children() if p.pid not in before]
+    assert len(workers) == 2 and caught.value.__traceback__ is not None  # still referenced here
+    loader.close()
+    assert not any(p.is_alive() for p in workers)
+
+
 class Slow(Dataset):
     """``work`` units of CPU work per sample (not a sleep: a busy machine slows the step and the
     loading alike, so the share of time spent waiting does not depend on the load)."""

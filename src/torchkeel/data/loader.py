@@ -27,7 +27,7 @@ from torchkeel.data.bad import BadSamples, remember
 from torchkeel.data.collate import DefaultCollate, collate_or_split
 from torchkeel.data.options import HasLoaderOptions, LoaderOptions
 from torchkeel.data.order import bucket_order, epoch_seed
-from torchkeel.data.stream import worker_context
+from torchkeel.data.stream import stop_workers, worker_context
 from torchkeel.distributed.parallel import empty_like_batch
 from torchkeel.errors import DataError, first_line
 from torchkeel.rng import BatchSeeds, preserved_rng
@@ -312,7 +312,8 @@ class EpochLoader(HasLoaderOptions):
 
     def close(self) -> None:
         """Stop the worker processes (they are started again by the next ``epoch()``)."""
-        self._loader = None
+        loader, self._loader = self._loader, None
+        stop_workers(loader)
 
     def _data_loader(self) -> DataLoader:
         if self._loader is None:

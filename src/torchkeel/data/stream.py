@@ -282,7 +282,8 @@ class StreamLoader(HasLoaderOptions):
 
     def close(self) -> None:
         """Stop the worker processes (they are started again by the next ``epoch()``)."""
-        self._loader = None
+        loader, self._loader = self._loader, None
+        stop_workers(loader)
 
     def _data_loader(self) -> DataLoader:
         if self._loader is None:
@@ -301,6 +302,18 @@ class StreamLoader(HasLoaderOptions):
                 generator=torch.Generator().manual_seed(epoch_seed(o.seed, 0) + 2),
             )
         return self._loader
+
+
+def stop_workers(loader: DataLoader | None) -> None:
+    """Stop a DataLoader's persistent worker processes now. Left to the garbage collector — an
+    iterator kept alive by an exception's traceback, say — they stop late, after a 5 s join per
+    worker, and a worker forked meanwhile inherits the iterator and fails on it when it exits."""
+    iterator = getattr(loader, "_iterator", None)
+    shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's own: no public way exists
+    if shutdown is not None:
+        shutdown()
+    if loader is not None:
+        loader._iterator = None
 
 
 def worker_context(start_method: str | None) -> str | None:
