@@ -72,7 +72,10 @@ TOKENS = ROOT / "examples" / "tokens"
     [
         "tokens",
         pytest.param("tokens-parquet", marks=pytest.mark.slow),  # the Parquet × dict journey runs in the default suite
-        "gpt2",  # model.hf: a transformers GPT-2 from its config, on the Parquet files
+        # model.hf: a transformers GPT-2 from its config, on the Parquet files; keel train and the
+        # ONNX export of such a GPT-2 run in the default suite in tests/unit/test_hf_models.py and
+        # tests/journeys/test_text_journey.py
+        pytest.param("gpt2", marks=pytest.mark.slow),
     ],
 )
 def test_the_tokens_example_trains_exports_and_learns(tmp_path, monkeypatch, name):
