@@ -142,3 +142,39 @@ def test_lookahead_times_its_reads_after_the_first(monkeypatch):
     for group, is_last in ahead:
         waits.append((group, is_last, ahead.take_wait()))
     assert waits == [([5.0], False, 1.0), ([1.0], False, 2.0), ([2.0], True, 0.0)]
+
+
+class CountingSGD(torch.optim.SGD):
+    """An optimizer with a zero_grad of its own, which clear_grads must call."""
+
+    calls = 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        CountingSGD.calls += 1
+        super().zero_grad(set_to_none)
+
+
+def test_clear_grads_sets_every_optimized_gradient_to_none_and_respects_the_optimizers_own():
+    from torch.profiler import ProfilerActivity, profile
+
+    from torchkeel.train.step import clear_grads
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    frozen = nn.Parameter(torch.ones(2))  # not optimized: its gradient stays, as zero_grad leaves it
+    frozen.grad = torch.ones(2)
+    first, second = list(model[0].parameters()), list(model[1].parameters())
+    optimizer = torch.optim.AdamW([{"params": first}, {"params": second, "lr": 0.1}])
+    model(torch.randn(5, 4)).sum().backward()
+    clear_grads(optimizer)
+    assert all(p.grad is None for p in model.parameters()) and frozen.grad is not None
+
+    own = CountingSGD(model.parameters(), lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    clear_grads(own)
+    assert CountingSGD.calls == 1 and all(p.grad is None for p in model.parameters())
+
+    model(torch.randn(5, 4)).sum().backward()
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        clear_grads(optimizer)  # under a profiler: torch's zero_grad, whose range the trace shows
+    assert any("zero_grad" in event.name for event in trace.events())
+    assert all(p.grad is None for p in model.parameters())

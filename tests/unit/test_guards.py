@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import random
 
 import hand_written_loop
@@ -479,3 +480,21 @@ def test_read_finite_takes_scalar_tensors_without_stacking_them():
     host, finite = read_finite((torch.tensor(2.5), torch.tensor(float("nan"))))
     assert host[0] == 2.5 and math.isnan(host[1]) and finite == [True, False]
     assert read_finite(torch.tensor([1.0, float("inf")])) == ([1.0, float("inf")], [True, False])
+
+
+def test_rss_is_this_process_own_also_in_a_forked_child():
+    from torchkeel.inspect.memory import rss_bytes
+
+    rss_bytes()  # the parent's /proc/self/statm is now open
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child grows by 200 MB and reports how much it saw itself grow
+        start = rss_bytes()
+        grown = bytearray(200 * 2**20)
+        grown[:: 2**12] = b"x" * len(grown[:: 2**12])
+        os.write(write, str(rss_bytes() - start).encode())
+        os._exit(0)
+    os.close(write)
+    seen = int(os.read(read, 64).decode())
+    os.waitpid(pid, 0)
+    assert seen > 150 * 2**20  # read from the parent's file it would be about 0

@@ -3,7 +3,10 @@ the incidents and the config; read back with TensorBoard's own reader."""
 
 from __future__ import annotations
 
+import gc
 import json
+import subprocess
+import sys
 
 import pytest
 import recordinglogger
@@ -62,3 +65,31 @@ def test_a_plugged_in_logger_gets_the_rows_incidents_and_close(tiny_config):
 def test_a_logger_without_the_methods_is_a_config_error(tiny_config):
     with pytest.raises(ConfigError, match=r"logging.loggers\[0\]"):
         tk.Trainer(tiny_config("logging.loggers=[recordinglogger:not_a_logger]"), progress=False).fit()
+
+
+def test_metrics_rows_reach_the_file_at_flush_or_at_once_with_no_interval(tmp_path):
+    buffered = tk.MetricsWriter(tmp_path / "a.jsonl", flush_every_s=3600)
+    buffered.write({"kind": "train", "step": 1, "loss": float("nan")})
+    assert (tmp_path / "a.jsonl").read_text() == ""  # within the interval: not yet a system call
+    buffered.flush()
+    assert tk.read_metrics(tmp_path / "a.jsonl") == [{"kind": "train", "step": 1, "loss": None}]
+    buffered.write({"kind": "train", "step": 2})
+    buffered.close()
+    assert [r["step"] for r in tk.read_metrics(tmp_path / "a.jsonl")] == [1, 2]
+    eager = tk.MetricsWriter(tmp_path / "b.jsonl", flush_every_s=0)
+    eager.write({"kind": "train", "step": 1})
+    assert [r["step"] for r in tk.read_metrics(tmp_path / "b.jsonl")] == [1]
+    eager.close()
+
+
+def test_metrics_rows_of_a_writer_never_closed_are_written_when_it_goes_or_the_process_exits(tmp_path):
+    writer = tk.MetricsWriter(tmp_path / "collected.jsonl", flush_every_s=3600)
+    writer.write({"kind": "train", "step": 7})
+    del writer
+    gc.collect()
+    assert [r["step"] for r in tk.read_metrics(tmp_path / "collected.jsonl")] == [7]
+    script = "import torchkeel as tk; w = tk.MetricsWriter(r'%s', flush_every_s=3600); w.write({'step': 8})" % (
+        tmp_path / "exited.jsonl"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert [r["step"] for r in tk.read_metrics(tmp_path / "exited.jsonl")] == [8]

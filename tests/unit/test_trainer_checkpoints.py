@@ -154,3 +154,21 @@ def test_a_resume_says_how_its_config_differs_and_refuses_what_breaks_exactness(
         tiny_config("train.max_epochs=3", "seed=3"), resume="auto", allow_config_change=True, progress=False
     ).fit()
     assert allowed["epochs"] == 3 and "seed: 0 -> 3 (allowed by --allow-config-change" in capsys.readouterr().err
+
+
+def test_every_metrics_row_up_to_a_checkpoint_is_on_disk_before_the_checkpoint_is(tiny_config, tmp_path):
+    """Rows reach metrics.jsonl at most once a second, and at every save: a run killed just after
+    a checkpoint has the rows up to its step, which the resumed run does not write again."""
+    metrics = tmp_path / "runs" / "tiny" / "metrics.jsonl"
+    on_disk = []
+
+    def at(point):
+        if point.endswith("after_manifest"):
+            steps = [r["step"] for r in tk.read_metrics(metrics) if r["kind"] == "train"]
+            on_disk.append(steps[-1] if steps else 0)
+
+    trainer = tk.Trainer(tiny_config("checkpoint.every_steps=7"), progress=False, checkpoint_hook=at)
+    trainer.fit()
+    assert on_disk[:3] == [7, 14, 21]  # log_every 1: each save's own step was on disk before it
+    rows = [r["step"] for r in tk.read_metrics(metrics) if r["kind"] == "train"]
+    assert rows == list(range(1, 61))

@@ -240,22 +240,44 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
     An asynchronous save needs a copy the training loop cannot change under it. ``reuse`` is an
     earlier snapshot of the same structure that nobody reads any more: tensors of the same shape
     and dtype are copied into its memory, which skips allocating (and faulting in) a fresh copy.
+    Those copies are made in one ``_foreach_copy_`` (one dispatch, not two per tensor).
     """
+    into: list[tuple[torch.Tensor, torch.Tensor]] = []
+    copy = _snapshot(state, reuse, into)
+    if into:
+        with torch.no_grad():
+            torch._foreach_copy_([dst for dst, _ in into], [src for _, src in into])
+    return copy
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+
+
+def _snapshot(state: Any, reuse: Any, into: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """``snapshot``'s walk; plain tensors with memory to reuse are added to ``into``, to copy."""
     if isinstance(state, torch.Tensor):
         if (
             isinstance(reuse, torch.Tensor)
-            and reuse.shape == state.shape
+            and reuse.is_cpu
             and reuse.dtype == state.dtype
-            and reuse.device.type == "cpu"
+            and reuse.shape == state.shape
         ):
-            return reuse.copy_(state.detach())
+            if type(reuse) is torch.Tensor and type(state) in _PLAIN:
+                into.append((reuse, state))
+                return reuse
+            return reuse.copy_(state.detach())  # a tensor subclass (DTensor) copies itself
         return state.detach().to("cpu", copy=True).contiguous()
     if isinstance(state, dict):
+        if _SCALARS.issuperset(map(type, state.values())):  # hyperparameters, counters: nothing to walk
+            return dict(state)
         old = reuse if isinstance(reuse, dict) else {}
-        return {k: snapshot(v, old.get(k)) for k, v in state.items()}
+        return {k: _snapshot(v, old.get(k), into) for k, v in state.items()}
+    if type(state) is list and _SCALARS.issuperset(map(type, state)):
+        return list(state)
     if isinstance(state, (list, tuple)):
         old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(state) else [None] * len(state)
-        return type(state)(snapshot(v, o) for v, o in zip(state, old))
+        return type(state)(_snapshot(v, o, into) for v, o in zip(state, old))
     return state
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,6 +209,7 @@ class EpochLoader(HasLoaderOptions):
         self._sampler = _EpochSampler()
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._loader: DataLoader | None = None
+        self._guarded, self._collate = _Guarded(dataset, seed, rank, self._epoch), _Collate(self.options.collate_fn)
         self._recent: dict[int, tuple[list[int], int]] = {}  # id(batch) -> (dataset indices, bad samples)
 
     def __len__(self) -> int:
@@ -272,7 +273,7 @@ class EpochLoader(HasLoaderOptions):
 
     def _iterate(self, expected: int) -> Iterator[Any]:
         template, count = None, 0
-        for batch, bad, kept in self._data_loader():
+        for batch, bad, kept in self._batches():
             if bad:
                 self.bad.record([(f"dataset index {b.index}", b.error) for b in bad])
             if batch is None and self.options.world_size > 1 and template is not None:
@@ -315,17 +316,29 @@ class EpochLoader(HasLoaderOptions):
         loader, self._loader = self._loader, None
         stop_workers(loader)
 
+    def _batches(self) -> Iterable[tuple[Any, list[_BadItem], list[int]]]:
+        """``(batch, bad samples, kept indices)`` of the sampler's order. Without workers or pinning
+        they are made here as the DataLoader's main-process path makes them (``__getitems__`` on
+        each run of ``rank_batch_size`` indices, then the collate), without its per-batch
+        bookkeeping (a profiler range, a Python loop over every index), which costs more than
+        the step of a small model."""
+        o = self.options
+        if o.num_workers or o.pin_memory:
+            return self._data_loader()
+        order, size, fetch, collate = self._sampler.order, o.rank_batch_size, self._guarded.__getitems__, self._collate
+        return (collate(fetch(order[start : start + size])) for start in range(0, len(order), size))
+
     def _data_loader(self) -> DataLoader:
         if self._loader is None:
             o = self.options
             workers = o.num_workers
             self._loader = DataLoader(
-                _Guarded(self.dataset, o.seed, o.rank, self._epoch),
+                self._guarded,
                 batch_size=o.rank_batch_size,
                 sampler=self._sampler,
                 num_workers=workers,
                 pin_memory=o.pin_memory,
-                collate_fn=_Collate(o.collate_fn),
+                collate_fn=self._collate,
                 worker_init_fn=seed_worker if workers else None,
                 persistent_workers=workers > 0,
                 prefetch_factor=o.prefetch_factor if workers else None,

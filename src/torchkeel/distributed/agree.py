@@ -7,10 +7,14 @@ unconditionally and stay correct once they run under torchrun.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+_IS_CPU = operator.attrgetter("is_cpu")
+_DIST_BUILT = dist.is_available()
 
 
 def any_rank(flag: bool, device: torch.device | None = None) -> bool:
@@ -37,11 +41,11 @@ def read_finite(values: torch.Tensor | Sequence[torch.Tensor], agreed: bool = Fa
     decides the same even when only one rank's loss went NaN. ``agreed``: the values are
     already the same on every rank (reduced), so no collective is needed.
     """
-    local = agreed or not (dist.is_available() and dist.is_initialized())
+    local = agreed or not (_DIST_BUILT and dist.is_initialized())
     if not isinstance(values, torch.Tensor):
-        if local and all(v.device.type == "cpu" for v in values):  # no sync to save: no stack either
-            host = [float(v) for v in values]
-            return host, [math.isfinite(v) for v in host]
+        if local and all(map(_IS_CPU, values)):  # no sync to save: no stack either
+            host = list(map(float, values))  # map, not comprehensions: this runs every step
+            return host, list(map(math.isfinite, host))
         values = torch.stack([v.float() for v in values])
     if local:
         host = values.tolist()

@@ -81,15 +81,18 @@ class Snapshot:
     def take(cls, step: int, reuse: Snapshot | None = None, **objects: Any) -> Snapshot:
         """``Snapshot.take(step, model=m, optimizer=o, scheduler=s)``; ``None`` objects are skipped.
         ``reuse``: a snapshot nobody reads any more, whose memory the copy goes into."""
-        old = reuse.states if reuse is not None else {}
-        return cls(
-            step, {name: snapshot(obj.state_dict(), old.get(name)) for name, obj in objects.items() if obj is not None}
-        )
+        states = {name: _state_of(obj) for name, obj in objects.items() if obj is not None}
+        return cls(step, snapshot(states, reuse.states if reuse is not None else {}))  # one copy of all
 
     def restore(self, **objects: Any) -> None:
         for name, obj in objects.items():
             if obj is not None and name in self.states:
                 obj.load_state_dict(copy.deepcopy(self.states[name]))
+
+
+def _state_of(obj: Any) -> dict[str, Any]:
+    """``obj.state_dict()``; a module's with its parameters as they are (the copy detaches them)."""
+    return obj.state_dict(keep_vars=True) if isinstance(obj, torch.nn.Module) else obj.state_dict()
 
 
 def apply_lr_scale(scheduler: Any, optimizer: torch.optim.Optimizer, scale: float) -> None:

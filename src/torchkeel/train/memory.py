@@ -228,12 +228,11 @@ class LeakDetector:
         """Call once per step; returns a finding (plain data) the first time growth is sustained."""
         if self.reported or step < self._warmup_steps:
             return None
+        signal_step = self.signal_every_steps and step % self.signal_every_steps == 0
+        if not signal_step and self.suspected_at_step is None and step < self._next_step:
+            return None  # most steps: nothing is due, not even a look at the clock
         start = self.clock()
-        if (
-            self.signal_every_steps
-            and step % self.signal_every_steps == 0
-            and start - self._signal_at >= self.signal_min_s
-        ):
+        if signal_step and start - self._signal_at >= self.signal_min_s:
             self._signal_at = start
             self._watch(start, step)
         elapsed = start - self._last_end

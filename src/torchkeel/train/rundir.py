@@ -142,6 +142,12 @@ class RunFiles:
         for hook in self.row_hooks:
             hook(row)
 
+    def flush(self) -> None:
+        """``metrics.jsonl``'s rows on disk now; before a save, so that a resume finds every row up
+        to its checkpoint."""
+        if self._metrics is not None:
+            self._metrics.flush()
+
     def say(self, message: str) -> None:
         """A line a person must see (rank 0), progress output or not."""
         if self.is_main:

@@ -25,6 +25,24 @@ from torchkeel.train.oom import free_memory, smaller_size
 from torchkeel.train.precision import Precision
 
 _NOTHING = nullcontext()
+_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
+
+def clear_grads(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.zero_grad(set_to_none=True)``. An optimizer that keeps torch's own ``zero_grad``
+    has its gradients set to ``None`` here directly: the same result without the profiler range
+    torch opens on every call, which costs more than the clearing itself (about 7 us a step on a
+    CPU). Under a running profiler, or with a ``zero_grad`` of its own, the optimizer's is called."""
+    if (
+        type(optimizer).zero_grad is not _TORCH_ZERO_GRAD
+        or "zero_grad" in vars(optimizer)
+        or torch.autograd._profiler_enabled()
+    ):
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
 
 
 @dataclass
@@ -139,7 +157,7 @@ def train_step(
             sums, micro_batch_size, agreed, redo = _synced(work, micro_batch_size, sync, split_on_oom, agree)
             if not redo:
                 break
-            optimizer.zero_grad(set_to_none=True)
+            clear_grads(optimizer)
             num_splits += 1
             continue
         try:
@@ -150,7 +168,7 @@ def train_step(
             if not split_on_oom:
                 raise
         # Out of the except block, so the failed attempt's frames and tensors can be freed.
-        optimizer.zero_grad(set_to_none=True)
+        clear_grads(optimizer)
         free_memory(device)
         micro_batch_size = smaller_size(min(micro_batch_size or max(sizes), max(sizes)), device)
         num_splits += 1
@@ -167,7 +185,7 @@ def train_step(
         precision.skip(optimizer)
     else:
         precision.step(optimizer)  # on "overflow" the scaler skips the update and lowers its scale
-    optimizer.zero_grad(set_to_none=True)
+    clear_grads(optimizer)
     if scheduler is not None and status == "ok":
         scheduler.step()
     if seen is not None and status != "nonfinite":

@@ -280,6 +280,7 @@ class Trainer:
         if not self.checkpoints.enabled or c.saved_at == c.step:
             return
         c.saved_at = c.step
+        self.files.flush()
         held = (self._ahead.held or []) if self._ahead is not None else []  # read ahead, not trained on
         # The first checkpoint must be on disk before the run --overwrite set aside goes.
         self.checkpoints.save(self.parts, self.state, held=held, meta=self._provenance, wait=self.files.holds_previous)
