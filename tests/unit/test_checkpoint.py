@@ -6,6 +6,8 @@ import json
 import os
 import random
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -406,3 +408,17 @@ def test_grad_scaler_state_round_trips(tmp_path):
     restored = torch.amp.GradScaler("cpu")
     ck.restore_training_state(store.latest_valid()[0].state, model, opt, scaler=restored)
     assert restored.get_scale() == 256.0 and restored.get_growth_interval() == 7
+
+
+def test_a_process_that_exits_right_after_a_prune_waits_for_the_removal(tmp_path):
+    """The removal thread is not a daemon: a daemon cut off at interpreter shutdown can abort the
+    process (a garbage collection in it reaches a tensor), and leaves the trash behind."""
+    trash = tmp_path / "ckpt" / ".removing-step-00000001"
+    for i in range(40):
+        (trash / f"d{i}").mkdir(parents=True)
+        for j in range(100):
+            (trash / f"d{i}" / f"f{j}").write_bytes(b"x")
+    script = f"import torchkeel.checkpoint as ck; ck.CheckpointStore(r'{tmp_path / 'ckpt'}').prune()"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not trash.exists()

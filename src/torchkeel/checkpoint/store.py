@@ -131,7 +131,10 @@ class CheckpointStore:
             temp.unlink(missing_ok=True)
         leftovers = [p for p in self.directory.glob(f"{_TRASH}*") if p.is_dir()]  # just renamed, or left by a kill
         if leftovers:
-            threading.Thread(target=_remove_all, args=(leftovers,), name="torchkeel-prune", daemon=True).start()
+            # Not a daemon: a daemon thread still in rmtree when the interpreter shuts down is cut off
+            # inside a tensor's deallocation (its garbage collection can reach one) and aborts the
+            # process (exit 134) after a run that succeeded. The exit waits for the removal instead.
+            threading.Thread(target=_remove_all, args=(leftovers,), name="torchkeel-prune").start()
 
     def _discard(self, path: Path) -> None:
         trash = path.with_name(f"{_TRASH}{path.name}")
