@@ -51,8 +51,6 @@ class MetricsWriter:
 
 def _write_rows(file: TextIO, rows: list[dict[str, Any]]) -> None:
     """Write ``rows`` out as lines (emptying the list) and flush ``file``."""
-    if file.closed:
-        return
     lines = [json.dumps({k: _finite_or_none(v) for k, v in row.items()}) + "\n" for row in rows]
     rows.clear()
     file.write("".join(lines))
