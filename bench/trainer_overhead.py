@@ -10,8 +10,9 @@ kernels in every contender), three ways:
 - the hand-written loop;
 - the Trainer with the guards off (no non-finite check, memory rows, leak census or OOM split),
   writing metrics.jsonl every 10 steps;
-- the Trainer with its defaults: non-finite check every step, memory rows every 100 steps,
-  leak census every 200 steps, OOM splitting armed;
+- the Trainer with its defaults: non-finite check every step, a rollback snapshot every 200
+  steps, memory rows every 100 steps, the leak detector's cheap signal every 10 steps, OOM
+  splitting armed;
 - the Trainer with its defaults and a validation every 100 steps (2,048 samples);
 - the same with a torchmetrics F1 on validation and TensorBoard logging on (the ecosystem).
 

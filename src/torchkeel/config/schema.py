@@ -184,7 +184,7 @@ class GuardConfig:
     """Multiply the learning rate by this at each rollback."""
     max_rollbacks: int = 3
     """Rollbacks before the run stops with status ``failed`` and a diagnosis."""
-    snapshot_every: int = 50
+    snapshot_every: int = 200
     """Keep an in-memory copy of the last good state every N good steps (0: no rollback)."""
     diagnose: bool = True
     """Replay the first non-finite step with hooks to name the module where NaN/Inf appeared."""
