@@ -5,7 +5,8 @@
   (KServe's defaults, all interfaces on 8080 and 8081, are checked without binding them: tests
   listen on 127.0.0.1 only.)
 - Warm-up: a model is ready only after it ran one batch of every warm-up size, and the server
-  has sent it requests of each protocol through its own app (not counted anywhere).
+  has sent it requests of each protocol through its own app, then (once it listens) through
+  its own socket (not counted anywhere).
 - Scale-down: SIGTERM while 64 clients send; every request the server accepted is answered.
 """
 
@@ -25,8 +26,9 @@ from serveproc import Server, exported, free_port  # noqa: F401 - exported is a 
 
 from torchkeel.errors import ConfigError
 from torchkeel.serve.app import create_app
+from torchkeel.serve.drift import DriftMonitor
 from torchkeel.serve.kserve import LOCAL, is_kserve, kserve_defaults
-from torchkeel.serve.metrics import ServerMetrics
+from torchkeel.serve.metrics import ModelMetrics, ServerMetrics
 from torchkeel.serve.model import ServeOptions
 from torchkeel.serve.repository import ModelRepository
 from torchkeel.serve.warmup import CONCURRENCY, WAVES, Warmed, warm_requests
@@ -101,11 +103,16 @@ def test_a_model_whose_warmup_fails_is_unavailable_with_the_reason(exported):
     assert "warm-up failed: Expected all tensors to be on the same device" in repo.unavailable[0].reason
 
 
-def test_requests_through_the_app_warm_the_request_path_and_are_not_counted(exported):
+def test_requests_through_the_app_warm_the_request_path_and_are_not_counted(exported, monkeypatch):
     app = create_app(exported[0], ServeOptions(max_batch_size=8))
     server = app.state.server
     (model,) = server.repository.models.values()
     batches, forward = [], model.batcher.run_batch
+    counted = []  # (metrics or drift object, what it was told): the counting code runs, on scratch objects
+    for cls, name in ((ModelMetrics, "request_done"), (ModelMetrics, "batch_done"), (DriftMonitor, "observe")):
+        monkeypatch.setattr(cls, name, _recorded(getattr(cls, name), name, counted))
+    real_metrics, real_drift = model.metrics, model.drift
+    assert real_drift is not None  # the export carries reference statistics
 
     def recording(batch):
         batches.append(len(batch))
@@ -120,10 +127,22 @@ def test_requests_through_the_app_warm_the_request_path_and_are_not_counted(expo
 
     assert asyncio.run(main()) == Warmed(2 * WAVES * CONCURRENCY)  # v1 and v2, every one answered 200
     assert sum(batches) == 2 * WAVES * CONCURRENCY and max(batches) > 1  # concurrent: batched as clients are
+    assert sum(name == "request_done" for _, name in counted) == 2 * WAVES * CONCURRENCY
+    assert sum(name == "batch_done" for _, name in counted) == sum(name == "observe" for _, name in counted) > 0
+    assert not any(target is real_metrics or target is real_drift for target, _ in counted)
+    assert model.metrics is real_metrics and model.drift is real_drift and real_drift._samples == 0
     assert server.metrics.answered() == (0, 0, 0)
     text = server.metrics.render().decode()
     assert 'nv_inference_exec_count{model="tiny",version="1"} 0.0' in text
     assert 'nv_inference_request_success{model="tiny",version="1"} 0.0' in text
+
+
+def _recorded(method, name: str, calls: list):
+    def recording(self, *args, **kwargs):
+        calls.append((self, name))
+        return method(self, *args, **kwargs)
+
+    return recording
 
 
 def test_a_route_that_fails_on_the_warmup_values_is_left_out_and_the_model_still_serves(exported):
@@ -162,6 +181,93 @@ def test_a_route_that_fails_on_the_warmup_values_is_left_out_and_the_model_still
         refused_v2.left_out[1] == "POST /v2/models/tiny/infer answered 400: parameters.top_k needs one score per class"
     )
     assert ready
+
+
+def _uvicorn(app, port: int):
+    """``app`` served by uvicorn on 127.0.0.1:``port`` from a thread, as ``keel serve`` runs it."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    return server, thread
+
+
+def _get(port: int, path: str) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def _when_ready(port: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if _get(port, "/v2/health/ready")[0] == 200:
+                return
+        except OSError:
+            pass  # not listening yet
+        time.sleep(0.02)
+    raise AssertionError("the server never said ready")
+
+
+def test_behind_keel_serve_the_requests_go_again_through_the_socket_before_ready(exported):
+    port = free_port()
+    app = create_app(exported[0], ServeOptions(max_batch_size=8, http_port=port))
+    repository = app.state.server.repository
+    through_socket = []  # what reached the server over TCP: (path, client port, ready then)
+
+    async def listening(scope, receive, send):  # the app as uvicorn calls it; the in-process warm-up skips this
+        if scope["type"] == "http":
+            through_socket.append((scope["path"], scope["client"][1], repository.ready))
+        await app(scope, receive, send)
+
+    server, thread = _uvicorn(listening, port)
+    try:
+        _when_ready(port)
+        warmup = [row for row in through_socket if row[0] != "/v2/health/ready"]
+        paths = sorted({path for path, _, _ in warmup})
+        assert paths == ["/v1/models/tiny:predict", "/v2/models/tiny/infer"]
+        assert len(warmup) == 2 * WAVES * CONCURRENCY  # each route, WAVES times from every connection
+        assert len({client for _, client, _ in warmup}) == CONCURRENCY and all(client for _, client, _ in warmup)
+        assert not any(ready for _, _, ready in warmup)  # the probes were told "not ready" all along
+        probes = [ready for path, _, ready in through_socket if path == "/v2/health/ready"]
+        assert probes[-1] and not any(probes[:-1])
+        assert app.state.server.metrics.answered() == (0, 0, 0)  # not counted
+        status, text = _get(port, "/v1/models/tiny")
+        assert status == 200 and json.loads(text) == {"name": "tiny", "ready": True}
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        connection.request("POST", "/v2/models/tiny/infer", BODY, {"Content-Type": "application/json"})
+        assert connection.getresponse().status == 200
+        connection.close()
+        assert app.state.server.metrics.answered()[0] == 1  # a client's request is
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+def test_a_socket_warmup_that_cannot_connect_gives_up_and_the_server_is_ready(exported, monkeypatch, capfd):
+    from starlette.testclient import TestClient
+
+    from torchkeel.serve import warmup
+
+    monkeypatch.setattr(warmup, "CONNECT_S", 0.2)
+    nobody = free_port()  # the app thinks it listens there; nothing does
+    app = create_app(exported[0], ServeOptions(max_batch_size=4, http_port=nobody))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/v2/health/ready").status_code != 200:
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.02)
+        assert client.post("/v2/models/tiny/infer", content=BODY).status_code == 200
+    err = capfd.readouterr().err
+    assert f"keel: the request warm-up over 127.0.0.1:{nobody} stopped (" in err
+    assert err.rstrip().endswith("ready without it")
 
 
 async def _answer(send, status: int, body: bytes) -> None:

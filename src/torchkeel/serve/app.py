@@ -40,7 +40,7 @@ from torchkeel.serve.protocol import (
 from torchkeel.serve.repository import ModelRepository
 from torchkeel.serve.server import Server
 from torchkeel.serve.tensors import ProtocolError
-from torchkeel.serve.warmup import warm_requests
+from torchkeel.serve.warmup import warm_over_socket, warm_requests
 
 # An oversized body is read to its end and dropped, up to 4x the limit (at least 64 MiB) or 5 s,
 # before the 413 is sent and the connection closed; past that bound the connection is closed at once.
@@ -63,7 +63,13 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
     async def lifespan(app: Starlette):
         await server.start(warm=functools.partial(warm_requests, app))
         gc.freeze()  # the models and imports never become garbage; full collections then stay short
+        warming = None
+        if opts.http_port and server.warmed:  # the server listens once this returns: warm over its socket
+            repository.holding = True
+            warming = asyncio.create_task(warm_over_socket(server, opts.http_host, opts.http_port))
         yield
+        if warming is not None:
+            warming.cancel()
         await server.stop()  # everything already queued is answered first
 
     async def read_body(request: Request) -> bytes:
@@ -103,7 +109,7 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
         return JSONResponse(model_of(request).metadata())
 
     async def model_ready(request: Request) -> Response:
-        return Response(status_code=200 if model_of(request).ready else 503)
+        return Response(status_code=200 if repository.model_ready(model_of(request)) else 503)
 
     async def repository_index(request: Request) -> Response:
         return JSONResponse(repository.index())
@@ -136,7 +142,7 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
         name, _, verb = request.path_params["spec"].partition(":")
         model = repository.get(name)
         if request.method == "GET" and not verb:
-            return JSONResponse({"name": model.name, "ready": model.ready})
+            return JSONResponse({"name": model.name, "ready": repository.model_ready(model)})
         if request.method == "POST" and verb == "predict":
 
             async def handle() -> Response:
@@ -287,7 +293,7 @@ def serve(
 
     import uvicorn
 
-    options = dataclasses.replace(options or ServeOptions(), grpc_host=host)
+    options = dataclasses.replace(options or ServeOptions(), grpc_host=host, http_host=host, http_port=port)
     for flag, number in (("--port", port), ("--grpc-port", options.grpc_port)):
         if number:
             _check_free(host, number, flag)

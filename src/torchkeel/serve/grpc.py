@@ -160,7 +160,8 @@ class _Service:
         return pb.ServerReadyResponse(ready=self.repository.ready)
 
     def model_ready(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return pb.ModelReadyResponse(ready=self._model(request.name, request.version, context).ready)
+        model = self._model(request.name, request.version, context)
+        return pb.ModelReadyResponse(ready=self.repository.model_ready(model))
 
     def server_metadata(self, request: Any, context: grpc.ServicerContext) -> Any:
         return pb.ServerMetadataResponse(name="torchkeel", version=__version__, extensions=EXTENSIONS)

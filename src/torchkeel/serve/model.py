@@ -57,6 +57,10 @@ class ServeOptions:
     image_threads: int = 2  # threads decoding and preprocessing images (shared by the models)
     grpc_port: int = 0  # 0: no gRPC; `keel serve` defaults to 8001
     grpc_host: str = "127.0.0.1"
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
+    """Where the HTTP server listens, set by ``serve``: once it listens, the server warms its
+    request path over this socket before it reports ready (0: not known, no such warm-up)."""
     warmup_batch_sizes: tuple[int, ...] | None = None
     """Batch sizes run once before a model is ready (Triton's ``model_warmup``); ``None``: 1, 2,
     4, ... up to ``max_batch_size``; ``()``: no warm-up."""
@@ -108,7 +112,6 @@ class ServedModel:
         )
         self.metrics = metrics.model(self.name, self.version, self.drift, pending=lambda: self.batcher.pending)
         self.ready = False
-        self._quiet = False
 
     @property
     def is_image_model(self) -> bool:
@@ -140,17 +143,19 @@ class ServedModel:
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
-        """Requests and batches in this block are not counted in the metrics nor seen by the
-        drift monitor: the server's own warm-up requests (``serve.warmup``)."""
-        self._quiet = True
+        """Requests and batches in this block are counted in scratch metrics and seen by a
+        scratch drift monitor, both dropped at its end: the server's own warm-up requests
+        (``serve.warmup``) run all the code a client's request runs, counting included, so that
+        it is warm too, and leave the figures as they were."""
+        kept = self.metrics, self.drift
+        self.drift = DriftMonitor(self.meta["reference"]) if self.drift is not None else None
+        self.metrics = ServerMetrics().model(self.name, self.version, self.drift, pending=lambda: self.batcher.pending)
         try:
             yield
         finally:
-            self._quiet = False
+            self.metrics, self.drift = kept
 
     def _on_batch(self, stats: BatchStats, inputs: Batch) -> None:
-        if self._quiet:
-            return
         self.metrics.batch_done(stats.batch_size, stats.num_requests, stats.compute_s, sum(stats.queue_s))
         if self.drift is not None:  # once per batch, not per request; on the preprocessed tensors
             self.drift.observe(inputs[self._drift_input] if isinstance(inputs, dict) else inputs)
@@ -167,9 +172,8 @@ class ServedModel:
 
     @contextlib.contextmanager
     def _counting(self, protocol: str) -> Iterator[None]:
-        start, counts = time.perf_counter(), not self._quiet
-        if counts:
-            self.metrics.request_started()
+        start, metrics = time.perf_counter(), self.metrics  # the warm-up's scratch ones while it lasts
+        metrics.request_started()
         failure = None
         try:
             yield
@@ -180,8 +184,7 @@ class ServedModel:
             failure, error = _failed(exc)
             raise error from None
         finally:
-            if counts:
-                self.metrics.request_done(protocol, time.perf_counter() - start, failure)
+            metrics.request_done(protocol, time.perf_counter() - start, failure)
 
     async def predict(self, batch: Batch) -> np.ndarray:
         """The model's output rows for a batch of (preprocessed) inputs: one array, or the

@@ -40,6 +40,9 @@ class ModelRepository:
         self.models: dict[str, ServedModel] = {}
         self.unavailable: list[Unavailable] = []
         self.metrics = metrics
+        self.holding = False
+        """True while the server warms its request path over its own socket: the models answer,
+        and readiness probes are told they are not ready yet."""
         for path, problem in _exports(sources):
             if problem is not None:
                 self.unavailable.append(Unavailable(_name_of(path), str(path), problem))
@@ -86,12 +89,21 @@ class ModelRepository:
     @property
     def ready(self) -> bool:
         """Every loaded model is ready (the ones that failed to load are reported, not waited for)."""
-        return bool(self.models) and all(m.ready for m in self.models.values())
+        return not self.holding and bool(self.models) and all(m.ready for m in self.models.values())
+
+    def model_ready(self, model: ServedModel) -> bool:
+        """What a readiness probe is told of ``model``: ready, and not held back by the server."""
+        return model.ready and not self.holding
 
     def index(self) -> list[dict[str, Any]]:
         """Triton's repository index: name, version, state (``READY``/``UNAVAILABLE``) and reason."""
         rows = [
-            {"name": m.name, "version": m.version, "state": "READY" if m.ready else "UNAVAILABLE", "reason": ""}
+            {
+                "name": m.name,
+                "version": m.version,
+                "state": "READY" if self.model_ready(m) else "UNAVAILABLE",
+                "reason": "",
+            }
             for m in self.models.values()
         ]
         rows += [

@@ -25,6 +25,8 @@ class Server:
         )
         self.repository = ModelRepository(export_dirs, options, self.metrics, self.images)
         self.grpc: Any = None
+        self.warmed: dict[str, Any] = {}
+        """What ``warm`` answered for each model (the HTTP app's: a ``Warmed``)."""
 
     async def start(self, warm: Callable[[ServedModel], Awaitable[object]] | None = None) -> None:
         """Load and warm the models, then start gRPC. ``warm(model)`` runs for each ready model
@@ -32,7 +34,7 @@ class Server:
         await self.repository.start()
         if warm is not None and self.options.warmup_sizes():
             for model in self.repository.models.values():
-                await warm(model)
+                self.warmed[model.name] = await warm(model)
         if self.options.grpc_port:
             self.grpc = start_grpc(self)
 

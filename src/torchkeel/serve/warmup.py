@@ -6,21 +6,31 @@ encoding, the batcher's joins — running for the first time: Python specializes
 bytecode only after it has run a few times. So, before the server listens, each model answers
 ``WAVES`` waves of ``CONCURRENCY`` one-sample requests of each protocol (v1 ``predict`` and v2
 ``infer``), sent to the app in process while nothing else can reach the model (the ASGI
-server listens, and gRPC starts, only after the app's start-up). They are not counted in the
-metrics, the drift window or the count printed at stop.
+server listens, and gRPC starts, only after the app's start-up). Behind ``keel serve`` the same
+requests then go once more through the server's own socket (``warm_over_socket``) before the
+readiness probes say ready. They are not counted in the metrics, the drift window or the count
+printed at stop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.client
 import json
+import socket
+import sys
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchkeel.serve.model import ServedModel, warmup_arrays
 from torchkeel.serve.tensors import DTYPES
+
+if TYPE_CHECKING:
+    from torchkeel.serve.server import Server
 
 CONCURRENCY = 8
 WAVES = 8
@@ -39,6 +49,8 @@ class Warmed:
     """Warm-up requests answered with 200."""
     left_out: list[str] = field(default_factory=list)
     """Routes left out, with their first answer other than 200."""
+    routes: list[tuple[str, bytes]] = field(default_factory=list, repr=False, compare=False)
+    """The requests (path, body) answered with 200: the ones worth sending again over the socket."""
 
 
 async def warm_requests(app: ASGIApp, model: ServedModel) -> Warmed:
@@ -68,7 +80,75 @@ async def warm_requests(app: ASGIApp, model: ServedModel) -> Warmed:
                     warmed.answered += len(answers)
             if not requests or time.perf_counter() - start > BUDGET_S:
                 break
+    warmed.routes = requests
     return warmed
+
+
+async def warm_over_socket(server: Server, host: str, port: int) -> None:
+    """Once the server listens on ``host:port``, send the requests each model answered in its
+    warm-up again through the socket, from ``CONCURRENCY`` keep-alive connections, then let the
+    readiness probes say ready (``repository.holding``).
+
+    The in-process warm-up leaves out the ASGI server's own code (HTTP parsing, the protocol's
+    writes) and the socket path: without this, the first requests after ready are the first to
+    run it, and a replica that joins a load balancer answers them slower. The models answer
+    while it runs (only the probes wait), its requests are not counted, and a warm-up that
+    cannot reach the socket gives up after ``CONNECT_S`` with a warning: the server is ready
+    without it.
+    """
+    repository = server.repository
+    routes = [(path, body) for warmed in server.warmed.values() for path, body in getattr(warmed, "routes", [])]
+    try:
+        with contextlib.ExitStack() as quiet:
+            for model in repository.models.values():
+                quiet.enter_context(model.quiet())
+            await asyncio.to_thread(_send_over_http, _connect_host(host), port, routes)
+    except (OSError, http.client.HTTPException) as exc:
+        print(f"keel: the request warm-up over {host}:{port} stopped ({exc}); ready without it", file=sys.stderr)
+    finally:
+        repository.holding = False
+
+
+CONNECT_S = 10.0
+"""How long the socket warm-up waits for the server to listen."""
+
+
+def _connect_host(host: str) -> str:
+    """The address to reach a server listening on ``host`` from the same machine."""
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def _send_over_http(host: str, port: int, routes: list[tuple[str, bytes]]) -> int:
+    """Blocking: ``WAVES`` rounds of ``routes`` from each of ``CONCURRENCY`` connections, until
+    ``BUDGET_S`` is spent; the number answered."""
+    deadline = time.monotonic() + CONNECT_S
+    while True:  # the server listens once its start-up (which started this) has returned
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    stop_at = time.monotonic() + BUDGET_S
+
+    def client() -> int:
+        answered = 0
+        connection = http.client.HTTPConnection(host, port, timeout=30)
+        try:
+            for _ in range(WAVES):
+                for path, body in routes:
+                    connection.request("POST", path, body, {"Content-Type": "application/json"})
+                    connection.getresponse().read()
+                    answered += 1
+                if time.monotonic() > stop_at:
+                    break
+        finally:
+            connection.close()
+        return answered
+
+    with ThreadPoolExecutor(CONCURRENCY, thread_name_prefix="torchkeel-warmup") as pool:
+        return sum(pool.map(lambda _: client(), range(CONCURRENCY)))
 
 
 def _requests(model: ServedModel) -> list[tuple[str, bytes]]:
