@@ -102,7 +102,8 @@ async def warm_over_socket(server: Server, host: str, port: int) -> None:
         with contextlib.ExitStack() as quiet:
             for model in repository.models.values():
                 quiet.enter_context(model.quiet())
-            await asyncio.to_thread(_send_over_http, _connect_host(host), port, routes)
+            connections = max(1, min(CONCURRENCY, server.options.max_queue))  # as in process: none refused
+            await asyncio.to_thread(_send_over_http, _connect_host(host), port, routes, connections)
     except (OSError, http.client.HTTPException) as exc:
         print(f"keel: the request warm-up over {host}:{port} stopped ({exc}); ready without it", file=sys.stderr)
     finally:
@@ -118,9 +119,9 @@ def _connect_host(host: str) -> str:
     return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
 
 
-def _send_over_http(host: str, port: int, routes: list[tuple[str, bytes]]) -> int:
-    """Blocking: ``WAVES`` rounds of ``routes`` from each of ``CONCURRENCY`` connections, until
-    ``BUDGET_S`` is spent; the number answered."""
+def _send_over_http(host: str, port: int, routes: list[tuple[str, bytes]], connections: int) -> None:
+    """Blocking: ``WAVES`` rounds of ``routes`` from each of ``connections`` keep-alive
+    connections at once, until ``BUDGET_S`` is spent."""
     deadline = time.monotonic() + CONNECT_S
     while True:  # the server listens once its start-up (which started this) has returned
         try:
@@ -132,23 +133,20 @@ def _send_over_http(host: str, port: int, routes: list[tuple[str, bytes]]) -> in
             time.sleep(0.01)
     stop_at = time.monotonic() + BUDGET_S
 
-    def client() -> int:
-        answered = 0
+    def client(_: int) -> None:
         connection = http.client.HTTPConnection(host, port, timeout=30)
         try:
             for _ in range(WAVES):
                 for path, body in routes:
                     connection.request("POST", path, body, {"Content-Type": "application/json"})
                     connection.getresponse().read()
-                    answered += 1
                 if time.monotonic() > stop_at:
                     break
         finally:
             connection.close()
-        return answered
 
-    with ThreadPoolExecutor(CONCURRENCY, thread_name_prefix="torchkeel-warmup") as pool:
-        return sum(pool.map(lambda _: client(), range(CONCURRENCY)))
+    with ThreadPoolExecutor(connections, thread_name_prefix="torchkeel-warmup") as pool:
+        list(pool.map(client, range(connections)))  # a client's error is raised here
 
 
 def _requests(model: ServedModel) -> list[tuple[str, bytes]]:
