@@ -172,3 +172,55 @@ def test_every_metrics_row_up_to_a_checkpoint_is_on_disk_before_the_checkpoint_i
     assert on_disk[:3] == [7, 14, 21]  # log_every 1: each save's own step was on disk before it
     rows = [r["step"] for r in tk.read_metrics(metrics) if r["kind"] == "train"]
     assert rows == list(range(1, 61))
+
+
+class OneBadSample(torch.utils.data.Dataset):
+    """64 samples in file order (batches of 8); sample 27, in the 4th batch, fails to load."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if i == 27:
+            raise OSError("sample 27 is unreadable")
+        return torch.full((8,), i / 64.0), torch.tensor(i % 2)
+
+
+class StopAt(nn.Module):
+    """A linear model that sends SIGTERM to its own process during forward number ``at`` (0: never)."""
+
+    def __init__(self, at):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.calls, self.at = nn.Linear(8, 2), 0, at
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.inner(x)
+
+
+def test_a_bad_sample_read_ahead_of_a_checkpoint_is_recorded_once_across_the_resume(tmp_path):
+    """The loop reads one batch ahead. Stopped after step 3, the checkpoint leaves the 4th batch
+    unread; the resumed run meets its bad sample, and the incident is recorded once, at the step
+    that trained on that batch — in the stopped run's file too it must not be there already."""
+
+    def run(name, at, resume=None):
+        config = tk.load_config(
+            None,
+            [f"out_dir={tmp_path}", f"name={name}", "data.num_workers=0", "data.shuffle=false", "train.max_epochs=1"]
+            + ["train.batch_size=8", "data.max_bad_fraction=0.1"],
+        )
+        trainer = tk.Trainer(config, model=StopAt(at), train_data=OneBadSample(), progress=False, resume=resume)
+        summary = trainer.fit()
+        path = tmp_path / name / "incidents.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return summary, [(r["step"], r["where"]) for r in rows if r["kind"] == "bad_sample"]
+
+    summary, bad = run("whole", 0)
+    assert summary["status"] == "completed" and bad == [(4, "dataset index 27")]
+    summary, bad = run("stopped", 3)
+    assert summary["status"] == "preempted" and summary["steps"] == 3 and bad == []
+    summary, bad = run("stopped", 0, "auto")
+    assert summary["status"] == "completed" and bad == [(4, "dataset index 27")]

@@ -53,9 +53,11 @@ class BadSamples:
         self.others += len(bad)
         self.listed = (self.listed + list(bad))[:MAX_LISTED]
 
-    def check(self) -> None:
-        """Raise ``DataError`` listing the first ten when the epoch holds more than the allowed share."""
-        total = self.count + self.others
+    def check(self, waiting: int = 0) -> None:
+        """Raise ``DataError`` listing the first ten when the epoch holds more than the allowed share.
+        ``waiting``: this rank's bad samples in batches read ahead, which the other ranks have not
+        been told of yet (left out, so that every rank counts the same)."""
+        total = self.count - waiting + self.others
         if total > self.max_fraction * self.num_samples:
             listed = "; ".join(f"{where}: {error}" for where, error in self.listed)
             raise DataError(

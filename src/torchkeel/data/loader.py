@@ -298,11 +298,15 @@ class EpochLoader(HasLoaderOptions):
         """Bad samples met since the caller last cleared this list, ``(where, error)``."""
         return self.bad.new
 
+    def bad_in(self, batches: Sequence[Any]) -> int:
+        """How many of the bad samples met were in ``batches`` (recent ones this loader handed out)."""
+        return sum(self._recent.get(id(batch), (None, 0))[1] for batch in batches)
+
     def state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
         """The epoch's bad-sample count (the position itself is the caller's ``batch_in_epoch``);
         ``unconsumed``: batches handed out but not trained on, whose bad samples are not counted."""
         state = self.bad.state_dict()
-        state["num_bad"] -= sum(self._recent.get(id(batch), (None, 0))[1] for batch in unconsumed)
+        state["num_bad"] -= self.bad_in(unconsumed)
         return state
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:

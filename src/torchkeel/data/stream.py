@@ -235,6 +235,10 @@ class StreamLoader(HasLoaderOptions):
         """Bad samples met since the caller last cleared this list, ``(where, error)``."""
         return self.bad.new
 
+    def bad_in(self, batches: Sequence[Any]) -> int:
+        """How many of the bad samples met came with ``batches`` (recent ones this loader handed out)."""
+        return sum(undo.bad for undo in map(self._undo.get, map(id, batches)) if undo is not None)
+
     def origin(self, batch: Any, index: int) -> str | None:
         """Where sample ``index`` of the batch last handed out came from (``None``: another batch)."""
         origins = self._origins.get(id(batch))

@@ -241,12 +241,15 @@ class BadSampleReport:
         self.job = job
         self.shown: set[str] = set()  # printed already: once per run, every occurrence in incidents
 
-    def collect(self, loader: Any) -> Observed:
-        """The incidents of ``loader.new_bad`` on every rank (cleared); the result's ``error`` is
-        the ``DataError`` to raise once they are recorded, when the job's share of bad samples
-        passed ``data.max_bad_fraction``."""
-        mine = list(loader.new_bad)
-        loader.new_bad.clear()
+    def collect(self, loader: Any, unconsumed: Sequence[Any] = ()) -> Observed:
+        """The incidents of ``loader.new_bad`` on every rank (taken from it); the result's
+        ``error`` is the ``DataError`` to raise once they are recorded, when the job's share of
+        bad samples passed ``data.max_bad_fraction``. Those of the ``unconsumed`` batches (read
+        ahead, not trained on) wait for the step that trains on them: a checkpoint taken before
+        it does not count them, so a run resumed from it meets them again."""
+        waiting = loader.bad_in(unconsumed) if unconsumed else 0
+        mine = loader.new_bad[: len(loader.new_bad) - waiting]
+        del loader.new_bad[: len(mine)]
         found = Observed()
         for rank, bad in enumerate(self.job.all_gather_object(mine)):
             if rank != self.job.rank.rank:
@@ -262,7 +265,10 @@ class BadSampleReport:
                 )
                 self.shown.add(where)
         try:
-            loader.bad.check()
+            if waiting:
+                loader.bad.check(waiting)
+            else:
+                loader.bad.check()
         except DataError as exc:
             found.error = exc
         return found

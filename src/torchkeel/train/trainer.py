@@ -98,7 +98,7 @@ class Trainer:
         self.allow_config_change = allow_config_change
         held = (self.counters, self.protections, self.bad_samples, self.files.incidents, self.stopper)
         self.state = RunState(*held, self.train_loader)
-        self._ahead: Lookahead | None = None  # the epoch's groups, one read ahead
+        self._ahead = Lookahead(())  # the epoch's groups, one read ahead
         self._best_unsaved = False
 
     @property
@@ -183,7 +183,7 @@ class Trainer:
                 self.files.console.advance(1)
                 stop, due, any_bad = result.agreed
                 if any_bad:
-                    self.files.record(c.step, self.bad_samples.collect(self.train_loader))
+                    self.files.record(c.step, self.bad_samples.collect(self.train_loader, self._ahead.held or []))
                 found = self.protections.after_step(result, group, c.step, self._ahead.take_wait())
                 if found.incidents or found.rows or found.error:  # most steps find nothing
                     self.files.record(c.step, found)
@@ -201,7 +201,7 @@ class Trainer:
                 if self._is_at_max_steps() and not at_epoch_end:
                     break  # mid-epoch: the group read ahead is not trained on, nor counted as read
             else:
-                self._ahead = None
+                self._ahead = Lookahead(())
                 if not train.val_every:
                     self._validate()
                 c.epoch, c.batch_in_epoch = c.epoch + 1, 0
@@ -211,7 +211,7 @@ class Trainer:
                     due = any_rank(self.checkpoints.is_due(True), self.device)
                 if due or self.checkpoints.is_every_steps(c.step) or self._best_unsaved:
                     self._save()
-            self._ahead = None
+            self._ahead = Lookahead(())
         if c.validated_at != c.step:
             self._validate()
         if self.config.guard.enabled and not all(bool(torch.isfinite(_local(p)).all()) for p in self.params):
@@ -281,7 +281,7 @@ class Trainer:
             return
         c.saved_at = c.step
         self.files.flush()
-        held = (self._ahead.held or []) if self._ahead is not None else []  # read ahead, not trained on
+        held = self._ahead.held or []  # read ahead, not trained on
         # The first checkpoint must be on disk before the run --overwrite set aside goes.
         self.checkpoints.save(self.parts, self.state, held=held, meta=self._provenance, wait=self.files.holds_previous)
         self.files.first_checkpoint_written()
