@@ -188,7 +188,7 @@ def test_a_bad_sample_is_printed_once_and_recorded_every_time(tmp_path):
                 raise AssertionError("one process: no other rank")
 
             @staticmethod
-            def check():
+            def check(waiting=0):
                 pass
 
     report = BadSampleReport(TrainingJob(config(tmp_path).dist, RankInfo(), CPU))

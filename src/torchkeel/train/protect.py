@@ -265,10 +265,7 @@ class BadSampleReport:
                 )
                 self.shown.add(where)
         try:
-            if waiting:
-                loader.bad.check(waiting)
-            else:
-                loader.bad.check()
+            loader.bad.check(waiting)
         except DataError as exc:
             found.error = exc
         return found
