@@ -7,13 +7,14 @@ import gc
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import recordinglogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import torchkeel as tk
-from torchkeel.errors import ConfigError
+from torchkeel.errors import ConfigError, RunDirError
 
 # A memory threshold every process exceeds: a `memory` incident at each memory row.
 BUSY = ("train.max_epochs=2", "train.log_every=3", "memory.every_steps=5", "memory.warn_rss_gb=0.001")
@@ -93,3 +94,14 @@ def test_metrics_rows_of_a_writer_never_closed_are_written_when_it_goes_or_the_p
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     assert [r["step"] for r in tk.read_metrics(tmp_path / "exited.jsonl")] == [8]
+
+
+def test_a_run_that_failed_before_its_first_step_is_taken_over_by_a_rerun(tiny_config):
+    with pytest.raises(ConfigError, match="logging.loggers"):
+        tk.Trainer(tiny_config("logging.loggers=[recordinglogger:not_a_logger]"), progress=False).fit()
+    run_dir = tiny_config().out_dir
+    assert (Path(run_dir) / "tiny" / "config.yaml").exists()  # what the failed start left
+    summary = tk.Trainer(tiny_config(), progress=False).fit()  # no --overwrite needed
+    assert summary["status"] == "completed"
+    with pytest.raises(RunDirError, match="already exists"):  # a run that trained is kept
+        tk.Trainer(tiny_config(), progress=False).fit()

@@ -15,7 +15,7 @@ from test_loggers import BUSY, rows_of  # noqa: E402
 from test_trainer_checkpoints import SignalAt  # noqa: E402
 
 import torchkeel as tk  # noqa: E402
-from torchkeel.errors import MissingExtraError  # noqa: E402
+from torchkeel.errors import ConfigError, MissingExtraError  # noqa: E402
 from torchkeel.train.tracking import MlflowLogger  # noqa: E402
 
 
@@ -102,3 +102,57 @@ def test_metrics_are_sent_in_batches_not_one_request_per_logged_step(tmp_path, s
     assert calls == [60]
     history = MlflowClient(tracking_uri=store).get_metric_history(logger.run_id, "train/loss")
     assert sorted(m.step for m in history) == list(range(1, 31))
+
+
+@pytest.mark.parametrize("missing", ["sqlalchemy", "alembic"])
+def test_a_database_store_mlflow_cannot_open_is_a_config_error_before_anything_is_written(
+    tiny_config, tmp_path, monkeypatch, missing
+):
+    monkeypatch.setitem(sys.modules, missing, None)  # mlflow-skinny alone
+    with pytest.raises(ConfigError, match=rf"logging.mlflow.tracking_uri 'sqlite:///mlflow.db' .* without {missing}"):
+        tk.Trainer(tiny_config("logging.mlflow.tracking_uri=sqlite:///mlflow.db"), progress=False)
+    assert not (tmp_path / "runs").exists()
+    assert ConfigError.exit_code == 2
+
+
+def test_mlflows_default_store_is_checked_too(tiny_config, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)
+    with pytest.raises(ConfigError, match=r"tracking_uri \(null: MLflow's default\) 'sqlite:"):
+        tiny_config("logging.mlflow.experiment=x").validate()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    tiny_config("logging.mlflow.experiment=x").validate()  # a server: nothing to check before the run
+
+
+def test_a_file_store_without_mlflows_opt_in_is_a_config_error(tiny_config, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(ConfigError, match="MLFLOW_ALLOW_FILE_STORE=true"):
+        tiny_config(f"logging.mlflow.tracking_uri=file:{tmp_path / 'mlruns'}").validate()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    tiny_config(f"logging.mlflow.tracking_uri=file:{tmp_path / 'mlruns'}").validate()
+
+
+def test_the_sqlite_store_the_docs_name_holds_every_row(tiny_config, tmp_path):
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    trainer = tk.Trainer(tiny_config(f"logging.mlflow.tracking_uri={store}", *BUSY), progress=False)
+    assert trainer.fit()["status"] == "completed"
+    client, run_id = the_run(store, trainer)
+    expected = [(r["step"], r["loss"]) for r in rows_of(trainer.run_dir, "train")]
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss")) == expected
+
+
+def test_the_rows_are_in_mlflow_before_each_checkpoint_is_saved(tiny_config, store):
+    seen = []
+    trainer = tk.Trainer(
+        tiny_config(f"logging.mlflow.tracking_uri={store}", "checkpoint.every_steps=5"),
+        progress=False,
+        checkpoint_hook=lambda point: seen.append(held_steps(store)) if point == "model.safetensors:before_temp" else None,
+    )
+    trainer.fit()
+    assert seen and seen[0] == list(range(1, 6))  # at the first save: steps 1..5, nothing later
+
+
+def held_steps(store):
+    client = MlflowClient(tracking_uri=store)
+    (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    return sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss"))

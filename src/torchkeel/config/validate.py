@@ -4,6 +4,8 @@ of the config, called in the config's order by ``check_config`` (``KeelConfig.va
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 from typing import Any
 
 from torchkeel.config.preprocess import parse_preprocess
@@ -19,6 +21,7 @@ def check_config(cfg: Any) -> None:
     _check_checkpoint(cfg)
     _check_protections(cfg)
     _check_metrics(cfg)
+    _check_logging(cfg)
 
 
 def _check_train(cfg: Any) -> None:
@@ -194,6 +197,48 @@ def _check_metrics(cfg: Any) -> None:
             )
     if cfg.device == "cpu" and cfg.precision == "fp16":
         raise ConfigError("precision fp16 needs a CUDA device; use precision=bf16 on CPU")
+
+
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+"""MLflow's database stores: they need SQLAlchemy and Alembic, which ``mlflow-skinny`` lacks."""
+
+
+def _check_logging(cfg: Any) -> None:
+    """logging.mlflow: a store the installed MLflow can open, known before the run writes anything."""
+    ml = cfg.logging.mlflow
+    if ml is None or not _installed("mlflow"):
+        return  # without MLflow the logger names the extra to install
+    key = "logging.mlflow.tracking_uri"
+    uri = ml.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri is None:
+        import mlflow
+
+        uri, key = mlflow.get_tracking_uri(), "logging.mlflow.tracking_uri (null: MLflow's default)"
+    scheme = uri.split(":", 1)[0].split("+", 1)[0] if ":" in uri else ""
+    if scheme in DATABASE_SCHEMES:
+        missing = [name for name in ("sqlalchemy", "alembic") if not _installed(name)]
+        if missing:
+            raise ConfigError(
+                f"{key} {uri!r} is a database store, and MLflow cannot open it without "
+                f"{' and '.join(missing)}: pip install 'torchkeel[mlflow]' (or pip install mlflow), or "
+                "give a server (http://host:5000) or file:./mlruns with MLFLOW_ALLOW_FILE_STORE=true"
+            )
+    elif scheme in ("", "file") or len(scheme) == 1:  # a path (C:\ on Windows) or file:
+        from mlflow import environment_variables
+
+        allow = getattr(environment_variables, "MLFLOW_ALLOW_FILE_STORE", None)
+        if allow is not None and not allow.get():
+            raise ConfigError(
+                f"{key} {uri!r} is a file store, which this MLflow opens only with the environment "
+                "variable MLFLOW_ALLOW_FILE_STORE=true: set it, or use sqlite:///mlflow.db or a server"
+            )
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules (blocked)
+        return False
 
 
 def _positive(key: str, value: int) -> None:

@@ -2,14 +2,26 @@
 
 A logger is anything with ``log_metrics(step, values)``, ``log_incident(row)`` and ``close()``
 (and, if it wants the run's final status, ``finish(status)``, called instead of ``close()``).
-TensorBoard, MLflow and W&B are built in (``logging.tensorboard: true``, ``logging.mlflow``, ``logging.wandb``); others plug in through
-``logging.loggers: [module:callable]``, each called with ``(run_dir, config_dict)``. Only rank 0
-logs.
+TensorBoard, MLflow and W&B are built in (``logging.tensorboard: true``, ``logging.mlflow``,
+``logging.wandb``); others plug in through ``logging.loggers: [module:callable]``, each called
+with ``(run_dir, config_dict)``. Only rank 0 logs.
+
+Every row of ``metrics.jsonl`` reaches every logger once, however the run ends:
+
+- a logger with ``flush()`` is flushed before every checkpoint save (TensorBoard: its events on
+  disk; a resumed run's TensorBoard reader drops the events after the checkpoint's step);
+- a *tracker*, a logger with ``last_step()`` (MLflow, W&B: a store that cannot take a row back),
+  is handed rows only when a checkpoint is saved and when the run ends (every 30 s when the run
+  saves no checkpoints), so it never holds a row that a resumed run computes again. On resume it
+  is sent the rows of ``metrics.jsonl`` after its ``last_step()`` (those a kill took with it),
+  and a row the resumed run computes again at a step it already holds (a kill during a save) is
+  not sent twice.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,8 +45,9 @@ class TensorBoardLogger:
 
     A row's scalars go out as one event (one summary with several values) rather than one event
     each: building the protocol buffers is what costs, on the training thread. ``purge_step``:
-    on resume, the events from that step on (written after the checkpoint the run continues
-    from) are dropped by TensorBoard's reader, as ``metrics.jsonl`` is truncated.
+    on resume, the first step the run trains again; the events written before from that step on
+    (after the checkpoint the run continues from) are dropped by TensorBoard's reader, as
+    ``metrics.jsonl`` is truncated.
     """
 
     def __init__(self, log_dir: str | Path, *, config_text: str | None = None, purge_step: int | None = None) -> None:
@@ -67,27 +80,64 @@ class TensorBoardLogger:
             or len(self.pending) >= FLUSH_ROWS
             or time.monotonic() - self.flushed_at >= FLUSH_S
         ):
-            self.flush()
+            self._hand_over()
 
     def log_incident(self, row: dict[str, Any]) -> None:
         self.pending.append((self._text("incidents", f"{row['kind']}: {row['message']}"), row["step"]))
 
-    def flush(self) -> None:
+    def _hand_over(self) -> None:
         for summary, step in self.pending:
             self.writer.add_summary(summary, step)
         self.pending.clear()
         self.flushed_at = time.monotonic()
 
+    def flush(self) -> None:
+        """Every event so far in the event file on disk (before a checkpoint save)."""
+        self._hand_over()
+        self.writer.flush()
+
     def close(self) -> None:
-        self.flush()
+        self._hand_over()
         self.writer.close()
 
 
-class RunLoggers:
-    """The run's loggers, fed the rows the Trainer writes to ``metrics.jsonl`` and ``incidents.jsonl``."""
+@dataclass
+class HeldTracker:
+    """A tracker's rows waiting for the next checkpoint, and the steps it holds already: a row the
+    resumed run computes again at a step in ``(resumed_at, holds_to]`` is not sent again."""
 
-    def __init__(self, loggers: list[Logger]) -> None:
+    logger: Any
+    waiting: list[tuple[str, int, dict[str, Any]]] = field(default_factory=list)
+    resumed_at: int = 0
+    holds_to: int = 0
+
+    def add(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        if not self.resumed_at < step <= self.holds_to:
+            self.waiting.append((kind, step, values))
+
+    def send(self) -> None:
+        for kind, step, values in self.waiting:
+            if kind == "metrics":
+                self.logger.log_metrics(step, values)
+            else:
+                self.logger.log_incident(values)
+        self.waiting.clear()
+        if callable(getattr(self.logger, "flush", None)):
+            self.logger.flush()
+
+
+class RunLoggers:
+    """The run's loggers, fed the rows the Trainer writes to ``metrics.jsonl`` and ``incidents.jsonl``.
+
+    ``hold``: trackers get rows at ``flush()`` (before each checkpoint) and at ``close()``;
+    ``False`` (no checkpoints, so no resume): also every ``FLUSH_S`` seconds.
+    """
+
+    def __init__(self, loggers: list[Logger], *, hold: bool = True) -> None:
         self.loggers = loggers
+        self.live = [logger for logger in loggers if not callable(getattr(logger, "last_step", None))]
+        self.trackers = [HeldTracker(logger) for logger in loggers if logger not in self.live]
+        self.hold, self.sent_at = hold, time.monotonic()
 
     @classmethod
     def from_config(
@@ -95,7 +145,13 @@ class RunLoggers:
     ) -> RunLoggers:
         loggers: list[Logger] = []
         if logging_config.tensorboard:
-            loggers.append(TensorBoardLogger(run_dir / "tensorboard", config_text=config_text, purge_step=resume_step))
+            loggers.append(
+                TensorBoardLogger(
+                    run_dir / "tensorboard",
+                    config_text=config_text,
+                    purge_step=None if resume_step is None else resume_step + 1,
+                )
+            )
         if logging_config.mlflow is not None:
             ml = logging_config.mlflow
             loggers.append(
@@ -122,31 +178,71 @@ class RunLoggers:
                     "log_incident(row) and close()"
                 )
             loggers.append(logger)
-        return cls(loggers)
+        return cls(loggers, hold=bool(config.get("checkpoint", {}).get("enabled", True)))
+
+    def catch_up(self, rows: list[dict[str, Any]], resume_step: int) -> None:
+        """On resume from ``resume_step``: send each tracker the rows of ``rows`` (``metrics.jsonl``
+        up to the checkpoint) after the last step it holds, and remember what it holds beyond."""
+        for tracker in self.trackers:
+            holds_to = tracker.logger.last_step()
+            holds_to = -1 if holds_to is None else int(holds_to)
+            for row in rows:
+                values = scalars(row)
+                if values and int(row["step"]) > holds_to:
+                    tracker.add("metrics", int(row["step"]), values)
+            tracker.send()
+            tracker.resumed_at, tracker.holds_to = resume_step, holds_to
 
     def log(self, row: dict[str, Any]) -> None:
         """One ``metrics.jsonl`` row: its numbers, tagged ``<kind>/<key>``, at its step."""
         if not self.loggers or "step" not in row:
             return
-        kind = row.get("kind", "train")
-        values = {
-            f"{kind}/{k}": float(v)
-            for k, v in row.items()
-            if k not in _NOT_SCALARS and isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
+        values = scalars(row)
         if values:
-            for logger in self.loggers:
-                logger.log_metrics(int(row["step"]), values)
+            step = int(row["step"])
+            for logger in self.live:
+                logger.log_metrics(step, values)
+            for tracker in self.trackers:
+                tracker.add("metrics", step, values)
+            self._send_if_due()
 
     def log_incident(self, row: dict[str, Any]) -> None:
-        for logger in self.loggers:
+        for logger in self.live:
             logger.log_incident(row)
+        for tracker in self.trackers:
+            tracker.add("incident", int(row.get("step", 0)), row)
+
+    def flush(self) -> None:
+        """Before a checkpoint save: every row so far to the trackers, and each logger's ``flush()``."""
+        for tracker in self.trackers:
+            tracker.send()
+        for logger in self.live:
+            if callable(getattr(logger, "flush", None)):
+                logger.flush()
+        self.sent_at = time.monotonic()
+
+    def _send_if_due(self) -> None:
+        if self.trackers and not self.hold and time.monotonic() - self.sent_at >= FLUSH_S:
+            self.flush()
 
     def close(self, status: str | None = None) -> None:
-        """Close every logger; one with ``finish(status)`` is told how the run ended instead."""
+        """Send what the trackers wait for, then close every logger; one with ``finish(status)`` is
+        told how the run ended instead."""
+        for tracker in self.trackers:
+            tracker.send()
         for logger in self.loggers:
             finish = getattr(logger, "finish", None)
             if callable(finish):
                 finish(status)
             else:
                 logger.close()
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """A ``metrics.jsonl`` row's numbers as ``<kind>/<key>`` (what every logger gets)."""
+    kind = row.get("kind", "train")
+    return {
+        f"{kind}/{k}": float(v)
+        for k, v in row.items()
+        if k not in _NOT_SCALARS and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }

@@ -23,7 +23,7 @@ from torchkeel.io import write_json_atomic, write_text_atomic
 from torchkeel.train.incidents import IncidentLog
 from torchkeel.train.loggers import RunLoggers
 from torchkeel.train.protect import Observed
-from torchkeel.train.runlog import MetricsWriter, Progress, drop_rows_after
+from torchkeel.train.runlog import MetricsWriter, Progress, drop_rows_after, read_metrics
 
 # Files whose presence marks a directory as a torchkeel run (and so safe to --overwrite).
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "summary.json")
@@ -54,7 +54,8 @@ def prepare_run_dir(
 
     Raises:
         RunDirError: the directory exists and is not empty (without ``overwrite``), or
-            ``overwrite`` was asked for a directory that is not a torchkeel run.
+            ``overwrite`` was asked for a directory that is not a torchkeel run. A run that
+            ended before its first step (no checkpoint, no row past step 0) is taken over.
     """
     run_dir = Path(out_dir) / name
     previous = None
@@ -63,30 +64,50 @@ def prepare_run_dir(
             for leftover in run_dir.glob(".*.tmp"):  # from a write that a kill interrupted
                 leftover.unlink()
             return run_dir, None
-        if not overwrite:
+        if overwrite:
+            previous = _set_aside(run_dir)
+        elif _never_trained(run_dir):
+            shutil.rmtree(run_dir)  # a run that failed before its first step: nothing in it to keep
+        else:
             raise RunDirError(
                 f"run directory '{run_dir}' already exists; continue it with --resume auto, choose "
                 f"another name (name=...) or pass --overwrite to replace it"
             )
-        if not any((run_dir / marker).exists() for marker in RUN_MARKERS):
-            raise RunDirError(
-                f"refusing to overwrite '{run_dir}': it is not a torchkeel run directory "
-                f"(none of {', '.join(RUN_MARKERS)}); choose another name or out_dir"
-            )
-        previous = PreviousRun(run_dir, run_dir.with_name(f".{name}.previous"))
-        if previous.aside.exists():  # set aside by an attempt that was killed before it was safe
-            if _has_checkpoint(run_dir):
-                shutil.rmtree(previous.aside)  # that attempt got far enough: the older run is obsolete
-            else:
-                shutil.rmtree(run_dir)  # it did not: the run set aside is still the last good one
-        if run_dir.exists():
-            run_dir.rename(previous.aside)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir, previous
 
 
+def _set_aside(run_dir: Path) -> PreviousRun:
+    """Move the run ``--overwrite`` replaces to ``.<name>.previous`` (refusing what is not a run)."""
+    if not any((run_dir / marker).exists() for marker in RUN_MARKERS):
+        raise RunDirError(
+            f"refusing to overwrite '{run_dir}': it is not a torchkeel run directory "
+            f"(none of {', '.join(RUN_MARKERS)}); choose another name or out_dir"
+        )
+    previous = PreviousRun(run_dir, run_dir.with_name(f".{run_dir.name}.previous"))
+    if previous.aside.exists():  # set aside by an attempt that was killed before it was safe
+        if _has_checkpoint(run_dir):
+            shutil.rmtree(previous.aside)  # that attempt got far enough: the older run is obsolete
+        else:
+            shutil.rmtree(run_dir)  # it did not: the run set aside is still the last good one
+    if run_dir.exists():
+        run_dir.rename(previous.aside)
+    return previous
+
+
 def _has_checkpoint(run_dir: Path) -> bool:
     return any(run_dir.glob("checkpoints/step-*/manifest.json"))
+
+
+def _never_trained(run_dir: Path) -> bool:
+    """A torchkeel run that ended before its first step: its config and files, no checkpoint,
+    no row past step 0, and nothing else a person put there."""
+    ours = {*RUN_MARKERS, "incidents.jsonl", "mlflow_run_id", "wandb_run_id", "tensorboard", "wandb", "checkpoints"}
+    names = {p.name for p in run_dir.iterdir()}
+    if "config.yaml" not in names or names - ours or _has_checkpoint(run_dir):
+        return False
+    metrics = run_dir / "metrics.jsonl"
+    return not metrics.exists() or all(row.get("step", 0) == 0 for row in read_metrics(metrics))
 
 
 class RunFiles:
@@ -124,6 +145,8 @@ class RunFiles:
             drop_rows_after(self.run_dir / name, resume_step or 0)
         self._metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
         self._loggers = RunLoggers.from_config(logging, self.run_dir, config, text, resume_step)
+        if resume_step is not None:
+            self._loggers.catch_up(read_metrics(self.run_dir / "metrics.jsonl"), resume_step)
         self.incidents.path = self.run_dir / "incidents.jsonl"
 
     @property
@@ -143,10 +166,11 @@ class RunFiles:
             hook(row)
 
     def flush(self) -> None:
-        """``metrics.jsonl``'s rows on disk now; before a save, so that a resume finds every row up
-        to its checkpoint."""
+        """``metrics.jsonl``'s rows on disk and every row so far with the loggers, now; before a
+        save, so that a resume finds every row up to its checkpoint."""
         if self._metrics is not None:
             self._metrics.flush()
+        self._loggers.flush()
 
     def say(self, message: str) -> None:
         """A line a person must see (rank 0), progress output or not."""

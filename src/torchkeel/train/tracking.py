@@ -4,12 +4,19 @@ The same rows as ``metrics.jsonl`` and ``incidents.jsonl`` go to the tracker on 
 scalar as ``<kind>/<key>`` at its step, the resolved config as the run's params, each incident as
 a tag. The tracker's run ends with the torchkeel run's status (finished, killed or preempted when
 preempted or interrupted, failed), and a resumed run continues the same tracker run.
+
+A tracker cannot take a row back, so each one answers ``last_step()`` (the highest step its store
+holds): ``RunLoggers`` hands it rows only up to the checkpoint being saved, and on resume sends
+it the rows it lacks up to the checkpoint's step (``torchkeel.train.loggers``).
 """
 
 from __future__ import annotations
 
+import json
 import secrets
+import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +26,6 @@ MAX_PARAM = 500
 """Characters of a param's value kept (older MLflow servers refuse longer values)."""
 MAX_TAG = 5000
 PARAMS_PER_CALL, METRICS_PER_CALL = 100, 1000  # MLflow's limits per log_batch
-FLUSH_S = 30.0
-"""Metrics are sent at least this often (and all of them when the run ends)."""
 END_STATES = {"completed": "FINISHED", "stopped_early": "FINISHED", "preempted": "KILLED", "interrupted": "KILLED"}
 """torchkeel's final status → MLflow's run status (any other: ``FAILED``)."""
 
@@ -49,7 +54,6 @@ class MlflowLogger:
             raise MissingExtraError("mlflow", "mlflow-skinny", "logging.mlflow") from None
         self._metric = Metric
         self._pending: list[Any] = []
-        self._sent_at = time.monotonic()
         self.client = MlflowClient(tracking_uri=tracking_uri)
         name = experiment or str(config.get("name") or "torchkeel")
         found = self.client.get_experiment_by_name(name)
@@ -71,19 +75,23 @@ class MlflowLogger:
             self.client.log_batch(self.run_id, params=params[start : start + PARAMS_PER_CALL])
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
-        """Held and sent in batches (one request per ``FLUSH_S`` or ``METRICS_PER_CALL`` values), not
-        one request per logged step on the training thread."""
+        """Held and sent in batches of ``METRICS_PER_CALL`` values and at ``flush()``, not one
+        request per logged step."""
         at = int(time.time() * 1000)
         self._pending += [self._metric(k, v, at, step) for k, v in values.items()]
-        if len(self._pending) >= METRICS_PER_CALL or time.monotonic() - self._sent_at >= FLUSH_S:
+        if len(self._pending) >= METRICS_PER_CALL:
             self.flush()
 
     def flush(self) -> None:
-        """Send the metrics held."""
+        """Send the metrics held; when this returns they are in MLflow's store."""
         while self._pending:
             batch, self._pending = self._pending[:METRICS_PER_CALL], self._pending[METRICS_PER_CALL:]
             self.client.log_batch(self.run_id, metrics=batch)
-        self._sent_at = time.monotonic()
+
+    def last_step(self) -> int | None:
+        """The highest step of any metric this MLflow run holds (``None``: none yet)."""
+        keys = self.client.get_run(self.run_id).data.metrics
+        return max((m.step for key in keys for m in self.client.get_metric_history(self.run_id, key)), default=None)
 
     def log_incident(self, row: dict[str, Any]) -> None:
         self.incidents += 1
@@ -147,12 +155,22 @@ class WandbLogger:
             settings=settings,
         )
         id_file.write_text(run_id)
+        self.run_dir, self.run_id, self.resumed = Path(run_dir), run_id, resumed
         self.run.define_metric("step", hidden=True)
         self.run.define_metric("*", step_metric="step")
         self.incidents = int(self.run.summary.get("torchkeel.incidents", 0) or 0) if resumed else 0
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
         self.run.log({"step": step, **values})
+
+    def last_step(self) -> int | None:
+        """The highest ``step`` W&B holds of this run: the resumed run's summary (what W&B's server
+        has) or the history in this run directory's own W&B files, offline or not. W&B's service
+        keeps rows in memory until it writes them, so a killed process loses its latest rows."""
+        held = [int(self.run.summary.get("step", -1) or -1)] if self.resumed else []
+        for path in sorted(self.run_dir.glob(f"wandb/*-{self.run_id}/run-{self.run_id}.wandb")):
+            held += history_steps(path)
+        return max((s for s in held if s >= 0), default=None)
 
     def log_incident(self, row: dict[str, Any]) -> None:
         self.incidents += 1
@@ -174,6 +192,47 @@ class WandbLogger:
 
     def close(self) -> None:
         self.finish(None)
+
+
+BLOCK_BYTES, HEADER_BYTES = 32768, 7
+FULL, LAST = 1, 4
+
+
+def history_steps(path: Path) -> list[int]:
+    """The ``step`` of every history record in a W&B transaction log (``run-<id>.wandb``).
+
+    The file is a 7-byte header, then LevelDB-log blocks of 32 KiB; a record is one piece or
+    several (first, middle, last), each behind a header of CRC (4 bytes), length (2), type (1).
+    A record cut off by a killed process is left out.
+    """
+    from google.protobuf.message import DecodeError
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    steps, data = [], path.read_bytes()
+    for body in _log_records(data):
+        record = Record()
+        try:
+            record.ParseFromString(body)
+        except DecodeError:
+            continue
+        if record.WhichOneof("record_type") == "history":
+            steps += [int(json.loads(item.value_json)) for item in record.history.item if item.key == "step"]
+    return steps
+
+
+def _log_records(data: bytes) -> Iterator[bytes]:
+    body, pos = b"", HEADER_BYTES
+    while pos + HEADER_BYTES <= len(data):
+        block_left = BLOCK_BYTES - pos % BLOCK_BYTES
+        length, kind = struct.unpack_from("<HB", data, pos + 4)
+        if block_left < HEADER_BYTES or kind == 0:  # a block's zero-filled tail
+            pos += block_left
+            continue
+        body += data[pos + HEADER_BYTES : pos + HEADER_BYTES + length]
+        pos += HEADER_BYTES + length
+        if kind in (FULL, LAST):
+            yield body
+            body = b""
 
 
 def saved_run_id(run_dir: Path, name: str, resume: bool) -> tuple[Path, str | None]:
