@@ -33,6 +33,7 @@ from torchkeel.train.early_stop import EarlyStopping
 from torchkeel.train.incidents import IncidentLog
 from torchkeel.train.protect import BadSampleReport, Protections
 from torchkeel.train.resume import check_resume_config, find_checkpoint
+from torchkeel.train.schedule import set_lr_at
 
 
 @dataclass
@@ -193,6 +194,8 @@ class RunCheckpoints:
         if found.shards is not None:
             load_sharded(found, parts.model, parts.optimizer)
         progress = restore_training_state(found.state, parts.model, parts.optimizer, parts.scheduler, parts.scaler)
+        if parts.scheduler is not None and parts.optimizer is not None:
+            set_lr_at(parts.scheduler, parts.optimizer, parts.scheduler.last_epoch)  # this run's plan from now
         if parts.ema is not None and found.state.get("ema") is not None:
             parts.ema.load_state_dict(found.state["ema"])  # else the average starts afresh from these weights
         run.load(progress, found.state.get("protections") or {})

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from torchkeel.checkpoint.format import snapshot
+from torchkeel.train.schedule import set_lr_at
 
 
 class Action(enum.Enum):
@@ -102,8 +103,7 @@ def apply_lr_scale(scheduler: Any, optimizer: torch.optim.Optimizer, scale: floa
     rates recomputed, so the backoff survives a checkpoint through the scheduler's state.
     """
     scheduler.base_lrs = [group["initial_lr"] * scale for group in optimizer.param_groups]
-    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base * factor(scheduler.last_epoch)
+    set_lr_at(scheduler, optimizer, scheduler.last_epoch)
 
 
 @dataclass

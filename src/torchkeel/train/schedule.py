@@ -67,5 +67,15 @@ def _factor(step: int, *, warmup_steps: int, total_steps: int, decay: str, min_r
 def end_at_floor(scheduler: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer) -> None:
     """Set every group's learning rate to where its schedule ends (``min_lr``, or ``lr`` for a
     constant schedule), for a run whose last step comes before the planned one."""
+    set_lr_at(scheduler, optimizer, 2**62)
+
+
+def set_lr_at(scheduler: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Set every group's learning rate to its schedule's at ``step`` (0-based optimizer step).
+
+    After a resume, ``set_lr_at(s, o, s.last_epoch)``: the optimizer's saved rates are the old
+    plan's, and a plan changed on resume (``max_steps``, warmup, decay) applies from the first
+    resumed step, not the second. With an unchanged plan the rates come out bit for bit the same.
+    """
     for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base * factor(2**62)
+        group["lr"] = base * factor(step)
