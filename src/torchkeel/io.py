@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ def write_chunks_atomic(
     _point(hook, "before_temp")
     temp_parent = target.parent if temp_dir is None else Path(temp_dir)
     prefix = f".{target.name}." if temp_dir is None else f".{target.parent.name}.{target.name}."
-    fd, tmp = tempfile.mkstemp(dir=temp_parent, prefix=prefix, suffix=".tmp")
+    fd, tmp = _create_temp(temp_parent, prefix)
     try:
         with os.fdopen(fd, "wb", buffering=0) as f:
             written, half_done = 0, hook is None
@@ -84,6 +84,19 @@ def write_text_atomic(path: str | Path, text: str, hook: WriteHook | None = None
 def write_json_atomic(path: str | Path, data: Any, hook: WriteHook | None = None) -> None:
     """``write_bytes_atomic`` of ``data`` as indented JSON."""
     write_text_atomic(path, json.dumps(data, indent=2) + "\n", hook)
+
+
+def _create_temp(directory: Path, prefix: str) -> tuple[int, str]:
+    """A new file ``<prefix><random>.tmp`` in ``directory``, opened for writing, with the mode a
+    plain ``open()`` gives (0666 less the umask): it keeps that mode when renamed into place, so
+    another user can read what the umask lets them (``tempfile.mkstemp`` makes it 0600)."""
+    for _ in range(100):
+        path = os.path.join(directory, f"{prefix}{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name for {prefix}*.tmp in {directory}")
 
 
 def fsync_dir(path: str | Path) -> None:
