@@ -146,7 +146,9 @@ def test_the_rows_are_in_mlflow_before_each_checkpoint_is_saved(tiny_config, sto
     trainer = tk.Trainer(
         tiny_config(f"logging.mlflow.tracking_uri={store}", "checkpoint.every_steps=5"),
         progress=False,
-        checkpoint_hook=lambda point: seen.append(held_steps(store)) if point == "model.safetensors:before_temp" else None,
+        checkpoint_hook=lambda point: (
+            seen.append(held_steps(store)) if point == "model.safetensors:before_temp" else None
+        ),
     )
     trainer.fit()
     assert seen and seen[0] == list(range(1, 6))  # at the first save: steps 1..5, nothing later

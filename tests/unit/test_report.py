@@ -3,6 +3,7 @@ incidents and resumes marked, and a report even from an empty or half-written me
 
 from __future__ import annotations
 
+import json
 import re
 import struct
 import subprocess
@@ -129,3 +130,18 @@ def test_incident_kinds_are_told_apart_and_bad_samples_do_not_clutter_every_char
 
     kinds = ["bad_sample", "spike", "resume", "some_new_kind", "nonfinite", "rollback", "input_bound", "leak"]
     assert len({colour(k) for k in kinds}) == len(kinds)
+
+
+def test_a_run_validated_by_its_loss_alone_misses_no_validation(tmp_path):
+    run = tmp_path / "lm"
+    run.mkdir()
+    rows = [
+        {"kind": "train", "step": s, "loss": 3.0 / s, "lr": 1e-3, "grad_norm": 1.0, "samples_per_s": 9.0}
+        for s in range(1, 9)
+    ]
+    rows += [{"kind": "val", "step": 4, "val_loss": 1.5}, {"kind": "val", "step": 8, "val_loss": 1.2}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps({"status": "completed", "steps": 8}))
+    report = build_report(run, tmp_path / "report")
+    assert not any("validation" in m for m in report.missing), report.missing
+    assert "loss" in {p.stem for p in report.images}

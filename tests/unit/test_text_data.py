@@ -280,3 +280,62 @@ def test_num_workers_auto_never_tokenizes_in_the_training_process(tmp_path):
     assert [t.num_workers for t in loaders.tuning.trials][0] == 1
     assert loaders.train.num_workers >= 1
     loaders.train.close()
+
+
+def test_files_all_shorter_than_a_block_are_named_as_such(tmp_path):
+    root = tmp_path / "short"
+    root.mkdir()
+    for i in range(40):
+        (root / f"{i:02d}.txt").write_text(f"file {i:02d}: forty-one bytes in one line....\n")  # 41 bytes
+    with pytest.raises(
+        ConfigError,
+        match=r"every one of the 40 files of data\.train \(1640 bytes in all\) is shorter "
+        r"than data\.block_size=64 tokens",
+    ):
+        TextSource(str(root / "*.txt"), block_size=64)
+    (root / "empty.txt").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"41 files of data\.val"):
+        TextSource(str(root / "*.txt"), block_size=64, key="data.val")
+
+
+GPT2 = "{model_type: gpt2, n_layer: 1, n_head: 2, n_embd: 16, n_positions: 16, vocab_size: 257}"
+
+
+def text_config(tiny_config, train, *overrides):
+    return tiny_config(
+        "data.target=null",
+        "data.format=text",
+        f"data.train={train}",
+        "data.block_size=16",
+        "data.num_workers=0",
+        "model.target=null",
+        f"model.hf.config={GPT2}",
+        "loss.count_key=labels",
+        *overrides,
+    )
+
+
+def test_a_validation_folder_with_only_an_empty_file_names_data_val_and_exits_2(tiny_config, tmp_path):
+    import torchkeel as tk
+
+    root, _ = corpus(tmp_path / "train")
+    (tmp_path / "val").mkdir()
+    (tmp_path / "val" / "empty.txt").write_bytes(b"")
+    config = text_config(tiny_config, f"{root}/*.txt", f"data.val={tmp_path}/val/*.txt")
+    with pytest.raises(ConfigError, match=r"every one of the 1 file of data\.val is empty") as caught:
+        tk.Trainer(config, progress=False)
+    assert caught.value.exit_code == 2 and not (tmp_path / "runs").exists()
+
+
+def test_an_empty_file_is_an_incident_and_left_out(tiny_config, tmp_path):
+    import torchkeel as tk
+
+    root, _ = corpus(tmp_path / "c")
+    (root / "empty.txt").write_bytes(b"")
+    trainer = tk.Trainer(
+        text_config(tiny_config, f"{root}/*.txt", "train.max_epochs=null", "train.max_steps=2"), progress=False
+    )
+    summary = trainer.fit()
+    assert summary["status"] == "completed" and summary["incidents"] == {"empty_file": 1}
+    (row,) = [json.loads(line) for line in (trainer.run_dir / "incidents.jsonl").read_text().splitlines()]
+    assert row["kind"] == "empty_file" and row["step"] == 0 and str(root / "empty.txt") in row["message"]

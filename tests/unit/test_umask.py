@@ -31,7 +31,15 @@ def test_run_checkpoint_profile_and_export_files_follow_the_umask(tiny_config, t
         export_run(trainer.run_dir, fmt, out_dir=tmp_path / f"export-{fmt}")
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
     names = {p.name for p in written}
-    assert {"config.yaml", "summary.json", "manifest.json", "model.json", "model.safetensors", "model.onnx", "model.pt"} <= names
+    assert {
+        "config.yaml",
+        "summary.json",
+        "manifest.json",
+        "model.json",
+        "model.safetensors",
+        "model.onnx",
+        "model.pt",
+    } <= names
     assert any(p.parent.name == "profile" and p.name == "summary.json" for p in written)
     modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in written}
     assert {path: mode for path, mode in modes.items() if mode != 0o666 & ~mask} == {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -60,6 +60,8 @@ class Loaders:
     val: Loader | None
     tuning: TuneResult | None
     """How ``num_workers: auto`` chose (``None`` when the count was given)."""
+    empty_files: list[str] = field(default_factory=list)
+    """Data files with nothing in them (a source's ``empty_files``): no sample, an incident each."""
 
 
 def is_source(data: Any) -> bool:
@@ -129,7 +131,13 @@ def build_sources(cfg: DataConfig) -> tuple[Any, Any]:
             key=key,
         )
 
-    return make(cfg.train, "data.train"), (make(cfg.val, "data.val") if cfg.val is not None else None)
+    def made(paths: Any, key: str) -> Any:
+        source = make(paths, key)
+        if not any(unit.num_samples for unit in source.units()):
+            raise ConfigError(f"{key} has no samples in its {len(source.units())} files or parts: point {key} at data")
+        return source
+
+    return made(cfg.train, "data.train"), (made(cfg.val, "data.val") if cfg.val is not None else None)
 
 
 LoaderFactory = Callable[..., Loader]
@@ -229,7 +237,8 @@ def build_loaders(
     assert isinstance(num_workers, int)
     train = make(train_data, num_workers)
     val = make(val_data, num_workers, train=False) if val_data is not None else None
-    return Loaders(train, val, tuning)
+    empty = [*getattr(train_data, "empty_files", []), *getattr(val_data, "empty_files", [])]
+    return Loaders(train, val, tuning, empty)
 
 
 def sample_transform(cfg: DataConfig) -> Callable[[Any], Any] | None:

@@ -136,7 +136,9 @@ class StreamLoader(HasLoaderOptions):
         self.units = source.units()
         self.num_samples = sum(u.num_samples for u in self.units)
         if self.num_samples == 0:
-            raise DataError(f"the data source has no samples ({len(self.units)} units); check data.train")
+            raise DataError(
+                f"the data source {type(source).__name__} has no samples ({len(self.units)} units): give it data"
+            )
         if as_samples is None:
             as_samples = collate_fn is not None or transform is not None
         self._plan = torch.zeros(2 + streams + 3 * len(self.units), dtype=torch.int64).share_memory_()

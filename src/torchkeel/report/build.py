@@ -120,6 +120,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
         ]
         lines = [(label, points) for label, points in lines if points]
         if not lines:
+            if name == "val_metrics" and any(r.get("kind") == "val" for r in rows):
+                continue  # validated with val_loss alone, which the loss chart shows
             report.missing.append(f"{title.lower()} (no rows with it)")
             continue
         fig = Figure(figsize=FIGSIZE, dpi=DPI)

@@ -190,6 +190,15 @@ class RunFiles:
                 self.console.warn(f"step {row['step']}: {message}")
             self._loggers.log_incident(row)
 
+    def data_ready(self, tuning: Any, empty_files: list[str]) -> None:
+        """What the data said at start: how ``num_workers: auto`` chose (a row and a line), and an
+        incident for each empty file (a fresh run's; a resumed one has them from its checkpoint)."""
+        if tuning is not None:
+            self.log({"step": 0, **tuning.row()})
+            self.note(f"data.num_workers=auto: {tuning.num_workers} ({tuning.reason})")
+        for path in empty_files:
+            self.incident("empty_file", 0, f"{path} is empty: it holds no sample, and was left out")
+
     def compile_event(self, step: int, kind: str, message: str, details: dict[str, Any]) -> None:
         """What ``torch.compile`` reported: its compile time is a metrics row, a graph break or a
         fall-back to eager an incident."""

@@ -130,9 +130,7 @@ class Trainer:
         if self.job.active:
             self.files.log({"kind": "dist", "step": 0, **self.job.row(cfg.train.batch_size)})
             self.files.say(self.job.describe(cfg.train.batch_size))
-        if self.data.tuning is not None:
-            self.files.log({"step": 0, **self.data.tuning.row()})
-            self.files.note(f"data.num_workers=auto: {self.data.tuning.num_workers} ({self.data.tuning.reason})")
+        self.files.data_ready(self.data.tuning, [] if found is not None else self.data.empty_files)
         if found is not None:
             self._restore(found, changes)
         with self.files.ending(self._totals, lambda: {"bad_sample": len(self.bad_samples.shown)}) as summary:
