@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --resume: continue although the config differs from the checkpoint's in what "
         "the run computes (data, model, batch, seed...)",
     )
+    parser.add_argument(
+        "--allow-data-change",
+        action="store_true",
+        help="with --resume: continue although data files (or the tokenizer's) changed, were added or "
+        "removed since the checkpoint (a new data plan)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     parser.add_argument("--no-progress", action="store_true", help="print no progress lines")
     parser.add_argument(
@@ -83,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         config,
         resume=args.resume,
         allow_config_change=args.allow_config_change,
+        allow_data_change=args.allow_data_change,
         overwrite=args.overwrite,
         progress=not args.no_progress,
         checkpoint_hook=parse_fault_rules(faults) if faults else None,

@@ -62,6 +62,9 @@ class Loaders:
     """How ``num_workers: auto`` chose (``None`` when the count was given)."""
     empty_files: list[str] = field(default_factory=list)
     """Data files with nothing in them (a source's ``empty_files``): no sample, an incident each."""
+    sources: dict[str, Any] = field(default_factory=dict)
+    """The streaming sources by config key (``data.train``, ``data.val``): their files are
+    fingerprinted for resumes (``torchkeel.data.inputs``)."""
 
 
 def is_source(data: Any) -> bool:
@@ -238,7 +241,8 @@ def build_loaders(
     train = make(train_data, num_workers)
     val = make(val_data, num_workers, train=False) if val_data is not None else None
     empty = [*getattr(train_data, "empty_files", []), *getattr(val_data, "empty_files", [])]
-    return Loaders(train, val, tuning, empty)
+    sources = {key: data for key, data in (("data.train", train_data), ("data.val", val_data)) if is_source(data)}
+    return Loaders(train, val, tuning, empty, sources)
 
 
 def sample_transform(cfg: DataConfig) -> Callable[[Any], Any] | None:

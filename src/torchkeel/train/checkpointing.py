@@ -23,6 +23,7 @@ from torchkeel.checkpoint import (
 from torchkeel.checkpoint.format import PointHook
 from torchkeel.checkpoint.sharded import load_sharded, save_sharded
 from torchkeel.config.schema import CheckpointConfig
+from torchkeel.data.inputs import Inputs, fingerprint_inputs
 from torchkeel.distributed.job import TrainingJob
 from torchkeel.distributed.shared import check_shared_directory, spans_nodes
 from torchkeel.errors import CheckpointError
@@ -32,7 +33,7 @@ from torchkeel.train.counters import RunCounters, TrainingParts
 from torchkeel.train.early_stop import EarlyStopping
 from torchkeel.train.incidents import IncidentLog
 from torchkeel.train.protect import BadSampleReport, Protections
-from torchkeel.train.resume import check_resume_config, find_checkpoint
+from torchkeel.train.resume import check_resume_config, check_resume_inputs, find_checkpoint
 from torchkeel.train.schedule import set_lr_at
 
 
@@ -75,6 +76,15 @@ class RunState:
         self.bad_samples.load_state_dict(protections.get("shown_bad", []))
 
 
+@dataclass(frozen=True)
+class ResumeChanges:
+    """What a resume may continue over: a config that changes what the run computes
+    (``--allow-config-change``), changed data files (``--allow-data-change``)."""
+
+    config: bool = False
+    data: bool = False
+
+
 class RunCheckpoints:
     """Saves and restores a Trainer's run in ``directory``, with ``cfg``'s retention and cadence."""
 
@@ -103,16 +113,28 @@ class RunCheckpoints:
         self,
         resume: str | Path | None,
         config: dict[str, Any],
-        *,
-        allow_change: bool,
+        sources: dict[str, Any],
+        allow: ResumeChanges,
         warn: Callable[[str], None] | None,
-    ) -> tuple[Checkpoint | None, list[str]]:
-        """``find``'s checkpoint (none when ``resume`` is not set) and the config changes it allows
-        (``check_resume_config``: a change in what the run computes is refused unless ``allow_change``)."""
+    ) -> tuple[Checkpoint | None, list[str], Inputs]:
+        """``find``'s checkpoint (none when ``resume`` is not set), the lines that say what differs
+        from it, and the identity of the data files (``fingerprint_inputs`` of ``sources``), which
+        every checkpoint of the run records. A change in what the run computes is refused unless
+        ``allow.config`` (``check_resume_config``), changed data files unless ``allow.data``
+        (``check_resume_inputs``)."""
         found = self.find(resume, warn or (lambda message: None)) if resume else None
+        inputs = fingerprint_inputs(sources, known=found.manifest.get("inputs") if found is not None else None)
         if found is None:
-            return None, []
-        return found, check_resume_config(found.manifest, config, allow=allow_change, checkpoint=found.path)
+            return None, [], inputs
+        where = {"checkpoint": found.path}
+        return (
+            found,
+            [
+                *check_resume_config(found.manifest, config, allow=allow.config, **where),
+                *check_resume_inputs(found.manifest, inputs, allow=allow.data, **where),
+            ],
+            inputs,
+        )
 
     def is_due(self, at_epoch_end: bool) -> bool:
         """Whether the time-based cadence asks for a save. Rank 0's clock decides; the other ranks

@@ -10,6 +10,7 @@ from typing import Any
 
 from torchkeel.checkpoint import Checkpoint, CheckpointStore, read_checkpoint
 from torchkeel.config.load import config_hash
+from torchkeel.data.inputs import describe_changes, input_changes
 from torchkeel.errors import ConfigError
 
 # What a run computes: a change here means the resumed run is no longer the uninterrupted one.
@@ -117,6 +118,28 @@ def check_resume_config(
             note = " (allowed by --allow-config-change: the run is no longer the uninterrupted one)"
         lines.append(f"config differs from the checkpoint's: {key}: {_short(old)} -> {_short(new)}{note}")
     return lines
+
+
+def check_resume_inputs(
+    manifest: Mapping[str, Any], current: Mapping[str, Any], *, allow: bool, checkpoint: str | Path
+) -> list[str]:
+    """Compare the data files of a resume (``torchkeel.data.inputs``) with those its checkpoint
+    planned over. Returns the line to print when ``allow`` lets a change through.
+
+    Raises:
+        ConfigError: a file changed, went missing or was added; naming them, and ``--allow-data-change``.
+    """
+    changes = input_changes(manifest.get("inputs") or {}, current)
+    if not changes:
+        return []
+    shown = describe_changes(changes)
+    if not allow:
+        raise ConfigError(
+            f"--resume: the data changed since checkpoint '{checkpoint}' was saved ({shown}); put the files "
+            "back as they were, start a new run (another name), or pass --allow-data-change to continue "
+            "over the new files (a new data plan: no longer the uninterrupted run)"
+        )
+    return [f"data differs from the checkpoint's: {shown} (allowed by --allow-data-change: the data plan is new)"]
 
 
 def _short(value: Any, limit: int = 60) -> str:

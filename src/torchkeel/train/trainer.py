@@ -24,7 +24,7 @@ from torchkeel.errors import TrainingDiverged
 from torchkeel.provenance import provenance
 from torchkeel.train.accumulate import Lookahead, iter_groups
 from torchkeel.train.build import build_training, resolve_device, step_options
-from torchkeel.train.checkpointing import RunCheckpoints, RunState
+from torchkeel.train.checkpointing import ResumeChanges, RunCheckpoints, RunState
 from torchkeel.train.counters import RunCounters, TrainingParts
 from torchkeel.train.early_stop import EarlyStopping
 from torchkeel.train.memory import MemoryProbe
@@ -47,7 +47,8 @@ class Trainer:
     data, model, loss, optimizer — is fixed, so a hand-written loop that follows it draws the
     same random numbers. ``resume`` is ``"auto"`` (the newest valid checkpoint of the run, or a
     fresh start) or a checkpoint directory; a config that differs from the checkpoint's in what
-    the run computes (data, model, batch, seed…) is refused unless ``allow_config_change``.
+    the run computes (data, model, batch, seed…) is refused unless ``allow_config_change``, and
+    data files changed since the checkpoint (``torchkeel.data.inputs``) unless ``allow_data_change``.
 
     Example::
 
@@ -65,6 +66,7 @@ class Trainer:
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         resume: str | Path | None = None,
         allow_config_change: bool = False,
+        allow_data_change: bool = False,
         overwrite: bool = False,
         progress: bool = True,
         checkpoint_hook: PointHook | None = None,
@@ -95,7 +97,7 @@ class Trainer:
         self.guard, self.stopper = self.protections.guard, EarlyStopping.from_config(cfg)
         self.bad_samples = BadSampleReport(self.job)
         self.resume, self.overwrite, self.show_progress = resume, overwrite, progress
-        self.allow_config_change = allow_config_change
+        self.allow = ResumeChanges(config=allow_config_change, data=allow_data_change)
         held = (self.counters, self.protections, self.bad_samples, self.files.incidents, self.stopper)
         self.state = RunState(*held, self.train_loader)
         self._ahead = Lookahead(())  # the epoch's groups, one read ahead
@@ -120,13 +122,13 @@ class Trainer:
     def _fit(self) -> dict[str, Any]:
         cfg, is_main, plain = self.config, self.rank.is_main, to_dict(self.config)
         # Every rank verifies the same checkpoint; rank 0 reports what it skipped.
-        warn, allow = self.files.console.warn if is_main else None, self.allow_config_change
-        found, changes = self.checkpoints.resumable(self.resume, plain, allow_change=allow, warn=warn)
+        warn = self.files.console.warn if is_main else None
+        found, changes, inputs = self.checkpoints.resumable(self.resume, plain, self.data.sources, self.allow, warn)
         start = found.step if found is not None else None
         self.files.console = Progress(self.total_steps, enabled=self.show_progress and is_main, initial=start or 0)
         resumed = self.resume is not None
         self.files.open(plain, resume=resumed, resume_step=start, overwrite=self.overwrite, logging=cfg.logging)
-        self._provenance = {**provenance(config_hash(cfg)), "config": plain}
+        self._provenance = {**provenance(config_hash(cfg)), "config": plain, "inputs": inputs}
         if self.job.active:
             self.files.log({"kind": "dist", "step": 0, **self.job.row(cfg.train.batch_size)})
             self.files.say(self.job.describe(cfg.train.batch_size))

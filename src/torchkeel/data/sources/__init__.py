@@ -92,5 +92,12 @@ def expand_paths(
     return paths
 
 
-def files_fingerprint(paths: Sequence[str]) -> list[Any]:
-    return [[os.path.abspath(p), os.path.getsize(p), int(os.path.getmtime(p))] for p in paths]
+def stat_files(paths: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """``{absolute path: (size, mtime_ns)}``, one ``stat`` per file: what a source planned over."""
+    return {os.path.abspath(p): ((s := os.stat(p)).st_size, s.st_mtime_ns) for p in paths}
+
+
+def files_fingerprint(paths: Sequence[str], stats: dict[str, tuple[int, int]] | None = None) -> list[Any]:
+    """``[absolute path, size, mtime in whole seconds]`` of each file, from ``stats`` if given."""
+    stats = stats if stats is not None else stat_files(paths)
+    return [[path, size, mtime_ns // 1_000_000_000] for path, (size, mtime_ns) in stats.items()]

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from torchkeel.data.order import Unit
-from torchkeel.data.sources import Bad, Rows, Sample, expand_paths, files_fingerprint
+from torchkeel.data.sources import Bad, Rows, Sample, expand_paths, files_fingerprint, stat_files
 from torchkeel.errors import ConfigError, DataError, MissingExtraError, first_line
 
 SUFFIXES = (".txt", ".jsonl")
@@ -169,10 +169,12 @@ class TextSource:
         self.eos_id, self.vocab_size = tok.eos_id, tok.vocab_size
         self.block_size, self.pack, self.text_key = block_size, pack, text_key
         self._chunks = [c for path in self.paths for c in _chunks(path, chunk_bytes)]
+        self.file_stats = stat_files(self.paths)
+        """Size and mtime of each file as the blocks were planned (the resume's check starts from them)."""
         self._fingerprint = json.dumps(
             [
                 "text",
-                files_fingerprint(self.paths),
+                files_fingerprint(self.paths, self.file_stats),
                 _tokenizer_identity(self.spec),
                 block_size,
                 pack,
@@ -193,6 +195,14 @@ class TextSource:
 
     def units(self) -> list[Unit]:
         return self._units
+
+    @property
+    def input_files(self) -> list[str]:
+        """The text files and the tokenizer's files: what the plan of blocks is made from."""
+        tokenizer = [] if self.spec.path is None else [self.spec.path]
+        if tokenizer and os.path.isdir(tokenizer[0]):
+            tokenizer = [p for name in TOKENIZER_FILES if os.path.isfile(p := os.path.join(tokenizer[0], name))]
+        return [*self.paths, *tokenizer]
 
     def _why_no_samples(self, key: str) -> str:
         files = f"{len(self.paths)} file{'s' * (len(self.paths) != 1)} of {key}"
