@@ -7,6 +7,7 @@ checkpoint (or completed); a new run that fails before that gets the previous on
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import time
@@ -55,7 +56,8 @@ def prepare_run_dir(
     Raises:
         RunDirError: the directory exists and is not empty (without ``overwrite``), or
             ``overwrite`` was asked for a directory that is not a torchkeel run. A run that
-            ended before its first step (no checkpoint, no row past step 0) is taken over.
+            failed before its first step (``summary.json`` says failed; no checkpoint, no row
+            past step 0) is taken over.
     """
     run_dir = Path(out_dir) / name
     previous = None
@@ -100,14 +102,18 @@ def _has_checkpoint(run_dir: Path) -> bool:
 
 
 def _never_trained(run_dir: Path) -> bool:
-    """A torchkeel run that ended before its first step: its config and files, no checkpoint,
-    no row past step 0, and nothing else a person put there."""
+    """A torchkeel run that failed before its first step: ``summary.json`` says failed, there is
+    no checkpoint and no row past step 0, and nothing else a person put there. (A run without
+    ``summary.json`` may still be going: it is never taken over.)"""
     ours = {*RUN_MARKERS, "incidents.jsonl", "mlflow_run_id", "wandb_run_id", "tensorboard", "wandb", "checkpoints"}
-    names = {p.name for p in run_dir.iterdir()}
-    if "config.yaml" not in names or names - ours or _has_checkpoint(run_dir):
+    if {p.name for p in run_dir.iterdir()} - ours or _has_checkpoint(run_dir):
+        return False
+    try:
+        failed = json.loads((run_dir / "summary.json").read_text()).get("status") == "failed"
+    except (OSError, ValueError, AttributeError):
         return False
     metrics = run_dir / "metrics.jsonl"
-    return not metrics.exists() or all(row.get("step", 0) == 0 for row in read_metrics(metrics))
+    return failed and (not metrics.exists() or all(row.get("step", 0) == 0 for row in read_metrics(metrics)))
 
 
 class RunFiles:
@@ -144,7 +150,13 @@ class RunFiles:
         for name in ("metrics.jsonl", "incidents.jsonl"):
             drop_rows_after(self.run_dir / name, resume_step or 0)
         self._metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
-        self._loggers = RunLoggers.from_config(logging, self.run_dir, config, text, resume_step)
+        try:
+            self._loggers = RunLoggers.from_config(logging, self.run_dir, config, text, resume_step)
+        except Exception as exc:  # a tracker that cannot start: the run failed before its first step
+            write_json_atomic(
+                self.run_dir / "summary.json", {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            )
+            raise
         if resume_step is not None:
             self._loggers.catch_up(read_metrics(self.run_dir / "metrics.jsonl"), resume_step)
         self.incidents.path = self.run_dir / "incidents.jsonl"
