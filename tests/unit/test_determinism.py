@@ -11,7 +11,6 @@ from test_text_data import corpus, text_config
 import torchkeel as tk
 from torchkeel.checkpoint import CheckpointStore
 
-
 GPT2 = "{model_type: gpt2, n_layer: 2, n_head: 2, n_embd: 64, n_positions: 64, vocab_size: 257}"
 
 

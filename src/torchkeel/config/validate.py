@@ -208,8 +208,9 @@ def _check_logging(cfg: Any) -> None:
     ml = cfg.logging.mlflow
     if ml is None or not _installed("mlflow"):
         return  # without MLflow the logger names the extra to install
-    key = "logging.mlflow.tracking_uri"
-    uri = ml.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    key, uri = "logging.mlflow.tracking_uri", ml.tracking_uri
+    if uri is None and os.environ.get("MLFLOW_TRACKING_URI"):
+        key, uri = "logging.mlflow.tracking_uri (null: MLFLOW_TRACKING_URI)", os.environ["MLFLOW_TRACKING_URI"]
     if uri is None:
         import mlflow
 

@@ -187,7 +187,7 @@ class RunLoggers:
             holds_to = tracker.logger.last_step()
             holds_to = -1 if holds_to is None else int(holds_to)
             for row in rows:
-                values = scalars(row)
+                values = scalars(row) if "step" in row else {}
                 if values and int(row["step"]) > holds_to:
                     tracker.add("metrics", int(row["step"]), values)
             tracker.send()
