@@ -17,7 +17,7 @@ number of tokens that varies.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -116,7 +116,8 @@ class Objective:
         if self.step_fn is not None:
             return _step_output(self.step_fn(model, to_device(batch, device, non_blocking)))
         if not isinstance(batch, (tuple, list)) and isinstance(batch, Mapping):
-            return _model_loss(model, to_device(batch, device, non_blocking))
+            out = _model_loss(model, to_device(batch, device, non_blocking))
+            return _next_token_pairs(out) if self.shift_labels else out
         inputs, targets = batch
         outputs = model(to_device(inputs, device, non_blocking))
         targets_on_device = to_device(targets, device, non_blocking)
@@ -170,6 +171,16 @@ def _model_loss(model: torch.nn.Module, batch: Mapping[str, Any]) -> LossOutput:
     if logits is None and isinstance(out, Mapping):
         logits = out.get("logits")
     return LossOutput(loss, outputs=logits, targets=batch.get("labels"))
+
+
+def _next_token_pairs(out: LossOutput) -> LossOutput:
+    """A next-token model's logits and labels as its loss pairs them — position ``t``'s logits with
+    label ``t + 1`` — for the configured metrics (a torchmetrics ``Perplexity`` then equals the
+    exponential of the loss)."""
+    logits, labels = out.outputs, out.targets
+    if not (isinstance(logits, torch.Tensor) and isinstance(labels, torch.Tensor) and logits.dim() == labels.dim() + 1):
+        return out
+    return replace(out, outputs=logits[..., :-1, :], targets=labels[..., 1:])
 
 
 def check_labels(outputs: Any, targets: Any, loss_fn: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -12,6 +13,9 @@ from torchkeel.batch import num_samples
 from torchkeel.train.metricset import MetricSet
 from torchkeel.train.objective import Objective
 from torchkeel.train.precision import Precision
+
+MAX_LOG_PERPLEXITY = 700.0
+"""``exp`` of more overflows a float: a diverged model's perplexity is reported as ``exp(700)``."""
 
 
 def evaluate(
@@ -30,7 +34,9 @@ def evaluate(
     last batch counts for what it holds. A step function's metrics come back as ``val_<name>``.
     Dropout and batch-norm updates are off during the pass; the model's previous mode is
     restored after. Returns ``{"val_loss": ..., "val_accuracy": ...}`` (accuracy only for
-    classification: integer targets of shape ``[batch]`` and outputs of shape ``[batch, classes]``).
+    classification: integer targets of shape ``[batch]`` and outputs of shape ``[batch, classes]``;
+    ``val_perplexity``, ``exp(val_loss)``, for a next-token model: the objective's ``shift_labels``;
+    a token mean with ``loss.count_key: labels``).
     The values are read back to the host once, at the end. ``across_ranks``: each rank saw its
     own share of the set; sums and counts are added over the ranks (one all-reduce), so the
     metrics are those of the whole set, as in one process. ``metrics``: a ``MetricSet`` fed each
@@ -90,6 +96,8 @@ def evaluate(
     if total == 0:
         return {}
     result = {"val_loss": values[0] / total}
+    if objective.shift_labels:  # a next-token model: its loss is a mean negative log-likelihood per token
+        result["val_perplexity"] = math.exp(min(result["val_loss"], MAX_LOG_PERPLEXITY))
     result.update({f"val_{name}": value / total for name, value in zip(names, values[5:])})
     if values[4] == 0 and samples:
         result["val_accuracy"] = values[2] / samples
