@@ -74,11 +74,21 @@ def train_for(
     return None, clock() - start, step
 
 
-@pytest.mark.slow  # CPU time: on a busy machine it stretches past 30 s (34.6 s once in a fresh-clone run)
-def test_a_kept_step_output_is_reported_within_30_s_on_the_cpu_clock():
-    finding, elapsed, step = train_for(60.0, keep=True, speed=1.0)
+@pytest.mark.parametrize(
+    ("speed", "within_s"),
+    [
+        # The default suite's short form, on a clock ten times as fast as the CPU time: a few
+        # seconds of training (about 3.5 s of CPU time, 35 s of that clock), with room for the
+        # other test worker's load, which stretches the CPU time a step takes.
+        (10.0, 120.0),
+        # The figure itself, on the CPU clock: 20 s here on an idle machine, 34.6 s once on a busy one.
+        pytest.param(1.0, 30.0, marks=pytest.mark.slow),
+    ],
+)
+def test_a_kept_step_output_is_reported_within_30_s_on_the_cpu_clock(speed, within_s):
+    finding, elapsed, step = train_for(2 * within_s, keep=True, speed=speed)
     assert finding is not None, f"no leak found in {elapsed:.0f} s ({step} steps)"
-    assert elapsed <= 30.0, f"found after {elapsed:.1f} s"
+    assert elapsed <= within_s, f"found after {elapsed:.1f} s"
     assert finding["signal"] in ("graph_nodes", "num_tensors") and finding["suspected_at_step"] is not None
     assert finding["top_groups"][0]["holds_graph"] and finding["top_groups"][0]["shape"] == [16, 4]
 

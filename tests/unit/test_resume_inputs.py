@@ -127,3 +127,28 @@ def test_a_resume_reads_no_file_whose_stat_is_unchanged(tmp_path):
     size, mtime, _ = file_identity(str(path))
     assert file_identity(str(path), known=[size, mtime, "recorded"]) == [size, mtime, "recorded"]
     assert file_identity(str(path), known=[size, mtime - 1, "recorded"])[2] != "recorded"  # touched: read again
+
+
+def test_the_same_files_copied_to_another_directory_resume_and_say_so(tiny_config, tmp_path, capsys):
+    import shutil
+
+    root, _ = corpus(tmp_path / "corpus")
+    tk.Trainer(
+        text_config(tiny_config, f"{root}/*.txt", "train.max_epochs=null", "train.max_steps=2"), progress=False
+    ).fit()
+    staged = tmp_path / "scratch" / "job-2"
+    shutil.copytree(root, staged)  # as a job that stages its data to local disk: new paths, new mtimes
+    summary = tk.Trainer(
+        text_config(tiny_config, f"{staged}/*.txt", "train.max_epochs=null", "train.max_steps=3"),
+        resume="auto",
+        progress=False,
+    ).fit()
+    assert summary["status"] == "completed" and summary["steps"] == 3
+    assert f"data moved since the checkpoint: data.train: moved {root} -> {staged}" in capsys.readouterr().err
+    edit(staged / "a.txt")  # a copy that differs is a change, wherever it is
+    with pytest.raises(ConfigError, match="changed"):
+        tk.Trainer(
+            text_config(tiny_config, f"{staged}/*.txt", "train.max_epochs=null", "train.max_steps=4"),
+            resume="auto",
+            progress=False,
+        ).fit()

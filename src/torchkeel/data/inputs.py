@@ -6,9 +6,11 @@ identity of every file it plans over — the tokenizer's files too — as
 ``EDGE_BYTES`` of the file (xxh3, two reads of 4 KiB whatever the file's size). A resume takes
 the hash from its checkpoint for a file whose size and mtime are unchanged, and the size and
 mtime from the ``stat`` the source made as it planned (a source's ``file_stats``; otherwise one
-``stat`` per file): only a fresh run, or a file whose ``stat`` changed, is read. A file that was edited, appended to, replaced, removed or
-added since changes the plan (which blocks, rows or samples exist, in which order), so a resume
-stops unless told to continue (``--allow-data-change``).
+``stat`` per file): only a fresh run, or a file whose ``stat`` changed, is read.
+
+A file that was edited, appended to, replaced, removed or added since changes the plan (which
+blocks, rows or samples exist, in which order), so a resume stops unless told to continue
+(``--allow-data-change``).
 
 Map-style datasets built by code have no files to name: they are not fingerprinted.
 """
@@ -78,9 +80,33 @@ def input_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[
             "missing": sorted(set(old) - set(new)),
             "added": sorted(set(new) - set(old)),
         }
+        if changes["missing"] and not changes["changed"] and _moved(old, new):
+            changes = {"moved": [f"{_root(old)} -> {_root(new)}"]}
         if any(changes.values()):
             found[key] = {kind: paths for kind, paths in changes.items() if paths}
     return found
+
+
+def is_refused(changes: Mapping[str, Mapping[str, list[str]]]) -> bool:
+    """Whether ``changes`` change the data plan; files moved as a whole (the same names, sizes and
+    contents under another directory, as a job that stages its data to local disk) do not."""
+    return any(kind != "moved" for kinds in changes.values() for kind in kinds)
+
+
+def _moved(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """The same files under another common directory: names below it, sizes and hashes equal
+    (a copy's mtime is its own, so it is not compared)."""
+
+    def by_name(files: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+        root = _root(files)
+        return {os.path.relpath(path, root): (ident[0], ident[2]) for path, ident in files.items()}
+
+    return len(old) == len(new) and by_name(old) == by_name(new)
+
+
+def _root(files: Mapping[str, Any]) -> str:
+    paths = list(files)
+    return os.path.dirname(paths[0]) if len(paths) == 1 else os.path.commonpath(paths)
 
 
 def describe_changes(changes: Mapping[str, Mapping[str, list[str]]], shown: int = 5) -> str:

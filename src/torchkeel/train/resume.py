@@ -10,7 +10,7 @@ from typing import Any
 
 from torchkeel.checkpoint import Checkpoint, CheckpointStore, read_checkpoint
 from torchkeel.config.load import config_hash
-from torchkeel.data.inputs import describe_changes, input_changes
+from torchkeel.data.inputs import describe_changes, input_changes, is_refused
 from torchkeel.errors import ConfigError
 
 # What a run computes: a change here means the resumed run is no longer the uninterrupted one.
@@ -101,7 +101,10 @@ def check_resume_config(
             ]
         return []
     changes = config_changes(saved, current)
-    breaking = [key for key, _, _ in changes if breaks_exactness(key)]
+    # The files of a fingerprinted source are compared themselves (check_resume_inputs): a new
+    # path to the same files does not change what the run computes.
+    by_files = set(manifest.get("inputs") or {})
+    breaking = [key for key, _, _ in changes if breaks_exactness(key) and key not in by_files]
     if breaking and not allow:
         shown = "; ".join(f"{k}: {_short(o)} -> {_short(n)}" for k, o, n in changes if k in breaking)
         raise ConfigError(
@@ -133,6 +136,8 @@ def check_resume_inputs(
     if not changes:
         return []
     shown = describe_changes(changes)
+    if not is_refused(changes):
+        return [f"data moved since the checkpoint: {shown} (the same files: the run continues exactly)"]
     if not allow:
         raise ConfigError(
             f"--resume: the data changed since checkpoint '{checkpoint}' was saved ({shown}); put the files "

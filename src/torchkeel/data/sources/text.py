@@ -124,7 +124,7 @@ class TextSource:
         self._units = [
             Unit(f"{c.path} bytes {c.start}-{c.stop}", samples) for c, (samples, _) in zip(self._chunks, counts)
         ]
-        self.empty_files = [path for path in self.paths if os.path.getsize(path) == 0]
+        self.empty_files = [path for path in self.paths if self._size(path) == 0]
         """Files with nothing in them: they hold no sample (the Trainer records each as an incident)."""
         if not any(samples for samples, _ in counts):
             raise ConfigError(self._why_no_samples(key))
@@ -141,13 +141,16 @@ class TextSource:
             tokenizer = [p for name in TOKENIZER_FILES if os.path.isfile(p := os.path.join(tokenizer[0], name))]
         return [*self.paths, *tokenizer]
 
+    def _size(self, path: str) -> int:
+        return self.file_stats[os.path.abspath(path)][0]
+
     def _why_no_samples(self, key: str) -> str:
         files = f"{len(self.paths)} file{'s' * (len(self.paths) != 1)} of {key}"
         if len(self.empty_files) == len(self.paths):
             return f"every one of the {files} is empty: point {key} at files with text in them"
         if not self.pack:
             return f"the {files} hold no document: give .txt files, or .jsonl lines with a '{self.text_key}' string"
-        total = sum(os.path.getsize(path) for path in self.paths)
+        total = sum(self._size(path) for path in self.paths)
         return (
             f"every one of the {files} ({total} bytes in all) is shorter than data.block_size={self.block_size} "
             "tokens, and a block never spans two files (nor two chunks of data.chunk_bytes): lower "
