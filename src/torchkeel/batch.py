@@ -7,7 +7,7 @@ moving it to a device, and cutting or joining it along the batch dimension.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -62,6 +62,13 @@ def num_samples(batch: Any) -> int:
         f"cannot tell the batch size of a {type(batch).__name__} batch: it holds no tensor with a "
         "batch dimension; yield tensors, or tuples/dicts/dataclasses of tensors"
     )
+
+
+def num_tokens(batch: Any) -> int:
+    """Token positions in a batch of token ids: the size of its ``input_ids`` (padding included,
+    as transformers counts them); 0 for any other batch."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    return ids.numel() if isinstance(ids, torch.Tensor) else 0
 
 
 def split_batch(batch: Any, size: int) -> list[Any]:

@@ -106,3 +106,24 @@ def test_a_dataset_dict_root_or_a_missing_column_is_a_one_line_error(tmp_path):
         HFDiskDataset(tmp_path / "dd" / "train", ["input_ids", "attention"])
     with pytest.raises(ConfigError, match=r"data.format=datasets needs data.columns"):
         load_config(None, ["data.format=datasets", "data.train=x", "model.target=m:f", "train.max_steps=1"])
+
+
+def test_a_causal_lm_of_blocks_of_one_length_exports_for_any_length(tmp_path):
+    """``group_texts``-style datasets hold rows of one length; the export still takes a 3-token prompt."""
+    import numpy as np
+
+    from torchkeel.export import export_run
+    from torchkeel.export.formats import load_exported
+
+    rows = [(np.arange(16) * (i % 5 + 1) % 32).tolist() for i in range(96)]
+    for split in ("train", "val"):
+        datasets.Dataset.from_dict({"input_ids": rows, "labels": rows}).save_to_disk(str(tmp_path / split))
+    gpt2 = "{model_type: gpt2, n_layer: 1, n_head: 2, n_embd: 16, n_positions: 32, vocab_size: 32}"
+    overrides = ["model.target=null", f"model.hf.config={gpt2}", "train.max_epochs=1", "data.collate=default"]
+    trainer = tk.Trainer(config(tmp_path, tmp_path / "train", tmp_path / "val", *overrides), progress=False)
+    trainer.fit()
+    meta = export_run(trainer.run_dir, "onnx")
+    assert meta["inputs"][0]["shape"] == [-1, -1] and meta["inputs"][0]["max_shape"] == [-1, 32]
+    assert any(r.get("shapes", {}).get("input_ids", [0, 16])[1] == 8 for r in meta["parity"]["results"])
+    run = load_exported("onnx", trainer.run_dir / "export-onnx" / meta["file"], ["input_ids"], "logits")
+    assert np.asarray(run({"input_ids": np.array([[1, 2, 3]])})).shape == (1, 3, 32)

@@ -23,6 +23,7 @@ COMMANDS = {
     "demo": ("demo", "train a small CNN on scikit-learn's handwritten digits (runs again and again into OUT_DIR/demo)"),
     "lr-find": ("lrfind", "the learning-rate range test: train a copy at rising rates, plot the loss, suggest a rate"),
     "export": ("export", "export a trained model, check parity with the eager model, write model.json"),
+    "generate": ("generate", "continue a prompt with a trained language model (a run or an export), greedy or sampled"),
     "triton-repo": (
         "triton_repo",
         "write a Triton model repository (config.pbtxt validated against Triton's ModelConfig)",

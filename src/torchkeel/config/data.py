@@ -121,3 +121,7 @@ class DataConfig:
     """Text: the string field of each ``.jsonl`` line."""
     chunk_bytes: int = 1048576
     """Text: about how many bytes of a file make one unit of work (cut at a line end)."""
+    mlm_probability: Optional[float] = None
+    """Text, for a masked LM (``model.hf.task: masked-lm``): the share of tokens masked in each
+    sample (BERT: 0.15; 80 % become the mask token, 10 % a random one, 10 % stay). ``null``:
+    the labels are the ids (a causal LM)."""

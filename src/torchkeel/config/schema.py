@@ -28,7 +28,7 @@ class HFModelConfig:
     path: Optional[str] = None
     """Instead of ``config``: a local directory written by ``save_pretrained`` (its
     ``.safetensors`` weights; a directory holding pickle weights is refused)."""
-    task: Literal["causal-lm", "sequence-classification", "token-classification"] = "causal-lm"
+    task: Literal["causal-lm", "masked-lm", "sequence-classification", "token-classification"] = "causal-lm"
     """The head: a language model, or a classifier of sequences or of tokens (``num_labels`` in
     ``config``)."""
     args: dict[str, Any] = field(default_factory=dict)

@@ -60,6 +60,12 @@ def _check_model(cfg: Any) -> None:
             f"model.target={cfg.model.target!r} and model.hf are both set; keep one (model.target=null "
             "to train the transformers model)"
         )
+    masked = cfg.model.hf is not None and cfg.model.hf.task == "masked-lm"
+    if masked and cfg.data.mlm_probability is None:
+        raise ConfigError(
+            "model.hf.task=masked-lm learns to fill in masked tokens: set data.mlm_probability (BERT uses 0.15) "
+            "with data.format=text"
+        )
 
 
 def _check_data(cfg: Any) -> None:
@@ -102,6 +108,11 @@ def _check_data(cfg: Any) -> None:
         raise ConfigError("data.batch_transform applies to parquet and text row blocks; use data.transform per sample")
     if d.format == "text":
         _check_text(d)
+    if d.mlm_probability is not None and d.format != "text":
+        raise ConfigError(
+            f"data.mlm_probability masks the tokens of data.format=text, not of format {d.format}; mask them "
+            "in your dataset, or train from text files"
+        )
     if d.format == "datasets" and not d.columns:
         raise ConfigError("data.format=datasets needs data.columns: the columns of each sample ([input_ids, labels])")
 

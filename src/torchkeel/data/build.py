@@ -123,6 +123,7 @@ def build_sources(cfg: DataConfig) -> tuple[Any, Any]:
                 text_key=cfg.text_key,
                 chunk_bytes=cfg.chunk_bytes,
                 key=key,
+                mlm_probability=cfg.mlm_probability,
             )
 
         return WebDatasetSource(

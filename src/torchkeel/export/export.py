@@ -23,10 +23,11 @@ from torchkeel.export.formats import (
     load_exported,
     read_model_json,
 )
-from torchkeel.export.inputs import run_inputs
+from torchkeel.export.inputs import max_length, run_inputs
 from torchkeel.export.parity import check_parity, describe
 from torchkeel.export.signature import ExportModule
 from torchkeel.io import write_json_atomic
+from torchkeel.lm.tokenizer import run_tokenizer_spec, write_tokenizer
 from torchkeel.train.build import build_model
 from torchkeel.train.ema import averaged_weights
 
@@ -106,6 +107,7 @@ def export_run(
                 "shape": inputs.shape(name),
                 **({"dims": inputs.dims(name)} if inputs.dims(name) else {}),
                 **({"range": inputs.signature.ranges[name]} if name in inputs.signature.ranges else {}),
+                **({"max_shape": inputs.max_shape(name)} if inputs.max_shape(name) else {}),
             }
             for name, tensor in first.items()
         ],
@@ -115,6 +117,7 @@ def export_run(
         "labels": names_of_labels,
         **({"preprocess": spec} if spec is not None else {}),
         "max_batch_size": max(batch_sizes),
+        **({"max_length": inputs.max_length} if inputs.max_length is not None else {}),
         "reference": inputs.reference(),
         "parity": parity,
         "checkpoint": str(checkpoint.path),
@@ -122,6 +125,10 @@ def export_run(
         "step": checkpoint.step,
         "torch_version": torch.__version__,
     }
+    spec = run_tokenizer_spec(config)
+    if spec is not None and _is_causal_lm(config, output):
+        meta["task"] = "causal-lm"
+        meta["tokenizer"] = write_tokenizer(spec, out, inputs.max_length)
     write_json_atomic(out / "model.json", meta)
     if not parity["passed"]:
         raise ParityError(f"{describe(parity)}; nothing was shipped as good (see {out / 'model.json'})")
@@ -167,8 +174,26 @@ def export_pretrained(source: str | Path, out_dir: str | Path | None = None) -> 
             f"{type(model).__name__}; use --format onnx, torchscript or torch-export"
         )
     out = Path(out_dir) if out_dir is not None else run_dir / "export-hf"
+    spec = run_tokenizer_spec(trained.config)
+    if spec is not None:  # generate() and pipeline() stop at the run's end-of-text, within its positions
+        positions = max_length(model, None)
+        tokenizer = write_tokenizer(spec, out, positions)
+        generation = getattr(model, "generation_config", None)
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            setattr(model.config, key, tokenizer["eos_id"])
+            if generation is not None:
+                setattr(generation, key, tokenizer["eos_id"])
+        if generation is not None and positions is not None:
+            generation.max_length = positions
     model.save_pretrained(out)
     return out
+
+
+def _is_causal_lm(config: Any, output: torch.Tensor) -> bool:
+    """A next-token model: a transformers causal LM, or any model of per-position logits trained on text."""
+    if config.model.hf is not None:
+        return config.model.hf.task == "causal-lm"
+    return output.dim() == 3
 
 
 def _resolve(source: Path):

@@ -10,7 +10,7 @@ for the drift reference.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,16 @@ class RunInputs:
     axes: dict[str, list[int]]
     train_data: Any = None
     """The run's training dataset or source (a dataset's ``classes`` name the output labels)."""
+    max_length: int | None = None
+    """The longest sequence the model takes (see ``max_length``)."""
+    sequence: dict[str, list[int]] = field(default_factory=dict)
+    """Per input, its sequence axes (shortened together; at most ``max_length`` long)."""
+
+    def max_shape(self, name: str) -> list[int] | None:
+        """``max_length`` on the input's sequence axes, ``-1`` elsewhere; ``None`` without a limit."""
+        if self.max_length is None or name not in self.sequence:
+            return None
+        return [self.max_length if axis in self.sequence[name] else -1 for axis in range(self.feeds[0][name].dim())]
 
     def dims(self, name: str) -> list[str] | None:
         """A name per axis when the input has a dynamic axis besides the batch (``None`` otherwise):
@@ -113,12 +123,55 @@ def run_inputs(config: KeelConfig, model: torch.nn.Module, limit: int) -> RunInp
     feeds = [_floats(signature.feed(call)) for call in calls]
     reference_feeds = [_floats(signature.feed(call)) for call in reference_calls]
     axes = dynamic_axes(signature, calls + reference_calls)
-    declared = {k: v for k, v in getattr(train_data, "sequence_axes", {}).items() if k in axes}
+    declared = sequence_axes(_declared_axes(train_data, model), feeds + reference_feeds)
     if declared:  # token blocks all of one length: the export still takes any length up to it
         for name, extra in declared.items():
             axes[name] = sorted({*axes[name], *extra})
         feeds.append(_shortened(feeds[0], declared))
-    return RunInputs(signature, feeds, reference_feeds, axes, train_data)
+    return RunInputs(signature, feeds, reference_feeds, axes, train_data, max_length(model, train_data), declared)
+
+
+def max_length(model: torch.nn.Module, train_data: Any) -> int | None:
+    """The longest sequence the model takes: its positions (a transformers config's
+    ``max_position_embeddings``), else the token source's ``block_size``; ``None`` when neither says."""
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        return positions
+    block = getattr(train_data, "block_size", None)
+    return block if isinstance(block, int) and block > 0 else None
+
+
+def _declared_axes(train_data: Any, model: torch.nn.Module) -> dict[str, list[int]]:
+    """The sequence axes the data source declares, or those of a transformers sequence model's
+    ``input_ids`` (a ``datasets`` or map-style run of token ids: its rows may all be one length)."""
+    declared = dict(getattr(train_data, "sequence_axes", {}))
+    if not declared and isinstance(getattr(getattr(model, "config", None), "max_position_embeddings", None), int):
+        declared = {"input_ids": [1]}
+    return declared
+
+
+def sequence_axes(declared: dict[str, list[int]], feeds: list[dict[str, torch.Tensor]]) -> dict[str, list[int]]:
+    """``declared`` sequence axes, and every axis of another input that has the same size as one
+    of them in every batch (the ``attention_mask`` that padding adds, the labels): they are
+    shortened together."""
+    present = {name: list(axes) for name, axes in declared.items() if feeds and name in feeds[0]}
+    sizes = {
+        tuple(int(feed[name].shape[axis]) for feed in feeds)
+        for name, axes in present.items()
+        for axis in axes
+        if axis < feeds[0][name].dim()
+    }
+    out: dict[str, list[int]] = {}
+    for name, tensor in feeds[0].items() if feeds else ():
+        found = [
+            axis
+            for axis in range(1, tensor.dim())
+            if axis in present.get(name, [])
+            or (not tensor.is_floating_point() and tuple(int(feed[name].shape[axis]) for feed in feeds) in sizes)
+        ]
+        if found:
+            out[name] = found
+    return out
 
 
 def _shortened(feed: dict[str, torch.Tensor], axes: dict[str, list[int]]) -> dict[str, torch.Tensor]:

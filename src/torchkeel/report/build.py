@@ -43,6 +43,7 @@ CHART_KINDS = {
     "lr": (),
     "grad_norm": ("nonfinite", "spike"),
     "throughput": ("input_bound", "oom_split", "compile"),
+    "tokens": ("input_bound", "oom_split", "compile"),
     "memory": ("leak", "memory", "oom_split"),
 }
 AS_TICKS = ("bad_sample",)  # per-sample events: ticks along the bottom
@@ -53,6 +54,7 @@ CHARTS = [
     ("lr", "Learning rate", [("train", "lr", "lr")], False),
     ("grad_norm", "Gradient norm (before clipping)", [("train", "grad_norm", "grad norm")], True),
     ("throughput", "Throughput (samples/s)", [("train", "samples_per_s", "samples/s")], False),
+    ("tokens", "Throughput (tokens/s)", [("train", "tokens_per_s", "tokens/s")], False),
     (
         "memory",
         "Memory (GiB)",
@@ -122,6 +124,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
         if not lines:
             if name == "val_metrics" and any(r.get("kind") == "val" for r in rows):
                 continue  # validated with val_loss alone, which the loss chart shows
+            if name == "tokens":
+                continue  # batches that are not token ids
             report.missing.append(f"{title.lower()} (no rows with it)")
             continue
         fig = Figure(figsize=FIGSIZE, dpi=DPI)

@@ -40,6 +40,7 @@ from torchkeel.serve.protocol import (
 from torchkeel.serve.repository import ModelRepository
 from torchkeel.serve.server import Server
 from torchkeel.serve.tensors import ProtocolError
+from torchkeel.serve.textgen import generation_routes
 from torchkeel.serve.warmup import warm_over_socket, warm_requests
 
 # An oversized body is read to its end and dropped, up to 4x the limit (at least 64 MiB) or 5 s,
@@ -191,6 +192,7 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
         Route("/v2/models/{name}/versions/{version}", model_metadata),
         Route("/v2/models/{name}/ready", model_ready),
         Route("/v2/models/{name}/versions/{version}/ready", model_ready),
+        *generation_routes(repository, read_body),
         Route("/v1/models", v1_models),
         Route("/metrics", metrics),
     ]
@@ -219,6 +221,8 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> R
 async def protocol_error(request: Request, exc: Exception) -> Response:
     """Every route's client mistakes (``ProtocolError``): its status, message and headers."""
     assert isinstance(exc, ProtocolError)
+    if exc.body is not None:
+        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
     return error(exc.status, str(exc), exc.headers)
 
 

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Metric
 
 from torchkeel.serve.drift import DriftMonitor
@@ -34,7 +34,7 @@ TRITON_COUNTERS = {
 # Triton's failure reasons: queue full or timed out, cancelled, the model failed, anything else
 # (for us: an invalid request).
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
-PROTOCOLS = ("v1", "v2", "grpc")
+PROTOCOLS = ("v1", "v2", "grpc", "generate", "openai")
 
 _Key = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -61,6 +61,29 @@ class ServerMetrics:
             ["model", "version", "protocol"],
             registry=self.registry,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+        )
+        self.generated = Counter(
+            "torchkeel_generation_tokens",
+            "Tokens generated (end-of-text included)",
+            ["model", "version"],
+            registry=self.registry,
+        )
+        self.prompt = Counter(
+            "torchkeel_prompt_tokens", "Prompt tokens read by generation", ["model", "version"], registry=self.registry
+        )
+        self.first_token = Histogram(
+            "torchkeel_time_to_first_token_seconds",
+            "Generation: request received to its first token",
+            ["model", "version"],
+            registry=self.registry,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.per_token = Histogram(
+            "torchkeel_time_per_output_token_seconds",
+            "Generation: time between a request's consecutive tokens",
+            ["model", "version"],
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1),
         )
         self.in_flight = Gauge(
             "torchkeel_inflight_requests", "Requests being handled", ["model", "version"], registry=self.registry
@@ -127,6 +150,16 @@ class ModelMetrics:
             key("nv_inference_queue_duration_us"),
         )
 
+    def generation(self) -> GenerationMetrics:
+        """The generation figures of this model (tokens, time to first token, time per token)."""
+        server, (model, version) = self.server, self.labels.values()
+        return GenerationMetrics(
+            server.generated.labels(model, version),
+            server.prompt.labels(model, version),
+            server.first_token.labels(model, version),
+            server.per_token.labels(model, version),
+        )
+
     def request_started(self) -> None:
         with self.server._lock:  # also called from gRPC's handler threads
             self.requests_in_flight += 1
@@ -157,6 +190,25 @@ class ModelMetrics:
             labels = {**self.labels, **({"reason": reason} if reason else {})}
             key = self._keys[(name, reason)] = (name, tuple(sorted(labels.items())))
         return key
+
+
+class GenerationMetrics:
+    """What the generation engine counts, bound to one model's series."""
+
+    def __init__(self, generated: Any, prompt: Any, first_token: Any, per_token: Any) -> None:
+        self._generated, self._prompt, self._first, self._per_token = generated, prompt, first_token, per_token
+
+    def tokens(self, count: int) -> None:
+        self._generated.inc(count)
+
+    def prompt_tokens(self, count: int) -> None:
+        self._prompt.inc(count)
+
+    def first_token(self, seconds: float) -> None:
+        self._first.observe(seconds)
+
+    def output_token(self, seconds: float) -> None:
+        self._per_token.observe(seconds)
 
 
 def _escape(value: str) -> str:

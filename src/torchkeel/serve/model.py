@@ -25,6 +25,8 @@ import numpy as np
 from torchkeel.data.images import MAX_PIXELS, ImageError, ImagePreprocess
 from torchkeel.errors import ConfigError
 from torchkeel.export.formats import load_exported, read_model_json
+from torchkeel.lm.decoding import RecomputeDecoder
+from torchkeel.lm.tokenizer import export_tokenizer
 from torchkeel.serve.batcher import (
     Batch,
     BatchStats,
@@ -33,6 +35,7 @@ from torchkeel.serve.batcher import (
     QueueTimeout,
 )
 from torchkeel.serve.drift import DriftMonitor
+from torchkeel.serve.generation import GenerationEngine
 from torchkeel.serve.metrics import ServerMetrics
 from torchkeel.serve.protocol import InferRequest, TensorSpec, classification
 from torchkeel.serve.tensors import DTYPES, ProtocolError
@@ -87,7 +90,8 @@ class ServedModel:
         self.path, self.options, self._images = Path(export_dir), options, images
         self.name, self.version = options.model_name or self.meta["name"], VERSION
         self.tensors = [
-            TensorSpec(t["name"], t["datatype"], t["shape"], t.get("dims"), t.get("range")) for t in self.meta["inputs"]
+            TensorSpec(t["name"], t["datatype"], t["shape"], t.get("dims"), t.get("range"), t.get("max_shape"))
+            for t in self.meta["inputs"]
         ]
         self.tensor = self.tensors[0]
         self.outputs = [TensorSpec(t["name"], t["datatype"], t["shape"]) for t in self.meta["outputs"]]
@@ -112,6 +116,22 @@ class ServedModel:
         )
         self.metrics = metrics.model(self.name, self.version, self.drift, pending=lambda: self.batcher.pending)
         self.ready = False
+        self.generation = self._generation_engine()
+
+    def _generation_engine(self) -> GenerationEngine | None:
+        """A causal LM's text generation (``model.json`` records its task and tokenizer), or ``None``."""
+        tokenizer = export_tokenizer(self.path, self.meta) if self.meta.get("task") == "causal-lm" else None
+        names = [t.name for t in self.tensors]
+        if tokenizer is None or "input_ids" not in names or not set(names) <= {"input_ids", "attention_mask"}:
+            return None
+        decoder = RecomputeDecoder(self.run, names, self.meta.get("max_length"))
+        return GenerationEngine(
+            decoder,
+            tokenizer,
+            max_rows=self.options.max_batch_size,
+            gather_ms=self.options.max_queue_delay_ms,
+            metrics=self.metrics.generation(),
+        )
 
     @property
     def is_image_model(self) -> bool:

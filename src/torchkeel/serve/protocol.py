@@ -27,8 +27,8 @@ from torchkeel.serve.tensors import (
     as_bytes,
     b64decode,
     base64_items,
-    check_range,
     check_shared_dims,
+    check_values,
     is_int,
     length_prefixed,
     numbers,
@@ -138,7 +138,7 @@ class InputSet:
         if not self.allow_nonfinite and not all_finite(array):
             bad = int((~np.isfinite(array)).sum())
             raise ProtocolError(400, f"{where} '{spec.name}' holds {bad} NaN/Inf values; send finite numbers")
-        check_range(array, spec, f"{where} '{spec.name}'")
+        check_values(array, spec, f"{where} '{spec.name}'")
         self.arrays[spec.name] = array
 
     def finish(self) -> dict[str, np.ndarray]:
@@ -286,7 +286,7 @@ def v1_tensor(instances: list[Any], spec: TensorSpec, allow_nonfinite: bool = Fa
         raise ProtocolError(400, f"each instance has shape {list(array.shape[1:])}; the model takes {spec.shape[1:]}")
     if not allow_nonfinite and not all_finite(array):
         raise ProtocolError(400, "'instances' hold NaN/Inf values; send finite numbers")
-    check_range(array, spec, "'instances'")
+    check_values(array, spec, "'instances'")
     return array
 
 
@@ -341,7 +341,7 @@ def v1_named_tensors(
             )
         if not allow_nonfinite and not all_finite(array):
             raise ProtocolError(400, f"instances[*].{spec.name} hold NaN/Inf values; send finite numbers")
-        check_range(array, spec, f"instances[*].{spec.name}")
+        check_values(array, spec, f"instances[*].{spec.name}")
         arrays[spec.name] = array
     check_shared_dims(arrays, {spec.name: spec for spec in specs}, "instances")
     return arrays

@@ -122,6 +122,8 @@ class ModelRepository:
                 del self.models[name]
                 continue
             await model.batcher.start()
+            if model.generation is not None:
+                model.generation.start()
             model.ready = True
 
     async def stop(self) -> None:
@@ -130,6 +132,8 @@ class ModelRepository:
             model.ready = False
         for model in self.models.values():
             await model.batcher.stop()
+            if model.generation is not None:
+                await asyncio.to_thread(model.generation.stop)
 
 
 def _exports(sources: Sequence[str | Path]) -> Iterator[tuple[Path, str | None]]:

@@ -34,13 +34,21 @@ NUMPY_TO_V2 = {np.dtype(v): k for k, v in DTYPES.items() if v not in (None, obje
 class ProtocolError(Exception):
     """A request the server cannot accept: ``status`` is the HTTP code, the message says why.
 
-    ``headers`` go on the error response (``Connection: close`` after an oversized body).
+    ``headers`` go on the error response (``Connection: close`` after an oversized body);
+    ``param`` names the request field at fault; ``body`` replaces the usual ``{"error": message}``
+    (OpenAI's clients read their own shape).
     """
 
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
+        body: dict | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status = status
-        self.headers = headers
+        self.status, self.headers, self.param, self.body = status, headers, param, body
 
 
 @dataclass
@@ -53,6 +61,26 @@ class TensorSpec:
     have the same size (``batch``, ``length``). ``None``: only the batch is shared."""
     range: list[int] | None = None
     """``[low, high]``: the values an integer input may hold (token ids of the model's embedding)."""
+    max_shape: list[int] | None = None
+    """The most each axis may hold (``-1``: no limit): a sequence model's positions."""
+
+
+def check_values(array: np.ndarray, spec: TensorSpec, where: str) -> None:
+    """Sizes and values a model cannot take are a 400 naming the input: an empty axis (a
+    ``[1, 0]`` prompt), a sequence longer than the model's positions, an id past its vocabulary."""
+    for axis in range(1, array.ndim):
+        if array.shape[axis] == 0:
+            raise ProtocolError(
+                400, f"{where} has shape {list(array.shape)}: axis {axis} is empty; send at least one value there"
+            )
+        limit = spec.max_shape[axis] if spec.max_shape and axis < len(spec.max_shape) else -1
+        if 0 <= limit < array.shape[axis]:
+            raise ProtocolError(
+                400,
+                f"{where} has {array.shape[axis]} values on axis {axis}; the model takes at most {limit} "
+                f"(its positions); send a shorter sequence",
+            )
+    check_range(array, spec, where)
 
 
 def check_range(array: np.ndarray, spec: TensorSpec, where: str) -> None:

@@ -199,7 +199,12 @@ def build_objective(
     """The ``Objective``: ``loss.step_fn`` if set, else ``loss_fn`` (or ``loss.target``), with
     ``loss.count_key``; ``model`` decides ``loss.shift_labels: null``."""
     shift = cfg.shift_labels if cfg.shift_labels is not None else model is not None and predicts_next_token(model)
-    counting = dict(count_key=cfg.count_key, ignore_index=cfg.ignore_index, shift_labels=shift)
+    counting = dict(
+        count_key=cfg.count_key,
+        ignore_index=cfg.ignore_index,
+        shift_labels=shift,
+        token_loss=shift or (model is not None and _predicts_masked_token(model)),
+    )
     if cfg.step_fn is not None:
         return Objective(step_fn=resolve_target(cfg.step_fn, "loss.step_fn"), **counting)
     return Objective(loss_fn if loss_fn is not None else build_loss(cfg), **counting)
@@ -214,6 +219,12 @@ def build_loss(cfg: LossConfig) -> Callable[[Any, Any], torch.Tensor]:
             "it must return a callable loss(output, target) (e.g. torch.nn:CrossEntropyLoss)"
         )
     return loss_fn
+
+
+def _predicts_masked_token(model: torch.nn.Module) -> bool:
+    """A transformers masked LM (``…ForMaskedLM``): its loss is a mean over the masked tokens."""
+    kind = type(model)
+    return kind.__module__.startswith("transformers.") and kind.__name__.endswith("ForMaskedLM")
 
 
 def predicts_next_token(model: torch.nn.Module) -> bool:

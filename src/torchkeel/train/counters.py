@@ -22,6 +22,7 @@ class RunCounters:
     epoch: int = 0
     batch_in_epoch: int = 0
     samples: int = 0
+    tokens: int = 0
     val_metrics: dict[str, float] = field(default_factory=dict)
     validated_at: int = -1
     saved_at: int = -1

@@ -7,6 +7,7 @@ shifts its labels itself, and the step counts the labels that are not ignored.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from torchkeel.errors import ConfigError, MissingExtraError, first_line
 
 TASKS = {
     "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
     "sequence-classification": "AutoModelForSequenceClassification",
     "token-classification": "AutoModelForTokenClassification",
 }
@@ -63,10 +65,34 @@ def hf_config(values: dict[str, Any]) -> Any:
     model_type = values.pop("model_type", None)
     if not isinstance(model_type, str):
         raise ConfigError("model.hf.config needs model_type (e.g. gpt2, llama, bert) and that model's settings")
+    values = {**_special_ids_beyond(transformers, model_type, values), **values}
     try:
         return transformers.AutoConfig.for_model(model_type, **values)
     except ValueError as exc:
         raise ConfigError(f"model.hf.config.model_type={model_type!r}: {first_line(exc)}") from exc
+
+
+def _special_ids_beyond(transformers: Any, model_type: str, values: dict[str, Any]) -> dict[str, Any]:
+    """``None`` for the special token ids of the model type's defaults that lie past the given
+    ``vocab_size`` (GPT-2's 50256 in a model of 257 byte ids): transformers warns of each on
+    every load, and the run's tokenizer names its own (an export records them)."""
+    vocab = values.get("vocab_size")
+    if not isinstance(vocab, int):
+        return {}
+    try:
+        cls = transformers.CONFIG_MAPPING[model_type]
+    except (KeyError, AttributeError):
+        return {}
+    try:
+        defaults = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return {}
+    beyond = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        default = defaults[key].default if key in defaults else None
+        if key not in values and isinstance(default, int) and default >= vocab:
+            beyond[key] = None
+    return beyond
 
 
 def check_hf_model(cfg: HFModelConfig) -> None:

@@ -62,6 +62,8 @@ class Objective:
             micro-batches by it instead of by samples. A label key (``labels``, ``*labels``)
             counts its elements other than ``ignore_index`` (after dropping each row's first
             label with ``shift_labels``, as a next-token loss does); any other key is summed.
+        token_loss: the loss is a per-token negative log-likelihood (a language model's):
+            validation logs ``val_perplexity``.
     """
 
     def __init__(
@@ -72,11 +74,15 @@ class Objective:
         count_key: str | None = None,
         ignore_index: int = -100,
         shift_labels: bool = False,
+        token_loss: bool = False,
     ) -> None:
         if (loss_fn is None) == (step_fn is None):
             raise ValueError("Objective needs exactly one of loss_fn and step_fn")
         self.loss_fn, self.step_fn, self.count_key = loss_fn, step_fn, count_key
         self.ignore_index, self.shift_labels = ignore_index, shift_labels
+        self.token_loss = token_loss or shift_labels
+        """The loss is a mean negative log-likelihood per token (a causal or masked LM): validation
+        logs its perplexity."""
         self._last: Any = None  # the last batch run: its first row stands in for an empty one
 
     @classmethod

@@ -91,7 +91,7 @@ def drop_rows_after(path: Path, step: int) -> None:
     write_text_atomic(path, "".join(kept))
 
 
-def train_row(result: Any, counters: Any, lr: float, samples_per_s: float, scores: Any = None) -> dict[str, Any]:
+def train_row(result: Any, counters: Any, lr: float, rates: dict[str, float], scores: Any = None) -> dict[str, Any]:
     """The ``metrics.jsonl`` row of a logged step (a ``StepResult``; ``counters``: a ``RunCounters``).
     Reads the loss on the host when the guard did not, and computes ``scores`` (a ``MetricSet``:
     on every rank at the same steps, since torchmetrics syncs here)."""
@@ -109,24 +109,27 @@ def train_row(result: Any, counters: Any, lr: float, samples_per_s: float, score
         "lr": lr,
         "grad_norm": grad_norm,
         "samples": counters.samples,
-        "samples_per_s": samples_per_s,
+        **rates,
         **metrics,
     }
 
 
 class Throughput:
-    """Samples per second since the last ``rate()`` (the window of one log row), from the run's
-    running sample count (nothing to add per step)."""
+    """Samples (and tokens, for token batches) per second since the last ``rates()`` (the window
+    of one log row), from the run's running counts (nothing to add per step)."""
 
-    def __init__(self, samples: int = 0) -> None:
-        self.samples, self.start = samples, time.perf_counter()
+    def __init__(self, counters: Any) -> None:
+        self.samples, self.tokens, self.start = counters.samples, counters.tokens, time.perf_counter()
 
-    def rate(self, samples: int) -> float:
-        """``samples``: the run's count now."""
+    def rates(self, counters: Any) -> dict[str, float]:
+        """``samples_per_s``, and ``tokens_per_s`` once the run has counted tokens."""
         now = time.perf_counter()
-        rate = (samples - self.samples) / max(now - self.start, 1e-9)
-        self.samples, self.start = samples, now
-        return rate
+        elapsed = max(now - self.start, 1e-9)
+        rates = {"samples_per_s": (counters.samples - self.samples) / elapsed}
+        if counters.tokens:
+            rates["tokens_per_s"] = (counters.tokens - self.tokens) / elapsed
+        self.samples, self.tokens, self.start = counters.samples, counters.tokens, now
+        return rates
 
 
 class Progress:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torchkeel.batch import num_samples, split_batch
+from torchkeel.batch import num_samples, num_tokens, split_batch
 from torchkeel.distributed.agree import read_finite
 from torchkeel.distributed.parallel import GradSync, empty_like_batch
 from torchkeel.errors import SampleTooLarge
@@ -55,6 +55,8 @@ class StepResult:
     """Global gradient norm before clipping, of the unscaled gradients."""
     num_samples: int
     num_micro_batches: int
+    num_tokens: int = 0
+    """Token positions of the step's ``input_ids`` (the job's under torchrun; 0: not token batches)."""
     status: str = "ok"
     """``ok`` (applied), ``nonfinite`` (skipped: NaN/Inf loss or gradients), ``overflow``
     (fp16: the GradScaler skipped it and lowered its scale)."""
@@ -195,6 +197,7 @@ def train_step(
         loss=loss_sum,
         grad_norm=grad_norm,
         num_samples=sum(sizes) if sync is None else sync.samples,
+        num_tokens=sum(map(num_tokens, group)) if sync is None else sync.tokens,
         num_micro_batches=len(group),
         status=status,
         loss_value=loss_value,
@@ -247,9 +250,10 @@ def _synced(
         proposal = sync.batch_size if micro_batch_size is None else micro_batch_size
     # Host sync, the one per step (the guard reads the values it gives without another).
     flags = list(agree()) if agree is not None else []
-    rows = sync.gather([sums.loss, sums.count, float(oom), proposal, sum(sizes), *map(float, flags)]).tolist()
-    losses, counts, ooms, proposals, samples, *per_flag = zip(*rows)
-    sync.samples = int(sum(samples))
+    tokens = sum(map(num_tokens, group))
+    rows = sync.gather([sums.loss, sums.count, float(oom), proposal, sum(sizes), tokens, *map(float, flags)]).tolist()
+    losses, counts, ooms, proposals, samples, job_tokens, *per_flag = zip(*rows)
+    sync.samples, sync.tokens = int(sum(samples)), int(sum(job_tokens))
     agreed = [any(values) for values in per_flag]
     if any(ooms):
         failed = [rank for rank, flag in enumerate(ooms) if flag]

@@ -154,7 +154,7 @@ class Trainer:
 
     def _train(self) -> None:
         train, c = self.config.train, self.counters
-        throughput = Throughput(c.samples)
+        throughput = Throughput(c)
         self.protections.take_snapshot(c.step)
         if self.stopper is not None and self.stopper.stop_reason:
             return  # resumed from the checkpoint where it stopped early: nothing left to do
@@ -177,7 +177,7 @@ class Trainer:
                 with self.job.watch_step(c.step + 1):
                     result = self._step(group)
                 c.step, c.batch_in_epoch = c.step + 1, c.batch_in_epoch + len(group)
-                c.samples += result.num_samples
+                c.samples, c.tokens = c.samples + result.num_samples, c.tokens + result.num_tokens
                 if self.ema is not None and result.status == "ok":  # a skipped step is not averaged in
                     self.ema.update(c.step)
                 self.files.console.advance(1)
@@ -189,7 +189,7 @@ class Trainer:
                     self.files.record(c.step, found)
                 c.micro_batch_size = result.micro_batch_size  # under torchrun the smallest that fit on any rank
                 if is_log:
-                    self.files.log(train_row(result, c, lr, throughput.rate(c.samples), self.train_scores))
+                    self.files.log(train_row(result, c, lr, throughput.rates(c), self.train_scores))
                 if train.val_every and c.step % train.val_every == 0:
                     self._validate()
                     if self._after_validation(at_epoch_end=at_epoch_end):

@@ -35,7 +35,7 @@ def evaluate(
     Dropout and batch-norm updates are off during the pass; the model's previous mode is
     restored after. Returns ``{"val_loss": ..., "val_accuracy": ...}`` (accuracy only for
     classification: integer targets of shape ``[batch]`` and outputs of shape ``[batch, classes]``;
-    ``val_perplexity``, ``exp(val_loss)``, for a next-token model: the objective's ``shift_labels``;
+    ``val_perplexity``, ``exp(val_loss)``, for a causal or masked LM (the objective's ``token_loss``);
     a token mean with ``loss.count_key: labels``).
     The values are read back to the host once, at the end. ``across_ranks``: each rank saw its
     own share of the set; sums and counts are added over the ranks (one all-reduce), so the
@@ -96,7 +96,7 @@ def evaluate(
     if total == 0:
         return {}
     result = {"val_loss": values[0] / total}
-    if objective.shift_labels:  # a next-token model: its loss is a mean negative log-likelihood per token
+    if objective.token_loss:  # a causal or masked LM: its loss is a mean negative log-likelihood per token
         result["val_perplexity"] = math.exp(min(result["val_loss"], MAX_LOG_PERPLEXITY))
     result.update({f"val_{name}": value / total for name, value in zip(names, values[5:])})
     if values[4] == 0 and samples:

@@ -30,6 +30,7 @@ import numpy as np
 
 from torchkeel.data.order import Unit
 from torchkeel.data.sources import Bad, Rows, Sample, expand_paths, files_fingerprint, stat_files
+from torchkeel.data.sources.masking import Masking
 from torchkeel.data.sources.tokenizer import (
     TOKENIZER_FILES,
     ByteTokenizer,
@@ -95,6 +96,7 @@ class TextSource:
         chunk_bytes: int = 1 << 20,
         key: str = "data.train",
         cache_dir: str | Path | None = None,
+        mlm_probability: float | None = None,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"data.block_size must be >= 1, got {block_size}")
@@ -104,6 +106,9 @@ class TextSource:
         self.spec = tokenizer_spec(tokenizer)
         tok = load_tokenizer(self.spec)
         self.eos_id, self.vocab_size = tok.eos_id, tok.vocab_size
+        self.masking = Masking.of(mlm_probability, tok) if mlm_probability is not None else None
+        if self.masking is not None:
+            self.vocab_size = max(self.vocab_size, self.masking.vocab_size)
         self.block_size, self.pack, self.text_key = block_size, pack, text_key
         self._chunks = [c for path in self.paths for c in _chunks(path, chunk_bytes)]
         self.file_stats = stat_files(self.paths)
@@ -170,7 +175,6 @@ class TextSource:
     def read(
         self, unit: int, first: int, rng: np.random.Generator | None, *, as_samples: bool
     ) -> Iterator[Rows | Sample | Bad]:
-        import torch
 
         chunk = self._chunks[unit]
         documents, bad, _ = chunk_documents(chunk, self.text_key)
@@ -187,16 +191,27 @@ class TextSource:
                 "keep the training files unchanged during a run, or start a new one"
             )
         order = rng.permutation(n) if rng is not None else np.arange(n)
+        mask_seed = int(rng.integers(2**63)) if rng is not None else unit  # new masks each epoch
         positions = np.arange(first, n)
         rows = order[first:]
         if isinstance(samples, np.ndarray) and not as_samples:
             if rows.size:
-                blocks = torch.from_numpy(samples[rows])
-                yield Rows({"input_ids": blocks, "labels": blocks.clone()}, positions + 1, rows)
+                yield Rows(self._sample(samples[rows], rows, mask_seed), positions + 1, rows)
             return
         for pos, row in zip(positions.tolist(), rows.tolist()):
-            ids = torch.from_numpy(np.array(samples[row]))
-            yield Sample({"input_ids": ids, "labels": ids.clone()}, pos + 1, self.where(unit, row))
+            yield Sample(
+                self._sample(np.array(samples[row]), np.array([row]), mask_seed), pos + 1, self.where(unit, row)
+            )
+
+    def _sample(self, ids: np.ndarray, rows: np.ndarray, mask_seed: int) -> dict[str, Any]:
+        """``{input_ids, labels}``: the same ids (a causal LM shifts them), or masked (``data.mlm_probability``)."""
+        import torch
+
+        if self.masking is None:
+            tensor = torch.from_numpy(ids)
+            return {"input_ids": tensor, "labels": tensor.clone()}
+        inputs, labels = self.masking.apply(ids, rows, mask_seed)
+        return {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels)}
 
 
 def chunk_documents(chunk: Chunk, text_key: str) -> tuple[list[tuple[str, bool]], list[tuple[int, str]], int]:

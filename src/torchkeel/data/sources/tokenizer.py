@@ -36,6 +36,11 @@ class ByteTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
 
+    def decode(self, ids: Any) -> str:
+        """The text of ``ids``: their bytes as UTF-8 (an incomplete character as U+FFFD), the
+        end-of-text token left out."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
 
 class FileTokenizer:
     """A ``tokenizers`` tokenizer from a ``tokenizer.json`` (a file, or a directory written by
@@ -63,6 +68,9 @@ class FileTokenizer:
         # One text at a time: ``encode_batch`` starts the library's thread pool, which a later
         # fork of DataLoader workers would have to switch off (with a warning).
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def decode(self, ids: Any) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
 def tokenizer_spec(value: Any, key: str = "data.tokenizer") -> TokenizerSpec:

@@ -1,0 +1,313 @@
+"""Text in, text out, for a language model's export: Triton/KServe's generate extension
+(``/v2/models/{m}/generate`` and ``generate_stream``, server-sent events) and OpenAI's
+``/v1/completions`` (streamed with ``stream: true``). Parsing is here; decoding is the model's
+``GenerationEngine``. Every client mistake is a 4xx naming the field."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from torchkeel.lm.sampling import GenerationError, SamplingParams
+from torchkeel.serve.generation import GenerationEngine, GenerationRequest
+from torchkeel.serve.model import ServedModel
+from torchkeel.serve.repository import ModelRepository
+from torchkeel.serve.tensors import ProtocolError
+
+V2_PARAMETERS = {"max_tokens": 64, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None, "stop": None}
+"""The generate extension's ``parameters`` and their defaults."""
+OPENAI_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "echo",
+                 "logprobs", "suffix", "best_of", "presence_penalty", "frequency_penalty", "logit_bias", "user",
+                 "stream_options"}  # fmt: skip
+MAX_N = 16
+MAX_STOPS = 4
+
+
+def generation_routes(repository: ModelRepository, read_body: Callable[[Request], Awaitable[bytes]]) -> list[Route]:
+    """The routes of text generation, served by ``repository``'s language models."""
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        raw = await read_body(request)
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ProtocolError(400, f"the body is not JSON ({exc}); send a JSON object") from None
+        if not isinstance(body, dict):
+            raise ProtocolError(400, f"the body must be a JSON object, got {type(body).__name__}")
+        return body
+
+    def engine_of(model: ServedModel) -> GenerationEngine:
+        if model.generation is None:
+            raise ProtocolError(
+                400,
+                f"model '{model.name}' is not a language model with a tokenizer (its model.json records "
+                "no task causal-lm and tokenizer); use /v2/models/{name}/infer",
+            )
+        if not model.ready:
+            raise ProtocolError(503, f"model '{model.name}' is not ready", {"Retry-After": "1"})
+        return model.generation
+
+    async def v2_generate(request: Request) -> Response:
+        model = repository.get(request.path_params["name"], request.path_params.get("version"))
+        streaming = request.url.path.endswith("_stream")
+
+        async def handle() -> Response:
+            engine = engine_of(model)
+            body = await body_of(request)
+            prompt, params = _v2_request(body, engine)
+            submitted = engine.submit(prompt, params)
+            head = {"model_name": model.name, "model_version": model.version}
+            if not streaming:
+                [row] = await submitted.finished()
+                return JSONResponse({**head, "text_output": row.text, "finish_reason": row.finish_reason})
+
+            async def events() -> AsyncIterator[str]:
+                async for updates in _guarded(submitted):
+                    if isinstance(updates, str):
+                        yield _sse({"error": updates})
+                        return
+                    for u in updates:
+                        if u.text or u.finish_reason:
+                            yield _sse({**head, "text_output": u.text, "finish_reason": u.finish_reason})
+
+            return _stream(events(), [submitted])
+
+        return await model.counted("generate", handle)
+
+    async def completions(request: Request) -> Response:
+        body = await body_of(request)
+        name = body.get("model")
+        if not isinstance(name, str) or not name:
+            raise _openai_error(400, "model is required: the name of a served model", "model")
+        try:
+            model = repository.get(name)
+        except ProtocolError as exc:
+            raise _openai_error(404, str(exc), "model", "model_not_found") from None
+
+        async def handle() -> Response:
+            try:
+                engine = engine_of(model)
+                prompts, params, n, options = _openai_request(body, engine)
+            except ProtocolError as exc:
+                raise _openai_error(exc.status, str(exc), exc.param) from None
+            requests = [engine.submit(prompt, params, n) for prompt in prompts]
+            head = {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": model.name,
+            }
+            echo = [engine.tokenizer.decode(p) if options["echo"] else "" for p in prompts]
+            if not options["stream"]:
+                choices = []
+                for p, submitted in enumerate(requests):
+                    for row in await submitted.finished():
+                        text = echo[p] + row.text
+                        choices.append(
+                            {"index": len(choices), "text": text, "logprobs": None, "finish_reason": row.finish_reason}
+                        )
+                return JSONResponse({**head, "choices": choices, "usage": _usage(requests)})
+
+            async def events() -> AsyncIterator[str]:
+                for p, submitted in enumerate(requests):
+                    if echo[p]:
+                        for r in range(n):
+                            yield _sse({**head, "choices": [_choice(p * n + r, echo[p], None)]})
+                    async for updates in _guarded(submitted):
+                        if isinstance(updates, str):
+                            yield _sse(
+                                {"error": {"message": updates, "type": "server_error", "param": None, "code": None}}
+                            )
+                            return
+                        for u in updates:
+                            if u.text or u.finish_reason:
+                                yield _sse({**head, "choices": [_choice(p * n + u.index, u.text, u.finish_reason)]})
+                if options["include_usage"]:
+                    yield _sse({**head, "choices": [], "usage": _usage(requests)})
+                yield "data: [DONE]\n\n"
+
+            return _stream(events(), requests)
+
+        return await model.counted("openai", handle)
+
+    async def chat(request: Request) -> Response:
+        raise _openai_error(
+            404,
+            "/v1/chat/completions needs a chat template, and a model trained here carries none; "
+            "send the text as prompt to /v1/completions",
+            None,
+            "not_found",
+        )
+
+    return [
+        Route("/v2/models/{name}/generate", v2_generate, methods=["POST"]),
+        Route("/v2/models/{name}/generate_stream", v2_generate, methods=["POST"]),
+        Route("/v2/models/{name}/versions/{version}/generate", v2_generate, methods=["POST"]),
+        Route("/v2/models/{name}/versions/{version}/generate_stream", v2_generate, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+    ]
+
+
+def _v2_request(body: dict[str, Any], engine: GenerationEngine) -> tuple[list[int], SamplingParams]:
+    unknown = sorted(set(body) - {"text_input", "parameters", "id", "stream"})
+    if unknown:
+        raise ProtocolError(400, f"unknown fields {unknown}; send text_input and parameters")
+    text = body.get("text_input")
+    if not isinstance(text, str):
+        raise ProtocolError(400, f"text_input must be a string, got {type(text).__name__}")
+    given = body.get("parameters", {})
+    if not isinstance(given, dict):
+        raise ProtocolError(400, f"parameters must be an object, got {type(given).__name__}")
+    unknown = sorted(set(given) - set(V2_PARAMETERS))
+    if unknown:
+        raise ProtocolError(400, f"parameters has no {unknown}; it takes {sorted(V2_PARAMETERS)}")
+    values = {**V2_PARAMETERS, **given}
+    names = {k: f"parameters.{k}" for k in ("temperature", "top_k", "top_p", "seed", "stop")}
+    names.update(max_new_tokens="parameters.max_tokens", prompt="text_input")
+    prompt = [int(i) for i in engine.tokenizer.encode(text)]
+    return prompt, _params(values, values["max_tokens"], len(prompt), engine, names)
+
+
+def _openai_request(
+    body: dict[str, Any], engine: GenerationEngine
+) -> tuple[list[list[int]], SamplingParams, int, dict[str, Any]]:
+    unknown = sorted(set(body) - OPENAI_FIELDS)
+    if unknown:
+        raise _param_error(f"unrecognized request arguments {unknown}", unknown[0])
+    for key, allowed in (("logprobs", (None,)), ("suffix", (None,)), ("presence_penalty", (None, 0)),
+                         ("frequency_penalty", (None, 0)), ("logit_bias", (None, {}))):  # fmt: skip
+        if body.get(key) not in allowed:
+            raise _param_error(f"{key} is not supported by this server; leave it out", key)
+    n = body.get("n", 1) if body.get("n") is not None else 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise _param_error(f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
+    if body.get("best_of") not in (None, n):
+        raise _param_error("best_of is not supported (other than equal to n); leave it out", "best_of")
+    flags = {}
+    for key in ("stream", "echo"):
+        value = body.get(key, False)
+        if value is not None and not isinstance(value, bool):
+            raise _param_error(f"{key} must be true or false, got {value!r}", key)
+        flags[key] = bool(value)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise _param_error("stream_options must be an object", "stream_options")
+    flags["include_usage"] = bool(options.get("include_usage"))
+    prompts = [_prompt_ids(p, engine, "prompt" if len(_prompt_list(body.get("prompt"))) == 1 else f"prompt[{i}]")
+               for i, p in enumerate(_prompt_list(body.get("prompt")))]  # fmt: skip
+    values = {k: body.get(k) for k in ("temperature", "top_p", "seed", "stop")}
+    values = {k: v for k, v in values.items() if v is not None}
+    max_tokens = body.get("max_tokens") if body.get("max_tokens") is not None else 16
+    params = None
+    for ids in prompts:
+        params = _params(
+            {"temperature": 1.0, "top_p": 1.0, **values}, max_tokens, len(ids), engine, {"max_new_tokens": "max_tokens"}
+        )
+    assert params is not None
+    return prompts, params, n, flags
+
+
+def _prompt_list(prompt: Any) -> list[Any]:
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(i) for i in prompt)):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        return prompt
+    raise _param_error("prompt must be a string, a list of strings, or token ids (a list of integers)", "prompt")
+
+
+def _prompt_ids(prompt: Any, engine: GenerationEngine, where: str) -> list[int]:
+    if isinstance(prompt, str):
+        return [int(i) for i in engine.tokenizer.encode(prompt)]
+    if isinstance(prompt, list) and all(_is_int(i) for i in prompt):
+        vocab = engine.tokenizer.vocab_size
+        bad = [i for i in prompt if not 0 <= i < vocab]
+        if bad:
+            raise _param_error(
+                f"{where} holds token id {bad[0]}, outside [0, {vocab - 1}] (the model's vocabulary)", "prompt"
+            )
+        return list(prompt)
+    raise _param_error(f"{where} must be a string or a list of token ids", "prompt")
+
+
+def _params(
+    values: dict[str, Any], max_tokens: Any, prompt_tokens: int, engine: GenerationEngine, names: dict[str, str]
+) -> SamplingParams:
+    stop = values.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS:
+        raise _param_error(
+            f"{names.get('stop', 'stop')} must be a string or a list of at most {MAX_STOPS} strings", "stop"
+        )
+    params = SamplingParams(
+        max_tokens,
+        values.get("temperature", 1.0),
+        values.get("top_k", 0),
+        values.get("top_p", 1.0),
+        values.get("seed"),
+        tuple(stops),
+    )
+    try:
+        return params.checked(prompt_tokens, engine.max_length, names)
+    except GenerationError as exc:
+        raise _param_error(str(exc), exc.field) from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _param_error(message: str, param: str | None) -> ProtocolError:
+    return ProtocolError(400, message, param=param)
+
+
+def _openai_error(status: int, message: str, param: str | None, code: str | None = None) -> ProtocolError:
+    """An error in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return ProtocolError(status, message, param=param, body=body)
+
+
+def _usage(requests: list[GenerationRequest]) -> dict[str, int]:
+    prompt = sum(r.prompt_tokens for r in requests)
+    completion = sum(r.completion_tokens for r in requests)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def _guarded(request: GenerationRequest) -> AsyncIterator[Any]:
+    """The request's updates; the model's failure mid-stream as its message (the status is sent)."""
+    try:
+        async for updates in request.updates():
+            yield updates
+    except Exception as exc:  # noqa: BLE001 - the headers are gone: the error travels as an event
+        yield f"model execution failed: {type(exc).__name__}: {exc}"
+
+
+def _stream(events: AsyncIterator[str], requests: list[GenerationRequest]) -> StreamingResponse:
+    """Server-sent events; a client that goes away abandons every request of the stream."""
+
+    async def watched() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            for request in requests:
+                request.abandoned = True
+
+    return StreamingResponse(watched(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,98 @@
+"""A language model after training, as a user takes it: sample from the run with ``keel
+generate``, export it (``--format hf`` for transformers' tools, ONNX for the server) with its
+tokenizer, and get the same text from each."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from keelproc import run_keel  # noqa: E402
+from lmruns import GPT2, LLAMA, PROMPT, corpus, train_lm, trained_tokenizer  # noqa: E402
+
+from torchkeel.export import export_run  # noqa: E402
+from torchkeel.export.export import export_pretrained  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lm")
+    text = corpus(out)
+    tokenizer = trained_tokenizer(text, out / "tokenizer")
+    gpt2 = train_lm(out, "gpt2-bpe", GPT2 % 384, f"data.tokenizer={tokenizer}")
+    llama = train_lm(out, "llama-docs", LLAMA, "data.pack=false", "data.collate=pad", steps=8)
+    return out, tokenizer, gpt2, llama
+
+
+def generated(source, *args: str, cwd) -> str:
+    done = run_keel("generate", str(source), "--prompt", PROMPT, *args, cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_the_run_and_its_exports_generate_the_same_greedy_text_as_transformers(runs):
+    out, tokenizer, gpt2, _ = runs
+    hf = export_pretrained(gpt2)
+    export_run(gpt2, "onnx")
+    args = ("--temperature", "0", "--max-new-tokens", "24")
+    texts = {where: generated(where, *args, cwd=out) for where in (gpt2, hf, gpt2 / "export-onnx")}
+    assert len(set(texts.values())) == 1, texts
+    assert texts[gpt2].startswith(PROMPT) and len(texts[gpt2]) > len(PROMPT) + 5
+
+    ids = transformers.AutoTokenizer.from_pretrained(hf)(PROMPT, return_tensors="pt")["input_ids"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    greedy = model.generate(ids, do_sample=False, max_new_tokens=24)[0]
+    assert texts[gpt2] == transformers.AutoTokenizer.from_pretrained(hf).decode(greedy, skip_special_tokens=True) + "\n"
+
+
+def test_the_hf_export_carries_the_training_tokenizer_and_pipeline_continues_a_prompt(runs):
+    from tokenizers import Tokenizer
+
+    out, tokenizer, gpt2, _ = runs
+    hf = export_pretrained(gpt2, out / "hf-export")
+    loaded = transformers.AutoTokenizer.from_pretrained(hf)
+    trained = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    sample = (out / "text" / "val" / "bisect.txt").read_text()[:2000]
+    assert loaded(sample)["input_ids"] == trained.encode(sample).ids
+    assert loaded.eos_token == "<|endoftext|>" and loaded.model_max_length == 64
+    pipe = transformers.pipeline("text-generation", model=str(hf))
+    [answer] = pipe(PROMPT, max_new_tokens=12, do_sample=False)
+    assert answer["generated_text"].startswith(PROMPT) and len(answer["generated_text"]) > len(PROMPT)
+    [default] = pipe(PROMPT)  # the pipeline's own length stays within the model's 64 positions
+    assert default["generated_text"].startswith(PROMPT)
+
+
+def test_an_unpacked_llama_run_exports_with_every_sequence_axis_dynamic_and_its_byte_tokenizer(runs):
+    out, _, _, llama = runs
+    meta = export_run(llama, "onnx")
+    inputs = {t["name"]: t for t in meta["inputs"]}
+    assert set(inputs) == {"input_ids", "attention_mask"}
+    assert all(t["dims"] == ["batch", "length"] and t["max_shape"] == [-1, 64] for t in inputs.values())
+    checked = [r["shapes"] for r in meta["parity"]["results"] if "shapes" in r]
+    assert any(s["input_ids"] == s["attention_mask"] and s["input_ids"][1] < 32 for s in checked), checked
+    assert meta["parity"]["passed"] and meta["max_length"] == 64 and meta["task"] == "causal-lm"
+    assert meta["tokenizer"]["kind"] == "byte"
+    text = generated(llama / "export-onnx", "--temperature", "0", "--max-new-tokens", "5", cwd=out)
+    assert text == generated(llama, "--temperature", "0", "--max-new-tokens", "5", cwd=out)
+
+
+def test_sampling_from_the_cli_repeats_with_a_seed_and_mistakes_exit_2(runs):
+    out, _, gpt2, _ = runs
+    args = ("--temperature", "0.9", "--top-p", "0.9", "--seed", "3", "--num-return-sequences", "2")
+    first = generated(gpt2, *args, cwd=out)
+    assert first == generated(gpt2, *args, cwd=out) and first.count("--- ") == 2
+    too_long = run_keel("generate", str(gpt2), "--prompt", PROMPT, "--max-new-tokens", "80", cwd=out)
+    assert too_long.returncode == 2 and "max_new_tokens is too large" in too_long.stderr
+    assert "Traceback" not in too_long.stderr and len(too_long.stderr.strip().splitlines()) == 1
+    bad = run_keel("generate", str(gpt2), "--prompt", PROMPT, "--top-p", "0", cwd=out)
+    assert bad.returncode == 2 and "top_p must be in (0, 1]" in bad.stderr
+
+
+def test_model_json_of_an_lm_export_references_its_tokenizer(runs):
+    _, _, gpt2, _ = runs
+    meta = json.loads((gpt2 / "export-onnx" / "model.json").read_text())
+    assert meta["tokenizer"]["file"] == "tokenizer.json" and (gpt2 / "export-onnx" / "tokenizer.json").is_file()
+    assert meta["tokenizer"]["eos_token"] == "<|endoftext|>" and meta["tokenizer"]["vocab_size"] == 384

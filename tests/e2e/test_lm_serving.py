@@ -1,0 +1,248 @@
+"""``keel serve`` of a language model's export: text in and text out over Triton's generate
+extension and OpenAI's completions (the ``openai`` client, unchanged), the same text as ``keel
+generate``, requests decoded together, and every client mistake a 4xx naming the field."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+
+from keelproc import run_keel  # noqa: E402
+from lmruns import GPT2, PROMPT, corpus, train_lm, trained_tokenizer  # noqa: E402
+from serveproc import Server, metric  # noqa: E402
+
+from torchkeel.export import export_run  # noqa: E402
+
+NAME = "served-lm"
+PROMPTS = ["The function returns", "Return the", "import", "A list of", "If the", "x", "This module", "def"]
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lm-serve")
+    tokenizer = trained_tokenizer(corpus(out), out / "tokenizer")
+    run = train_lm(out, NAME, GPT2 % 384, f"data.tokenizer={tokenizer}")
+    export_run(run, "onnx")
+    return out, run
+
+
+@pytest.fixture(scope="module")
+def server(export):
+    server = Server(export[1] / "export-onnx")
+    yield server
+    assert server.stop() == 0
+
+
+def cli_text(export, prompt: str, tokens: int) -> str:
+    out, run = export
+    done = run_keel(
+        "generate", str(run), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", str(tokens), cwd=out
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout[len(prompt) : -1]
+
+
+def post(server, path: str, body) -> tuple[int, dict]:
+    status, raw, _ = server.request("POST", path, json.dumps(body) if not isinstance(body, str) else body)
+    return status, json.loads(raw)
+
+
+def client(server):
+    return openai.OpenAI(base_url=f"http://{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_every_protocol_gives_the_greedy_text_of_keel_generate(export, server):
+    expected = cli_text(export, PROMPT, 20)
+    assert expected
+    greedy = {"max_tokens": 20, "temperature": 0}
+    status, answer = post(server, f"/v2/models/{NAME}/generate", {"text_input": PROMPT, "parameters": greedy})
+    assert status == 200 and answer["text_output"] == expected and answer["model_name"] == NAME
+
+    status, raw, headers = server.request(
+        "POST", f"/v2/models/{NAME}/generate_stream", json.dumps({"text_input": PROMPT, "parameters": greedy})
+    )
+    events = [json.loads(line[len("data: ") :]) for line in raw.decode().split("\n\n") if line]
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert "".join(e["text_output"] for e in events) == expected and events[-1]["finish_reason"] == "length"
+
+    openai_client = client(server)
+    done = openai_client.completions.create(model=NAME, prompt=PROMPT, max_tokens=20, temperature=0)
+    assert done.choices[0].text == expected and done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == 20 and done.usage.prompt_tokens > 0
+    stream = openai_client.completions.create(model=NAME, prompt=PROMPT, max_tokens=20, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream) == expected
+
+
+def test_concurrent_requests_decode_together_and_each_gets_its_own_text(export, server):
+    alone = {p: cli_text(export, p, 16) for p in PROMPTS[:3]}
+    openai_client = client(server)
+
+    def ask(prompt: str) -> str:
+        return openai_client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, PROMPTS * 2))
+    assert answers[: len(PROMPTS)] == answers[len(PROMPTS) :]
+    assert {p: a for p, a in zip(PROMPTS, answers)}.items() >= alone.items()
+    several = openai_client.completions.create(model=NAME, prompt=PROMPTS[:2], max_tokens=16, temperature=0, n=2)
+    assert [c.text for c in several.choices] == [answers[0], answers[0], answers[1], answers[1]]
+
+
+def test_sampling_repeats_with_a_seed_over_http(server):
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 5}
+    first, again = post(server, "/v1/completions", body), post(server, "/v1/completions", body)
+    assert first[0] == 200 and first[1]["choices"][0]["text"] == again[1]["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "says"),
+    [
+        ("/v2/models/{m}/generate", {"text_input": ""}, 400, "text_input is empty"),
+        (
+            "/v2/models/{m}/generate",
+            {"text_input": "x", "parameters": {"max_tokens": 64}},
+            400,
+            "parameters.max_tokens is too large",
+        ),
+        (
+            "/v2/models/{m}/generate",
+            {"text_input": "x", "parameters": {"temperature": -1}},
+            400,
+            "parameters.temperature must be >= 0",
+        ),
+        (
+            "/v2/models/{m}/generate",
+            {"text_input": "x", "parameters": {"top_p": 0}},
+            400,
+            "parameters.top_p must be in (0, 1]",
+        ),
+        ("/v2/models/{m}/generate", {"text_input": "x", "parameters": {"top_p": 1.5}}, 400, "parameters.top_p"),
+        (
+            "/v2/models/{m}/generate",
+            {"text_input": "x", "parameters": {"beams": 2}},
+            400,
+            "parameters has no ['beams']",
+        ),
+        ("/v2/models/{m}/generate", {"text_input": 5}, 400, "text_input must be a string"),
+        ("/v2/models/{m}/generate", "not json", 400, "not JSON"),
+        ("/v2/models/nope/generate", {"text_input": "x"}, 404, "unknown model 'nope'"),
+        ("/v1/completions", {"model": "{m}", "prompt": [1, 384]}, 400, "token id 384, outside [0, 383]"),
+        ("/v1/completions", {"model": "{m}", "prompt": "x", "max_tokens": 0}, 400, "max_tokens must be >= 1"),
+        ("/v1/completions", {"model": "{m}", "prompt": "x", "logprobs": 2}, 400, "logprobs is not supported"),
+        ("/v1/completions", {"model": "{m}", "prompt": "x", "n": 99}, 400, "n must be an integer in [1, 16]"),
+        ("/v1/completions", {"prompt": "x"}, 400, "model is required"),
+        ("/v1/chat/completions", {"model": "{m}", "messages": []}, 404, "chat template"),
+    ],
+)
+def test_client_mistakes_are_4xx_naming_the_field(server, path, body, status, says):
+    path = path.replace("{m}", NAME)
+    if isinstance(body, dict) and body.get("model") == "{m}":
+        body = {**body, "model": NAME}
+    got, answer = post(server, path, body)
+    message = answer["error"]["message"] if isinstance(answer["error"], dict) else answer["error"]
+    assert got == status and says in message, answer
+
+
+def test_tensor_requests_the_model_cannot_take_are_400_not_500(server):
+    def infer(shape, data):
+        tensor = {"name": "input_ids", "datatype": "INT64", "shape": shape, "data": data}
+        return post(server, f"/v2/models/{NAME}/infer", {"inputs": [tensor]})
+
+    status, answer = infer([1, 0], [])
+    assert status == 400 and "axis 1 is empty" in answer["error"]
+    status, answer = infer([1, 65], [1] * 65)
+    assert status == 400 and "at most 64" in answer["error"]
+    status, answer = infer([1, 3], [1, 2, 384])
+    assert status == 400 and "outside [0, 383]" in answer["error"]
+    assert infer([1, 64], [1] * 64)[0] == 200
+
+
+def test_the_openai_client_reads_errors_in_its_own_shape(server):
+    with pytest.raises(openai.NotFoundError, match="unknown model"):
+        client(server).completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="max_tokens is too large") as caught:
+        client(server).completions.create(model=NAME, prompt="x", max_tokens=500)
+    assert caught.value.body["param"] == "max_tokens"
+
+
+def test_generation_is_counted_in_prometheus(server):
+    before = metric(server, "torchkeel_generation_tokens_total", model=NAME)
+    first = metric(server, "torchkeel_time_to_first_token_seconds_count", model=NAME)
+    post(server, "/v1/completions", {"model": NAME, "prompt": PROMPT, "max_tokens": 7, "temperature": 0})
+    assert metric(server, "torchkeel_generation_tokens_total", model=NAME) == before + 7
+    assert metric(server, "torchkeel_time_to_first_token_seconds_count", model=NAME) == first + 1
+    assert metric(server, "torchkeel_time_per_output_token_seconds_count", model=NAME) >= 6
+    assert metric(server, "nv_inference_request_success", model=NAME) > 0
+
+
+class Gated:
+    """The model's decoder, one step per ``release``: what the engine does between steps is then
+    seen step by step."""
+
+    def __init__(self, decoder) -> None:
+        self.decoder, self.max_length = decoder, decoder.max_length
+        self.allowed = threading.Semaphore(0)
+
+    def start(self, prompts):
+        return self.decoder.start(prompts)
+
+    def step(self, tokens):
+        self.allowed.acquire()
+        return self.decoder.step(tokens)
+
+    def keep(self, rows):
+        self.decoder.keep(rows)
+
+
+def test_a_client_gone_mid_stream_frees_its_row(export):
+    import uvicorn
+    from serveproc import free_port
+
+    from torchkeel.serve.app import create_app
+    from torchkeel.serve.model import ServeOptions
+
+    app = create_app(export[1] / "export-onnx", ServeOptions(warmup_batch_sizes=()))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        engine = app.state.server.repository.models[NAME].generation
+        gated = Gated(engine.decoder)
+        engine.decoder = gated
+        rows = []
+        original = engine._deliver
+
+        def deliver(active, chosen):
+            rows.extend(row for _, row in active if row not in rows)
+            original(active, chosen)
+
+        engine._deliver = deliver
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        body = json.dumps({"text_input": PROMPT, "parameters": {"max_tokens": 50, "temperature": 0}})
+        conn.request("POST", f"/v2/models/{NAME}/generate_stream", body)
+        response = conn.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")  # the first token
+        conn.sock.shutdown(2)  # gone mid-stream, as a closed browser tab is
+        conn.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and rows[0].finish_reason != "abandoned":
+            gated.allowed.release()
+            time.sleep(0.05)
+        assert rows[0].finish_reason == "abandoned" and len(rows[0].tokens) < 50
+    finally:
+        for _ in range(60):
+            gated.allowed.release()
+        server.should_exit = True
+        thread.join(timeout=30)
