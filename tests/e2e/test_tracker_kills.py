@@ -37,6 +37,15 @@ logging:
 NOT_SCALARS = {"kind", "step", "epoch", "wall_s", "time"}
 
 
+def same(key: str, got: list[tuple[int, float]], want: list[tuple[int, float]]) -> bool:
+    """The tracker holds every row at its step. A kill during a save leaves it holding rows the
+    resumed run computes again (not sent twice): results are the same, bitwise; measurements
+    (throughput, memory) are the killed process's own, so for those only the steps must agree."""
+    if key.endswith("_per_s") or key.startswith("memory/"):
+        return [s for s, _ in got] == [s for s, _ in want]
+    return got == want
+
+
 def expected(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """``<kind>/<key>`` → every (step, value) of ``metrics.jsonl``, in step order."""
     out = collections.defaultdict(list)
@@ -91,16 +100,16 @@ def test_every_tracker_holds_metrics_jsonl_after_sigkills_and_resumes(tmp_path, 
     assert client.get_run(run_id).info.status == "FINISHED"
     for key, points in want.items():
         got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
-        assert got == points, f"MLflow's {key} differs from metrics.jsonl"
+        assert same(key, got, points), f"MLflow's {key} differs from metrics.jsonl"
 
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     for key, points in want.items():
         got = sorted((e.step, e.value) for e in events.Scalars(key))
         assert [s for s, _ in got] == [s for s, _ in points], f"TensorBoard's {key} steps differ"
-        assert [v for _, v in got] == pytest.approx([v for _, v in points], rel=1e-6), key
+        assert same(key, [(s, pytest.approx(v, rel=1e-6)) for s, v in got], points), key
 
     offline = Offline(run_dir)
     assert len(offline.files) == 3  # one per process, all of the same W&B run
     for key, points in want.items():
-        assert sorted(offline.history(key)) == points, f"W&B's {key} differs from metrics.jsonl"
+        assert same(key, sorted(offline.history(key)), points), f"W&B's {key} differs from metrics.jsonl"

@@ -2,12 +2,15 @@
 bytes and packed into blocks (a line that is not UTF-8 and a line that is not JSON among them),
 with the defaults (``num_workers: auto``) → ``keel train`` → SIGKILL mid-epoch → ``--resume
 auto`` → the uninterrupted run's weights, bit for bit → ``keel export`` (ONNX, parity, any
-sequence length) → ``keel serve`` → its answers equal the eager model's. The same under torchrun
+sequence length) → ``keel serve`` → its answers equal the eager model's → ``keel generate`` on the
+run, its ``--format hf`` and ONNX exports → the same greedy text over Triton's generate, its
+stream and the ``openai`` client, from both exports served. The same under torchrun
 with 2 ranks (train, kill, resume) is ``slow``."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +21,7 @@ from test_journeys import Journey, Served
 
 pytest.importorskip("transformers")  # in `all`, so in `make test`; an install without it skips only this
 
+PROMPT = "def dumps(obj"
 GPT2 = {
     "model_type": "gpt2",
     "n_layer": 2,
@@ -89,8 +93,37 @@ class TextJourney(Journey):
             expected = eager(input_ids=prompt).logits.numpy()
         with Served(self.root / "export-onnx", self.env()) as server:
             answer = server.v2(meta["name"], {"input_ids": prompt})
+            served = self.served_text(server, meta["name"])
         assert answer.shape == (2, prompt.shape[1], 257)
         assert np.abs(answer - expected).max() <= 1e-5
+        self.export(name, "hf", self.root / "export-hf")
+        with Served(self.root / "export-hf", self.env()) as server:  # decoded with its cache
+            served_hf = self.served_text(server, meta["name"])
+        sampled = {
+            where: self.generated(where)
+            for where in (self.run_dir(name), self.root / "export-hf", self.root / "export-onnx")
+        }
+        assert set(sampled.values()) == {PROMPT + served["generate"]}, sampled
+        assert served == served_hf and len(set(served.values())) == 1, (served, served_hf)
+
+    def generated(self, source: Path) -> str:
+        """``keel generate`` greedy, as a user samples from a run or an export."""
+        command = [sys.executable, "-m", "torchkeel.cli.main", "generate", str(source), "--prompt", PROMPT]
+        result = self.succeeds([*command, "--temperature", "0", "--max-new-tokens", "24"], "cache")
+        return result.stdout[:-1]
+
+    def served_text(self, server: Served, name: str) -> dict[str, str]:
+        """The greedy continuation over Triton's generate, its stream, and the openai client."""
+        import openai
+
+        greedy = {"max_tokens": 24, "temperature": 0}
+        out = {"generate": server.post(f"/v2/models/{name}/generate", {"text_input": PROMPT, "parameters": greedy})}
+        out["generate"] = out["generate"]["text_output"]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+        out["openai"] = client.completions.create(model=name, prompt=PROMPT, **greedy).choices[0].text
+        stream = client.completions.create(model=name, prompt=PROMPT, stream=True, **greedy)
+        out["openai stream"] = "".join(chunk.choices[0].text for chunk in stream)
+        return out
 
 
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"])

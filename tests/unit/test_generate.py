@@ -182,3 +182,28 @@ def test_the_byte_tokenizer_as_transformers_loads_it(tmp_path):
         "eos_id": 256,
         "vocab_size": 257,
     }
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_rows_that_join_the_cache_mid_way_decode_as_they_would_alone(kind):
+    model = model_of(kind)
+    decoder = CachedDecoder(model)
+    logits = decoder.start([[5, 6, 7, 8, 9, 10]])
+    first = [int(logits.argmax(-1)[0])]
+    for _ in range(3):
+        first.append(int(decoder.step(first[-1:]).argmax(-1)[0]))
+    assert decoder.can_join
+    joined = decoder.join([[40, 41]])
+    late = [int(joined.argmax(-1)[0])]
+    for _ in range(4):
+        both = decoder.step([first[-1], late[-1]]).argmax(-1).tolist()
+        first.append(both[0])
+        late.append(both[1])
+    alone = generate(
+        model,
+        ByteTokenizer(),
+        [bytes([5, 6, 7, 8, 9, 10]).decode(), bytes([40, 41]).decode()],
+        max_new_tokens=8,
+        temperature=0,
+    )
+    assert first == alone[0].tokens[:8] and late == alone[1].tokens[:5]

@@ -10,7 +10,7 @@ from typing import Any
 
 from torchkeel.errors import ConfigError
 from torchkeel.export.export import export_pretrained, export_run
-from torchkeel.export.formats import FILENAMES
+from torchkeel.export.formats import FILENAMES, read_model_json
 from torchkeel.export.parity import describe
 
 
@@ -42,7 +42,14 @@ def run(args: argparse.Namespace) -> int:
         sys.path.insert(0, os.getcwd())
     if args.format == "hf":
         out = export_pretrained(args.source, args.out)
-        print(f"wrote a save_pretrained directory (config.json, safetensors) to {out}")
+        served = (out / "model.json").is_file()
+        if served:
+            print(describe(read_model_json(out)["parity"]))
+        print(
+            "wrote a save_pretrained directory (config.json, safetensors"
+            + (", tokenizer, model.json for keel serve" if served else "")
+            + f") to {out}"
+        )
         return 0
     sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
     meta = export_run(

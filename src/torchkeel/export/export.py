@@ -100,17 +100,7 @@ def export_run(
         "name": config.name,
         "format": fmt,
         "file": artifact.name,
-        "inputs": [
-            {
-                "name": name,
-                "datatype": DATATYPES[tensor.dtype],
-                "shape": inputs.shape(name),
-                **({"dims": inputs.dims(name)} if inputs.dims(name) else {}),
-                **({"range": inputs.signature.ranges[name]} if name in inputs.signature.ranges else {}),
-                **({"max_shape": inputs.max_shape(name)} if inputs.max_shape(name) else {}),
-            }
-            for name, tensor in first.items()
-        ],
+        "inputs": _input_specs(inputs),
         "outputs": [
             {"name": output_name, "datatype": DATATYPES[output.dtype], "shape": inputs.output_shape(module, output)}
         ],
@@ -126,7 +116,7 @@ def export_run(
         "torch_version": torch.__version__,
     }
     spec = run_tokenizer_spec(config)
-    if spec is not None and _is_causal_lm(config, output):
+    if spec is not None and _is_causal_lm(config, output.dim()):
         meta["task"] = "causal-lm"
         meta["tokenizer"] = write_tokenizer(spec, out, inputs.max_length)
     write_json_atomic(out / "model.json", meta)
@@ -161,7 +151,9 @@ def trained_model(source: str | Path) -> TrainedModel:
 def export_pretrained(source: str | Path, out_dir: str | Path | None = None) -> Path:
     """Write a transformers model's trained weights back as a ``save_pretrained`` directory
     (``config.json`` and safetensors; default ``<run_dir>/export-hf``), which ``model.hf.path``,
-    transformers' ``from_pretrained`` and the tools built on it load. Returns the directory.
+    transformers' ``from_pretrained`` and the tools built on it load. A causal LM trained on
+    text gets its tokenizer files beside it, and a ``model.json`` (parity checked) with which
+    ``keel serve`` serves it, decoding with its key/value cache. Returns the directory.
 
     Raises:
         ConfigError: the run's model is not a transformers model (it has no ``save_pretrained``).
@@ -186,14 +178,65 @@ def export_pretrained(source: str | Path, out_dir: str | Path | None = None) -> 
         if generation is not None and positions is not None:
             generation.max_length = positions
     model.save_pretrained(out)
+    if spec is not None and _is_causal_lm(trained.config, output_dims=3):
+        _served_pretrained(trained, out, tokenizer)
     return out
 
 
-def _is_causal_lm(config: Any, output: torch.Tensor) -> bool:
-    """A next-token model: a transformers causal LM, or any model of per-position logits trained on text."""
+def _input_specs(inputs: Any) -> list[dict[str, Any]]:
+    """``model.json``'s inputs: name, datatype, shape (``-1``: dynamic), axis names, id range, most per axis."""
+    return [
+        {
+            "name": name,
+            "datatype": DATATYPES[tensor.dtype],
+            "shape": inputs.shape(name),
+            **({"dims": inputs.dims(name)} if inputs.dims(name) else {}),
+            **({"range": inputs.signature.ranges[name]} if name in inputs.signature.ranges else {}),
+            **({"max_shape": inputs.max_shape(name)} if inputs.max_shape(name) else {}),
+        }
+        for name, tensor in inputs.feeds[0].items()
+    ]
+
+
+def _served_pretrained(trained: TrainedModel, out: Path, tokenizer: dict[str, Any]) -> None:
+    """``model.json`` for ``keel serve`` of a ``--format hf`` causal LM: the directory is loaded
+    back with transformers and checked against the trained model like any export."""
+    inputs = run_inputs(trained.config, trained.model, limit=8)
+    module = ExportModule(trained.model, inputs.signature)
+    names, first = inputs.signature.names, inputs.feeds[0]
+    run = load_exported("hf", out / "config.json", names, "logits")
+    parity = check_parity(module, run, first, [1, 8], other_shapes=inputs.other_shapes(), output="logits")
+    with torch.inference_mode():
+        output = module(*(t[:1] for t in first.values()))
+    meta = {
+        "name": trained.config.name,
+        "format": "hf",
+        "file": "config.json",
+        "inputs": _input_specs(inputs),
+        "outputs": [
+            {"name": "logits", "datatype": DATATYPES[output.dtype], "shape": inputs.output_shape(module, output)}
+        ],
+        "max_batch_size": 8,
+        **({"max_length": inputs.max_length} if inputs.max_length is not None else {}),
+        "task": "causal-lm",
+        "tokenizer": tokenizer,
+        "parity": parity,
+        "checkpoint": str(trained.checkpoint.path),
+        "weights": trained.which,
+        "step": trained.checkpoint.step,
+        "torch_version": torch.__version__,
+    }
+    write_json_atomic(out / "model.json", meta)
+    if not parity["passed"]:
+        raise ParityError(f"{describe(parity)}; nothing was shipped as good (see {out / 'model.json'})")
+
+
+def _is_causal_lm(config: Any, output_dims: int) -> bool:
+    """A next-token model: a transformers causal LM, or any model of per-position logits (an
+    output of 3 dimensions) trained on text."""
     if config.model.hf is not None:
         return config.model.hf.task == "causal-lm"
-    return output.dim() == 3
+    return output_dims == 3
 
 
 def _resolve(source: Path):

@@ -89,6 +89,8 @@ def load_exported(
     def feed_of(batch: np.ndarray | Feed) -> Feed:
         return batch if isinstance(batch, dict) else {names[0]: batch}
 
+    if fmt == "hf":
+        return _pretrained_runner(path, names)
     if fmt == "onnx":
         ort = _require("onnxruntime", "running ONNX models")
         options = ort.SessionOptions()
@@ -102,6 +104,26 @@ def load_exported(
         with torch.inference_mode():
             return module(*(torch.from_numpy(np.ascontiguousarray(feed[name])) for name in names)).numpy()
 
+    return run
+
+
+def _pretrained_runner(path: Path, names: list[str]) -> Callable[[np.ndarray | Feed], np.ndarray]:
+    """A ``save_pretrained`` causal LM (``path``: its ``config.json``) as a runner of named inputs
+    → logits; the model rides along as ``run.model`` (generation uses its cache)."""
+    transformers = _require("transformers", "serving a --format hf export")
+    directory = path.parent if path.is_file() else path
+    fp32 = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, local_files_only=True, use_safetensors=True, trust_remote_code=False, **fp32
+    ).eval()
+
+    def run(batch: np.ndarray | Feed) -> np.ndarray:
+        feed = batch if isinstance(batch, dict) else {names[0]: batch}
+        tensors = {name: torch.from_numpy(np.ascontiguousarray(feed[name])) for name in names}
+        with torch.inference_mode():
+            return model(**tensors).logits.float().numpy()
+
+    run.model = model  # type: ignore[attr-defined]
     return run
 
 

@@ -35,10 +35,10 @@ def open_language_model(path: str | Path, tokenizer: str | None = None) -> Langu
         ConfigError: ``path`` holds no model, or the model has no tokenizer and none is given.
     """
     path = Path(path)
-    if (path / "model.json").is_file():
-        return _export(path, tokenizer)
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return _pretrained(path, tokenizer)
+    if (path / "model.json").is_file():
+        return _export(path, tokenizer)
     trained = trained_model(path)
     spec = run_tokenizer_spec(trained.config)
     found = given_tokenizer(tokenizer) if tokenizer else load_tokenizer(spec) if spec else None

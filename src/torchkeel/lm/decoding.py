@@ -109,6 +109,53 @@ class CachedDecoder:
         else:  # the legacy tuple of (key, value) per layer
             self._cache = tuple(tuple(t[index] for t in layer) for layer in self._cache)
 
+    @property
+    def can_join(self) -> bool:
+        """Whether rows can join mid-way: a cache of plain (not sliding-window) key/value tensors."""
+        layers = getattr(self._cache, "layers", None)
+        if self._cache is None or isinstance(self._cache, tuple):
+            return True
+        return layers is not None and all(
+            isinstance(getattr(layer, "keys", None), torch.Tensor) and not getattr(layer, "is_sliding", False)
+            for layer in layers
+        )
+
+    def join(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Take more rows mid-way (after the current ones): their prompts run on their own, then
+        both caches and masks are left-padded to one length and stacked; returns their logits."""
+        joining = CachedDecoder(self.model)
+        logits = joining.start(prompts)
+        length = max(self._mask.shape[1], joining._mask.shape[1])
+        self._mask = torch.cat([_left_pad(self._mask, length, 2), _left_pad(joining._mask, length, 2)])
+        mine, theirs = _key_values(self._cache), _key_values(joining._cache)
+        merged = [
+            tuple(torch.cat([_left_pad(a, length, 3), _left_pad(b, length, 3)]) for a, b in zip(pair, other))
+            for pair, other in zip(mine, theirs)
+        ]
+        if isinstance(self._cache, tuple):
+            self._cache = tuple(merged)
+        else:
+            for layer, (keys, values) in zip(self._cache.layers, merged):
+                layer.keys, layer.values = keys, values
+        return logits
+
+
+def _left_pad(tensor: torch.Tensor, length: int, rank: int) -> torch.Tensor:
+    """Zeros before the sequence axis (axis 1 of a mask, 2 of a ``[batch, heads, length, dim]`` cache)."""
+    axis = 1 if rank == 2 else 2
+    missing = length - tensor.shape[axis]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[axis] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=axis)
+
+
+def _key_values(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if isinstance(cache, tuple):
+        return [(layer[0], layer[1]) for layer in cache]
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
 
 class RecomputeDecoder:
     """Any model of token ids → logits ``[rows, length, vocab]`` without a cache (an ONNX or
@@ -153,6 +200,8 @@ class RecomputeDecoder:
 
     def keep(self, rows: list[int]) -> None:
         self._rows = [self._rows[r] for r in rows]
+
+    can_join = True
 
     def join(self, prompts: list[list[int]]) -> torch.Tensor:
         """Take more rows mid-way (after the current ones); returns the logits after their prompts."""

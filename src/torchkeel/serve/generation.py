@@ -131,7 +131,7 @@ class GenerationEngine:
                 return taken if taken or not block else _STOP
             if item.abandoned:
                 continue
-            if rows + len(item.rows) > room or (not block and not hasattr(self.decoder, "join")):
+            if rows + len(item.rows) > room or (not block and not getattr(self.decoder, "can_join", False)):
                 self._waiting.append(item)
                 if not block:
                     return taken

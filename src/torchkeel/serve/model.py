@@ -25,7 +25,7 @@ import numpy as np
 from torchkeel.data.images import MAX_PIXELS, ImageError, ImagePreprocess
 from torchkeel.errors import ConfigError
 from torchkeel.export.formats import load_exported, read_model_json
-from torchkeel.lm.decoding import RecomputeDecoder
+from torchkeel.lm.decoding import CachedDecoder, RecomputeDecoder
 from torchkeel.lm.tokenizer import export_tokenizer
 from torchkeel.serve.batcher import (
     Batch,
@@ -42,7 +42,12 @@ from torchkeel.serve.tensors import DTYPES, ProtocolError
 
 VERSION = "1"
 IMAGE_INPUT = "image"
-PLATFORMS = {"torchscript": "pytorch_libtorch", "onnx": "onnxruntime_onnx", "torch-export": "pytorch_torch_export"}
+PLATFORMS = {
+    "torchscript": "pytorch_libtorch",
+    "onnx": "onnxruntime_onnx",
+    "torch-export": "pytorch_torch_export",
+    "hf": "pytorch_transformers",
+}
 T = TypeVar("T")
 
 
@@ -124,7 +129,12 @@ class ServedModel:
         names = [t.name for t in self.tensors]
         if tokenizer is None or "input_ids" not in names or not set(names) <= {"input_ids", "attention_mask"}:
             return None
-        decoder = RecomputeDecoder(self.run, names, self.meta.get("max_length"))
+        model = getattr(self.run, "model", None)  # a --format hf export: decoded with its cache
+        decoder = (
+            CachedDecoder(model)
+            if CachedDecoder.fits(model)
+            else RecomputeDecoder(self.run, names, self.meta.get("max_length"))
+        )
         return GenerationEngine(
             decoder,
             tokenizer,
