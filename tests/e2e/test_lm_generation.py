@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 from keelproc import run_keel  # noqa: E402
 from lmruns import GPT2, LLAMA, PROMPT, corpus, train_lm, trained_tokenizer  # noqa: E402
 
+from torchkeel.cli.main import main  # noqa: E402
 from torchkeel.export import export_run  # noqa: E402
 from torchkeel.export.export import export_pretrained  # noqa: E402
 
@@ -27,18 +28,29 @@ def runs(tmp_path_factory):
     return out, tokenizer, gpt2, llama
 
 
-def generated(source, *args: str, cwd) -> str:
-    done = run_keel("generate", str(source), "--prompt", PROMPT, *args, cwd=cwd)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+def keel(capsys, *argv: str) -> tuple[int, str, str]:
+    """``keel ARGV`` in this process (a subprocess pays seconds of imports per call): exit code, stdout, stderr."""
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_the_run_and_its_exports_generate_the_same_greedy_text_as_transformers(runs):
+def generated(capsys, source, *args: str) -> str:
+    code, out, err = keel(capsys, "generate", str(source), "--prompt", PROMPT, *args)
+    assert code == 0, err
+    return out
+
+
+def test_the_run_and_its_exports_generate_the_same_greedy_text_as_transformers(runs, capsys):
     out, tokenizer, gpt2, _ = runs
     hf = export_pretrained(gpt2)
     export_run(gpt2, "onnx")
     args = ("--temperature", "0", "--max-new-tokens", "24")
-    texts = {where: generated(where, *args, cwd=out) for where in (gpt2, hf, gpt2 / "export-onnx")}
+    texts = {where: generated(capsys, where, *args) for where in (hf, gpt2 / "export-onnx")}
+    done = run_keel("generate", str(gpt2), "--prompt", PROMPT, *args, cwd=out)  # as a user runs it
+    assert done.returncode == 0, done.stderr
+    texts[gpt2] = done.stdout
     assert len(set(texts.values())) == 1, texts
     assert texts[gpt2].startswith(PROMPT) and len(texts[gpt2]) > len(PROMPT) + 5
 
@@ -65,7 +77,7 @@ def test_the_hf_export_carries_the_training_tokenizer_and_pipeline_continues_a_p
     assert default["generated_text"].startswith(PROMPT)
 
 
-def test_an_unpacked_llama_run_exports_with_every_sequence_axis_dynamic_and_its_byte_tokenizer(runs):
+def test_an_unpacked_llama_run_exports_with_every_sequence_axis_dynamic_and_its_byte_tokenizer(runs, capsys):
     out, _, _, llama = runs
     meta = export_run(llama, "onnx")
     inputs = {t["name"]: t for t in meta["inputs"]}
@@ -75,20 +87,20 @@ def test_an_unpacked_llama_run_exports_with_every_sequence_axis_dynamic_and_its_
     assert any(s["input_ids"] == s["attention_mask"] and s["input_ids"][1] < 32 for s in checked), checked
     assert meta["parity"]["passed"] and meta["max_length"] == 64 and meta["task"] == "causal-lm"
     assert meta["tokenizer"]["kind"] == "byte"
-    text = generated(llama / "export-onnx", "--temperature", "0", "--max-new-tokens", "5", cwd=out)
-    assert text == generated(llama, "--temperature", "0", "--max-new-tokens", "5", cwd=out)
+    text = generated(capsys, llama / "export-onnx", "--temperature", "0", "--max-new-tokens", "5")
+    assert text == generated(capsys, llama, "--temperature", "0", "--max-new-tokens", "5")
 
 
-def test_sampling_from_the_cli_repeats_with_a_seed_and_mistakes_exit_2(runs):
+def test_sampling_from_the_cli_repeats_with_a_seed_and_mistakes_exit_2(runs, capsys):
     out, _, gpt2, _ = runs
     args = ("--temperature", "0.9", "--top-p", "0.9", "--seed", "3", "--num-return-sequences", "2")
-    first = generated(gpt2, *args, cwd=out)
-    assert first == generated(gpt2, *args, cwd=out) and first.count("--- ") == 2
-    too_long = run_keel("generate", str(gpt2), "--prompt", PROMPT, "--max-new-tokens", "80", cwd=out)
-    assert too_long.returncode == 2 and "max_new_tokens is too large" in too_long.stderr
-    assert "Traceback" not in too_long.stderr and len(too_long.stderr.strip().splitlines()) == 1
-    bad = run_keel("generate", str(gpt2), "--prompt", PROMPT, "--top-p", "0", cwd=out)
-    assert bad.returncode == 2 and "top_p must be in (0, 1]" in bad.stderr
+    first = generated(capsys, gpt2, *args)
+    assert first == generated(capsys, gpt2, *args) and first.count("--- ") == 2
+    code, _, err = keel(capsys, "generate", str(gpt2), "--prompt", PROMPT, "--max-new-tokens", "80")
+    assert code == 2 and "max_new_tokens is too large" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = keel(capsys, "generate", str(gpt2), "--prompt", PROMPT, "--top-p", "0")
+    assert code == 2 and "top_p must be in (0, 1]" in err
 
 
 def test_model_json_of_an_lm_export_references_its_tokenizer(runs):

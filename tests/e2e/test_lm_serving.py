@@ -15,10 +15,10 @@ import pytest
 pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
-from keelproc import run_keel  # noqa: E402
 from lmruns import GPT2, PROMPT, corpus, train_lm, trained_tokenizer  # noqa: E402
 from serveproc import Server, metric  # noqa: E402
 
+from torchkeel import generate, open_language_model  # noqa: E402
 from torchkeel.export import export_run  # noqa: E402
 
 NAME = "served-lm"
@@ -42,12 +42,9 @@ def server(export):
 
 
 def cli_text(export, prompt: str, tokens: int) -> str:
-    out, run = export
-    done = run_keel(
-        "generate", str(run), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", str(tokens), cwd=out
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout[len(prompt) : -1]
+    """What ``keel generate --temperature 0`` gives: the library call behind it."""
+    lm = open_language_model(export[1])
+    return generate(lm.model, lm.tokenizer, prompt, max_new_tokens=tokens, temperature=0, decoder=lm.decoder)[0].text
 
 
 def post(server, path: str, body) -> tuple[int, dict]:
