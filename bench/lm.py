@@ -220,9 +220,9 @@ def main() -> None:
     for name in names:
         ratio = statistics.median(t / h for t, h in zip(times[name], times[names[0]]))
         step = statistics.median(times[name])
-        print(f"{name:24s} step {step * 1e3:7.2f} ms  {BATCH * BLOCK / step:8.0f} tokens/s  {ratio:.3f} x hand loop")
+        print(f"{name:44s} step {step * 1e3:7.2f} ms  {BATCH * BLOCK / step:8.0f} tokens/s  {ratio:.3f} x hand loop")
     if "transformers Trainer" in times:
-        for name in ("keel, checkpoints off", "keel, fused AdamW"):
+        for name in ("keel, defaults", "keel, checkpoints off"):
             ratio = statistics.median(k / t for k, t in zip(times[name], times["transformers Trainer"]))
             print(f"{name} (protections on) / transformers Trainer  {ratio:.3f}   (goal <= 1.0)")
     rss = {}
