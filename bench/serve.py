@@ -81,7 +81,7 @@ class SmallCNN(nn.Sequential):
         )
 
 
-MODELS = {"small": "SmallMLP", "wide": "BigMLP", "image": "SmallCNN", "grpc": "SmallMLP"}
+MODELS = {"small": "SmallMLP", "wide": "BigMLP", "image": "SmallCNN", "grpc": "SmallMLP", "fastapi": "SmallMLP"}
 PREPROCESS = {"mode": "RGB", "resize": 224, "crop": 224, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 LABELS = [f"class-{i}" for i in range(10)]
 
@@ -146,6 +146,33 @@ def baseline_app(export_dir: str):
             Route("/v2/health/ready", lambda r: JSONResponse({})),
         ]
     )
+
+
+def fastapi_baseline_app(export_dir: str):
+    """The unbatched baseline as a FastAPI user writes it: a pydantic body, a plain ``def``
+    endpoint (run on FastAPI's thread pool), one forward per request. Needs ``pip install fastapi``."""
+    from fastapi import FastAPI
+    from pydantic import BaseModel
+
+    model = torch.jit.load(str(Path(export_dir) / "model.pt")).eval()
+    app = FastAPI()
+
+    class Instances(BaseModel):
+        instances: list[list[float]]
+
+    def predict(body: Instances) -> dict:
+        with torch.inference_mode():
+            out = model(torch.tensor(body.instances, dtype=torch.float32))
+        return {"predictions": out.tolist()}
+
+    predict.__annotations__["body"] = Instances  # this module's annotations are strings; FastAPI needs the class
+    app.post("/v1/models/bench:predict")(predict)
+
+    @app.get("/v2/health/ready")
+    def ready() -> dict:
+        return {}
+
+    return app
 
 
 def image_baseline_app(export_dir: str):
@@ -409,7 +436,9 @@ def measure(name: str, export_dir: Path, requests: int, rounds: int) -> dict[tup
             "rest": (keel, keel_port, v2_binary_requests(), False),
         }
     else:
-        flag = "--image-baseline-server" if name == "image" else "--baseline-server"
+        flag = {"image": "--image-baseline-server", "fastapi": "--fastapi-baseline-server"}.get(
+            name, "--baseline-server"
+        )
         baseline = launch([str(HERE / "serve.py"), flag, str(export_dir), str(base_port)], base_port)
         bodies = image_requests() if name == "image" else v1_requests()
         contenders = {"keel": (keel, keel_port, bodies, False), "baseline": (baseline, base_port, bodies, False)}
@@ -459,12 +488,14 @@ def main() -> None:
     parser.add_argument("--models", default="small,wide,image,grpc")
     parser.add_argument("--baseline-server", nargs=2, metavar=("EXPORT_DIR", "PORT"), help=argparse.SUPPRESS)
     parser.add_argument("--image-baseline-server", nargs=2, metavar=("EXPORT_DIR", "PORT"), help=argparse.SUPPRESS)
+    parser.add_argument("--fastapi-baseline-server", nargs=2, metavar=("EXPORT_DIR", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.baseline_server or args.image_baseline_server:
+    if args.baseline_server or args.image_baseline_server or args.fastapi_baseline_server:
         import uvicorn
 
-        export_dir, port = args.baseline_server or args.image_baseline_server
-        app = baseline_app(export_dir) if args.baseline_server else image_baseline_app(export_dir)
+        export_dir, port = args.baseline_server or args.image_baseline_server or args.fastapi_baseline_server
+        make = baseline_app if args.baseline_server else image_baseline_app
+        app = fastapi_baseline_app(export_dir) if args.fastapi_baseline_server else make(export_dir)
         uvicorn.run(app, host="127.0.0.1", port=int(port), log_level="warning", access_log=False)
         return
     if PINNED:
@@ -482,7 +513,9 @@ def main() -> None:
         a, b = ("grpc", "rest") if name == "grpc" else ("keel", "baseline")
         for concurrency in CONCURRENCY:
             ratio = result[(a, concurrency)]["rps"] / result[(b, concurrency)]["rps"]
-            goal = {("small", 64): 1.5, ("wide", 64): 4.0, ("image", 64): 2.0}.get((name, concurrency), 1.0)
+            goal = {("small", 64): 1.5, ("wide", 64): 4.0, ("image", 64): 2.0, ("fastapi", 64): 1.5}.get(
+                (name, concurrency), 1.0
+            )
             ratios.append(f"{name} concurrency {concurrency:2d}: {a} / {b} req/s {ratio:5.2f}x (goal >= {goal})")
         cpu = result[(a, 1)]["cpu_us"] / result[(b, 1)]["cpu_us"]
         ratios.append(
