@@ -207,3 +207,31 @@ def test_rows_that_join_the_cache_mid_way_decode_as_they_would_alone(kind):
         temperature=0,
     )
     assert first == alone[0].tokens[:8] and late == alone[1].tokens[:5]
+
+
+def test_the_engine_serves_a_request_of_more_rows_than_its_batch_and_those_queued_behind_it():
+    import asyncio
+
+    from torchkeel.serve.generation import GenerationEngine
+
+    class NoEnd(ByteTokenizer):
+        eos_id = -1  # a random model may draw end-of-text; here every row runs to its length
+
+    model = model_of("gpt2")
+    engine = GenerationEngine(CachedDecoder(model), NoEnd(), max_rows=2)
+    engine.start()
+
+    async def ask():
+        wide = engine.submit([1, 2, 3], SamplingParams(max_new_tokens=5, temperature=0.9, seed=1), n=3)
+        after = engine.submit([4, 5], SamplingParams(max_new_tokens=4, temperature=0))
+        return await asyncio.wait_for(wide.finished(), 60), await asyncio.wait_for(after.finished(), 60)
+
+    try:
+        wide, after = asyncio.run(ask())
+    finally:
+        engine.stop()
+    assert [len(r.tokens) for r in wide] == [5, 5, 5] and [r.finish_reason for r in wide] == ["length"] * 3
+    assert (
+        after[0].tokens
+        == generate(model, ByteTokenizer(), bytes([4, 5]).decode(), max_new_tokens=4, temperature=0)[0].tokens
+    )

@@ -111,7 +111,7 @@ class GenerationEngine:
         """Requests to start now, up to ``room`` rows (``_STOP`` once asked to stop and idle)."""
         taken: list[GenerationRequest] = []
         rows = 0
-        while self._waiting and rows + len(self._waiting[0].rows) <= room:
+        while self._waiting and (rows + len(self._waiting[0].rows) <= room or (block and not taken)):
             taken.append(self._waiting.popleft())
             rows += len(taken[-1].rows)
         deadline = None
@@ -131,7 +131,8 @@ class GenerationEngine:
                 return taken if taken or not block else _STOP
             if item.abandoned:
                 continue
-            if rows + len(item.rows) > room or (not block and not getattr(self.decoder, "can_join", False)):
+            too_many = rows + len(item.rows) > room and (taken or not block)  # alone, a request always starts
+            if too_many or (not block and not getattr(self.decoder, "can_join", False)):
                 self._waiting.append(item)
                 if not block:
                     return taken
