@@ -49,6 +49,10 @@ def test_training_logs_tokens_per_s_of_the_batches_token_positions(tiny_config, 
     train = [r for r in rows if r.get("kind") == "train"]
     assert train and all(r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 16) for r in train)  # block 16
     assert trainer.counters.tokens == trainer.counters.samples * 16
+    from torchkeel.report.build import build_report
+
+    report = build_report(trainer.run_dir)
+    assert "tokens" in report.drawn and (trainer.run_dir / "tokens.png").is_file()
 
 
 BERT = (

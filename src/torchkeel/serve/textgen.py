@@ -202,17 +202,13 @@ def _openai_request(
     if not isinstance(options, dict):
         raise _param_error("stream_options must be an object", "stream_options")
     flags["include_usage"] = bool(options.get("include_usage"))
-    prompts = [_prompt_ids(p, engine, "prompt" if len(_prompt_list(body.get("prompt"))) == 1 else f"prompt[{i}]")
-               for i, p in enumerate(_prompt_list(body.get("prompt")))]  # fmt: skip
-    values = {k: body.get(k) for k in ("temperature", "top_p", "seed", "stop")}
-    values = {k: v for k, v in values.items() if v is not None}
+    given = _prompt_list(body.get("prompt"))
+    prompts = [_prompt_ids(p, engine, "prompt" if len(given) == 1 else f"prompt[{i}]") for i, p in enumerate(given)]
+    values = {k: v for k in ("temperature", "top_p", "seed", "stop") if (v := body.get(k)) is not None}
     max_tokens = body.get("max_tokens") if body.get("max_tokens") is not None else 16
-    params = None
-    for ids in prompts:
-        params = _params(
-            {"temperature": 1.0, "top_p": 1.0, **values}, max_tokens, len(ids), engine, {"max_new_tokens": "max_tokens"}
-        )
-    assert params is not None
+    names = {"max_new_tokens": "max_tokens"}
+    settings = {"temperature": 1.0, "top_p": 1.0, **values}
+    params = [_params(settings, max_tokens, len(ids), engine, names) for ids in prompts][0]  # each prompt checked
     return prompts, params, n, flags
 
 
