@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[
 
 from distrun import final, max_difference, train, write_config  # noqa: E402
 
+from torchkeel.errors import ConfigError  # noqa: E402
 from torchkeel.integrations.ray import fit  # noqa: E402
 
 
@@ -76,9 +77,44 @@ def test_a_killed_worker_resumes_from_the_checkpoint_through_ray(work, single):
     assert max_difference(weights, single) < 1e-5
 
 
-def test_keel_train_ray_prints_the_runs_summary(work, capsys):
+PARQUET_CONFIG = """
+name: pq-ray
+out_dir: runs
+seed: 3
+device: cpu
+model: {{target: dyingmodels:DiesOnce, args: {{marker: {marker}, at: 5, rank: 1}}}}
+data:
+  format: parquet
+  train: "data/pq/*.parquet"
+  input: [id, f0, f1, f2, f3, f4, f5, f6, f7]
+  target: label
+  num_workers: 0
+optim: {{name: sgd, lr: 0.05}}
+train: {{max_epochs: null, max_steps: 10, batch_size: 32, log_every: 5}}
+checkpoint: {{every_steps: 2, every_s: 0}}
+dist: {{init_timeout_s: 120, timeout_s: 60}}
+"""
+
+
+def test_keel_train_ray_with_relative_data_paths_survives_a_killed_worker(work, capsys):
+    """What every example config does (data paths relative to where keel train runs) and what a
+    worker's death does: the CLI's default failure budget restarts the group, which resumes."""
+    from streamdata import write_parquet
+
     from torchkeel.cli.main import main
 
-    assert main(["train", "cfg.yaml", "--ray", "2", "name=cli-ray", "train.max_steps=6"]) == 0
+    write_parquet(work / "data" / "pq")
+    marker = work / "pq-killed-once"
+    (work / "pq.yaml").write_text(PARQUET_CONFIG.format(marker=marker))
+    assert main(["train", "pq.yaml", "--ray", "2", "--ray-storage", "ray-results"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("status completed") and "steps 6" in line and "cli-ray" in line
+    assert line.startswith("status completed") and "steps 10" in line and "pq-ray" in line
+    assert marker.exists()  # rank 1 was killed at its 5th forward, and Ray restarted the group
+    rows = [json.loads(r) for r in (work / "runs" / "pq-ray" / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if r["kind"] == "resume"]) == 1
+    assert any((work / "ray-results").iterdir())  # --ray-storage, relative to the working directory
+
+
+def test_the_ray_failure_budget_is_checked_before_ray_starts():
+    with pytest.raises(ConfigError, match="--max-failures must be >= -1"):
+        fit("cfg.yaml", [], num_workers=2, max_failures=-2)

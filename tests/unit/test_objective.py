@@ -242,3 +242,35 @@ def test_an_empty_share_runs_stand_in_rows_and_adds_nothing():
     assert torch.equal(model.seen[-1], ids[[0, 0]])  # the last real batch's first row, twice
     out.loss.backward()
     assert out.loss.item() == 0 and all(not p.grad.any() for p in model.parameters())
+
+
+class NormDropout(nn.Module):
+    """What a rank whose data ran out must not disturb: batch-norm statistics, dropout's draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.drop, self.head = nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.drop(self.norm(x)))
+
+
+def test_a_stand_in_forward_changes_no_statistics_no_random_draw_and_no_hooks_view():
+    model = NormDropout().train()
+    seen = []
+    model.norm.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[0]))
+    objective = Objective(nn.functional.cross_entropy)
+    x, y = torch.randn(16, 8) * 3 + 1, torch.randint(0, 3, (16,))
+    objective(model, (x, y), torch.device("cpu")).loss.backward()
+    assert seen == [16]
+    stats = {k: v.clone() for k, v in model.state_dict().items() if "norm" in k}
+    rng = torch.get_rng_state()
+    model.zero_grad()
+    out = objective(model, (x[:0], y[:0]), torch.device("cpu"))
+    out.loss.backward()  # the buffers were put back: the graph's saved tensors are still valid
+    assert out.loss.item() == 0 and all(not p.grad.any() for p in model.parameters())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in stats.items())  # num_batches_tracked too
+    assert torch.equal(torch.get_rng_state(), rng)  # dropout drew nothing
+    assert seen == [16] and model.training
+    objective(model, (x, y), torch.device("cpu"))
+    assert seen == [16, 16]  # the hook is back

@@ -64,6 +64,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ray-address", metavar="ADDR", help="with --ray: an existing Ray cluster (ray.init(address=))"
     )
+    parser.add_argument(
+        "--max-failures",
+        type=int,
+        default=3,
+        metavar="N",
+        help="with --ray: restart the worker group up to N times after a worker dies, each time "
+        "resuming from the newest checkpoint (default 3; 0: fail at once; -1: without limit)",
+    )
+    parser.add_argument(
+        "--ray-storage",
+        metavar="PATH",
+        help="with --ray: Ray Train's storage path (default: <run dir>/.ray; on several machines, shared storage)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,7 +128,14 @@ def run_on_ray(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.resume not in (None, "auto"):
         raise ConfigError("--ray resumes with --resume auto only (every worker restart does)")
-    result = fit(args.config, overrides, num_workers=args.ray, address=args.ray_address)
+    result = fit(
+        args.config,
+        overrides,
+        num_workers=args.ray,
+        address=args.ray_address,
+        max_failures=args.max_failures,
+        storage_path=args.ray_storage,
+    )
     if result.error is not None:
         print(f"keel: error: the Ray run failed: {first_line(result.error)}", file=sys.stderr)
         return 1

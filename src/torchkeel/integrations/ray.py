@@ -39,6 +39,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     for path in reversed(loop_config.get("sys_path", [])):
         if path not in sys.path:
             sys.path.insert(0, path)
+    # Ray runs workers in a directory of its own: the config's relative paths (data files, a data
+    # factory's own opens) mean what they meant where keel train was called, when that directory
+    # is here too (one machine, or a shared filesystem mounted at the same path).
+    if os.path.isdir(loop_config.get("cwd", "")):
+        os.chdir(loop_config["cwd"])
     os.environ.update(loop_config.get("env", {}))
     config = load_config(loop_config["config"], list(loop_config.get("overrides", [])))
     faults = os.environ.get("TORCHKEEL_TEST_STEP_FAULTS")  # the test seam keel train reads too
@@ -73,7 +78,7 @@ def fit(
     num_workers: int,
     address: str | None = None,
     storage_path: str | Path | None = None,
-    max_failures: int = 0,
+    max_failures: int = 3,
     use_gpu: bool = False,
     node_ip_address: str | None = None,
     worker_env: dict[str, str] | None = None,
@@ -82,7 +87,10 @@ def fit(
 
     ``address``: an existing cluster (``ray.init(address=...)``); none starts a local one.
     ``storage_path``: Ray Train's own storage for the run's results (default: next to the run
-    directory). ``worker_env``: variables set in each worker before the Trainer starts. The run
+    directory). ``max_failures``: how many times Ray restarts the worker group after a worker
+    died (each restart resumes from the newest checkpoint; -1: without limit, 0: never).
+    Workers run in this process's working directory where it exists on their machine, so that
+    relative paths in the config mean the same to them. ``worker_env``: variables set in each worker before the Trainer starts. The run
     directory (``out_dir``) is made absolute here so that every worker writes the same place; on
     several machines it must be a shared filesystem.
     """
@@ -94,6 +102,8 @@ def fit(
         raise ConfigError("Ray is not installed: pip install 'ray[train]' (the --ray option needs it)") from None
     if num_workers < 1:
         raise ConfigError(f"--ray must be >= 1 workers, got {num_workers}")
+    if max_failures < -1:
+        raise ConfigError(f"--max-failures must be >= -1 (-1: without limit), got {max_failures}")
     overrides = list(overrides or [])
     cfg = load_config(str(config), overrides)  # a config error is said here, once, not by every worker
     out_dir = Path(cfg.out_dir).resolve()
@@ -116,6 +126,7 @@ def fit(
             "config": str(Path(config).resolve()),
             "overrides": overrides,
             "sys_path": python_path,
+            "cwd": os.getcwd(),
             "env": dict(worker_env or {}),
         },
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),

@@ -16,7 +16,9 @@ number of tokens that varies.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -141,15 +143,62 @@ class Objective:
     def _stand_in(self, model: torch.nn.Module, batch: Any, device: torch.device, non_blocking: bool) -> LossOutput:
         """The loss of two rows, times zero: the first row of the last batch this objective ran, twice
         (real data, which the model takes; two, as a batch norm in training needs more than one),
-        or rows of zeros of the empty batch's shapes before any. A batch norm's running statistics
-        see these rows."""
+        or rows of zeros of the empty batch's shapes before any. The forward is inert (see
+        ``_inert``): it exists only for the collectives in the model's backward."""
         last = self._last
         rows = take(last, torch.zeros(2, dtype=torch.long)) if last is not None else map_tensors(batch, _zero_rows)
-        out = self(model, rows, device, non_blocking)
+        with _inert(model):
+            out = self(model, rows, device, non_blocking)
         count = out.count * 0 if out.count is not None else None
         return LossOutput(
             out.loss * 0, is_sum=out.is_sum, count=count, metrics={k: v * 0 for k, v in out.metrics.items()}
         )
+
+
+@contextmanager
+def _inert(model: torch.nn.Module) -> Iterator[None]:
+    """A forward that changes nothing a real one would: the model's buffers (batch-norm running
+    statistics, counters) are put back, the random number generators too (dropout, noise drawn in
+    ``forward``), and the users' forward hooks do not see it (torch's own, FSDP's, stay: the
+    collectives need them). The modules stay in training mode: some models return their loss only there."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    held = []
+    for registry in [
+        *_hook_registries(model),
+        torch.nn.modules.module._global_forward_hooks,
+        torch.nn.modules.module._global_forward_pre_hooks,
+    ]:
+        users = [key for key, hook in registry.items() if not _is_torchs(hook)]
+        if users:
+            held.append((registry, dict(registry)))
+            for key in users:
+                del registry[key]
+    try:
+        yield
+    finally:
+        for registry, hooks in held:
+            registry.clear()
+            registry.update(hooks)
+        for buffer, saved in buffers:  # through .data: the graph of this forward keeps its versions
+            if not torch.equal(buffer, saved):
+                buffer.data.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _hook_registries(model: torch.nn.Module) -> Iterator[dict]:
+    for module in model.modules():
+        yield module._forward_pre_hooks
+        yield module._forward_hooks
+
+
+def _is_torchs(hook: Any) -> bool:
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    return (getattr(hook, "__module__", None) or "").startswith("torch.")
 
 
 def _zero_rows(t: torch.Tensor) -> torch.Tensor:
