@@ -206,6 +206,10 @@ def test_the_cli_writes_applyable_yaml_and_refuses_bad_names(tmp_path, capsys, m
         == 2
     )
     assert "is not a Kubernetes name" in capsys.readouterr().err
+    flags = ["--nodes", "3", "--gpus-per-node", "0", "--image", "i:1", "-o", str(tmp_path / "bad.yaml")]
+    assert main(["k8s", "train", "cfg.yaml", *flags]) == 2  # 64 samples over 3 pods
+    assert "train.batch_size 64 does not divide by the world size 3" in capsys.readouterr().err
+    assert not (tmp_path / "bad.yaml").exists()
 
 
 @pytest.mark.parametrize(

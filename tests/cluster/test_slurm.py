@@ -87,6 +87,16 @@ def test_bad_flags_are_usage_errors(work, flags, message, capsys, monkeypatch):
     assert message in capsys.readouterr().err
 
 
+def test_a_job_that_would_fail_on_the_nodes_is_refused_before_the_script_is_written(work, capsys, monkeypatch):
+    monkeypatch.chdir(work)
+    flags = ["--nodes", "2", "--gpus-per-node", "0", "--nproc-per-node", "2", "--time", "00:10:00", "-o", "bad.sbatch"]
+    assert main(["slurm", "cfg.yaml", "train.batch_size=66", *flags]) == 2
+    assert "train.batch_size 66 does not divide by the world size 4" in capsys.readouterr().err
+    assert main(["slurm", "cfg.yaml", "model.target=nowhere:Net", *flags]) == 2
+    assert "model.target='nowhere:Net': cannot import module 'nowhere'" in capsys.readouterr().err
+    assert not (work / "bad.sbatch").exists()
+
+
 def test_submit_without_sbatch_says_where_to_submit(work, capsys, monkeypatch):
     monkeypatch.chdir(work)
     monkeypatch.setenv("PATH", str(work))

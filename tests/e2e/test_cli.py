@@ -309,6 +309,7 @@ def test_export_image_flags_become_a_preprocess_spec():
         (["train.batch_size=eight"], "train.batch_size must be an integer, got 'eight' (str)"),
         (["model.target=nowhere:Net"], "model.target='nowhere:Net': cannot import module 'nowhere'"),
         (["model.args={width: 3}"], "model.args.width is not an argument of hand_written_loop:make_model"),
+        (["train.batch_size=33"], "train.batch_size 33 does not divide by the world size 2"),
     ],
 )
 def test_a_config_error_under_nproc_is_said_once_before_any_rank_starts(cfg, tmp_path, args, message):
@@ -317,6 +318,15 @@ def test_a_config_error_under_nproc_is_said_once_before_any_rank_starts(cfg, tmp
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"keel: error: {message}"), result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_existing_run_directory_under_nproc_is_said_once_before_any_rank_starts(cfg, tmp_path):
+    assert keel("train", str(cfg), "train.max_epochs=null", "train.max_steps=2", cwd=tmp_path).returncode == 0
+    result = keel("train", str(cfg), "train.max_epochs=null", "train.max_steps=2", "--nproc", "2", cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("keel: error: run directory 'runs/"), result.stderr
+    assert "already exists; continue it with --resume auto" in lines[0]
 
 
 def test_keel_train_chooses_the_thread_count_and_says_so(cfg, tmp_path):

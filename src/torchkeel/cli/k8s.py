@@ -8,6 +8,7 @@ from pathlib import Path
 
 from torchkeel.cluster.k8s import ServeSpec, TrainSpec, kserve, plain, pytorch_job, to_yaml, train_job
 from torchkeel.config.load import load_config
+from torchkeel.distributed.rank import per_rank
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +66,8 @@ def _train(args: argparse.Namespace) -> list:
         namespace=args.namespace,
         runtime=args.runtime,
     )
+    # The pods' files (code in the image, data on the volume) need not be here: the batch's split is.
+    per_rank(config.train.batch_size, spec.nodes * spec.workers_per_node)
     return pytorch_job(spec) if args.kind == "pytorchjob" else train_job(spec)
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torchkeel.cli.train import check_job
 from torchkeel.cluster.slurm import SlurmJob, sbatch_script
 from torchkeel.config.load import load_config
 from torchkeel.errors import ConfigError
@@ -51,8 +52,10 @@ def run(args: argparse.Namespace) -> int:
         cpus_per_node=args.cpus_per_node,
         **({"bin_dir": args.bin_dir} if args.bin_dir else {}),
     )
+    script = sbatch_script(job)  # the flags' own checks first
+    check_job(config, job.nodes * job.workers_per_node)  # what would fail once the job runs, said now
     path = Path(args.output or f"slurm-{config.name}.sbatch")
-    path.write_text(sbatch_script(job))
+    path.write_text(script)
     path.chmod(0o755)
     print(f"keel: wrote {path}")
     if not args.submit:

@@ -14,12 +14,13 @@ from torchkeel.config.imports import check_target, resolve_target
 from torchkeel.config.load import load_config
 from torchkeel.config.schema import KeelConfig
 from torchkeel.data.build import build_sources
-from torchkeel.distributed.rank import RankInfo
+from torchkeel.distributed.rank import RankInfo, per_rank
 from torchkeel.env.cpus import choose_threads, usable_cpus
 from torchkeel.errors import ConfigError, first_line
 from torchkeel.testing import parse_fault_rules, parse_step_faults
 from torchkeel.train.hf import check_hf_model
 from torchkeel.train.preempt import PREEMPT_SIGNALS, WARNING_SIGNALS, preempt_exit_code
+from torchkeel.train.rundir import check_run_dir
 from torchkeel.train.trainer import Trainer
 
 
@@ -87,10 +88,10 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f"model.init_from={args.init_from}"] if args.init_from else [])
     config = load_config(args.config, overrides)  # a usage error is said once, before any rank starts
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
-        check_import_paths(config)
+        check_job(config, args.nproc, resume=bool(args.resume), overwrite=args.overwrite)
         return launch(args.nproc, args.argv)
     if args.ray is not None:
-        check_import_paths(config)
+        check_job(config, args.ray, resume=True, overwrite=args.overwrite)
         return run_on_ray(args, overrides)
     rank = RankInfo.from_env()
     threads, reason = choose_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), usable_cpus(), os.environ)
@@ -142,6 +143,17 @@ def run_on_ray(args: argparse.Namespace, overrides: list[str]) -> int:
     summary = result.metrics or {}
     print(format_summary(summary) if "wall_s" in summary else f"status {summary.get('status', 'unknown')}")
     return exit_code(summary) if "status" in summary else 1
+
+
+def check_job(config: KeelConfig, world_size: int, *, resume: bool = True, overwrite: bool = False) -> None:
+    """What every rank of a job of ``world_size`` would refuse, checked once before any starts:
+    import paths, data files and columns, the batch's split over the ranks and the run directory
+    (``resume``: an existing one is continued, as every restart of a job does)."""
+    if world_size < 1:
+        raise ConfigError(f"the job needs >= 1 processes, got {world_size}")
+    per_rank(config.train.batch_size, world_size)
+    check_run_dir(config.out_dir, config.name, resume=resume, overwrite=overwrite)
+    check_import_paths(config)
 
 
 def check_import_paths(config: KeelConfig) -> None:

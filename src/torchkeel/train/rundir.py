@@ -59,7 +59,7 @@ def prepare_run_dir(
             failed before its first step (``summary.json`` says failed; no checkpoint, no row
             past step 0) is taken over.
     """
-    run_dir = Path(out_dir) / name
+    run_dir = check_run_dir(out_dir, name, resume=resume, overwrite=overwrite)
     previous = None
     if run_dir.exists() and any(run_dir.iterdir()):
         if resume and not overwrite:
@@ -68,15 +68,26 @@ def prepare_run_dir(
             return run_dir, None
         if overwrite:
             previous = _set_aside(run_dir)
-        elif _never_trained(run_dir):
-            shutil.rmtree(run_dir)  # a run that failed before its first step: nothing in it to keep
         else:
-            raise RunDirError(
-                f"run directory '{run_dir}' already exists; continue it with --resume auto, choose "
-                f"another name (name=...) or pass --overwrite to replace it"
-            )
+            shutil.rmtree(run_dir)  # a run that failed before its first step: nothing in it to keep
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir, previous
+
+
+def check_run_dir(out_dir: str | Path, name: str, *, resume: bool = False, overwrite: bool = False) -> Path:
+    """The run directory, checked without touching it: what ``prepare_run_dir`` would refuse, said
+    before any rank (or a launcher) starts.
+
+    Raises:
+        RunDirError: it exists and holds a trained run, without ``resume`` or ``overwrite``.
+    """
+    run_dir = Path(out_dir) / name
+    if not (resume or overwrite) and run_dir.exists() and any(run_dir.iterdir()) and not _never_trained(run_dir):
+        raise RunDirError(
+            f"run directory '{run_dir}' already exists; continue it with --resume auto, choose "
+            f"another name (name=...) or pass --overwrite to replace it"
+        )
+    return run_dir
 
 
 def _set_aside(run_dir: Path) -> PreviousRun:
