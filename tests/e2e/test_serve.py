@@ -191,6 +191,22 @@ BAD_INPUTS = [
     ("v1 no instances", "/v1/models/tiny:predict", json.dumps({"rows": []}), {}, 400, "'instances' must be"),
     ("v1 ragged", "/v1/models/tiny:predict", json.dumps({"instances": [[0.0] * 32, [0.0] * 3]}), {}, 400, "ragged"),
     (
+        "v1 null value",
+        "/v1/models/tiny:predict",
+        json.dumps({"instances": [GOOD, [0.0] * 5 + [None] + [0.0] * 26]}),
+        {},
+        400,
+        "instances[1][5] is null; send a number",
+    ),
+    (
+        "v1 boolean value",
+        "/v1/models/tiny:predict",
+        json.dumps({"instances": [[True] + [0.0] * 31]}),
+        {},
+        400,
+        "instances[0][0] is a boolean; send a number",
+    ),
+    (
         "v1 bad top_k",
         "/v1/models/tiny:predict",
         json.dumps({"instances": [GOOD], "parameters": {"top_k": 99}}),
@@ -244,6 +260,8 @@ def test_body_too_large_is_a_413_the_client_can_read(exported):
 
 def test_wrong_method_and_route(server):
     assert server.request("GET", "/v2/models/tiny/infer")[0] == 405
+    status, body = server.request("GET", "/v1/models/tiny:predict")[:2]
+    assert status == 405 and "POST the instances" in json.loads(body)["error"]
     assert server.request("GET", "/v3")[0] == 404
 
 

@@ -279,6 +279,7 @@ def test_a_corrupt_sample_in_a_shard_is_skipped_and_named(tmp_path):
     assert sorted(seen) == sorted(set(range(480)) - {85})
     ((where, error),) = loader.new_bad
     assert where == f"{tmp_path}/train-000001.tar key 000085" and error.startswith("npy: ValueError")
+    assert "not a .npy array: no NumPy header (starts with b'not an n')" in error and "pickle" not in error
 
 
 def test_more_bad_samples_than_max_bad_fraction_stops_with_the_first_ten_listed(tmp_path):

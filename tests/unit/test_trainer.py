@@ -121,6 +121,12 @@ def test_progress_lines_without_a_tty(tiny_config, capsys):
     assert err[1].startswith("step 2 epoch 0 loss ") and err[-1].startswith("validation: step 4")
 
 
+def test_the_worker_choice_is_said_without_progress_output_too(tiny_config, capsys):
+    tk.Trainer(tiny_config("train.max_steps=2", "data.num_workers=auto"), progress=False).fit()
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if line.startswith("keel: data.num_workers=auto: ")], err
+
+
 def test_trainer_accumulation_matches_the_big_batch(tiny_config):
     """480 samples: batch 64 ends with a 32-sample step; 16 × 4 ends with a group of two."""
     weights = []

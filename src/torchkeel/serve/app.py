@@ -171,6 +171,12 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
                 return JSONResponse({"predictions": outputs.tolist()})
 
             return await model.counted("v1", handle)
+        if verb == "predict":
+            return error(
+                405,
+                f"{request.method} is not allowed on /v1/models/{name}:predict; POST the instances",
+                {"Allow": "POST"},
+            )
         return error(
             404,
             f"no route {request.method} /v1/models/{request.path_params['spec']}; use GET "

@@ -276,6 +276,7 @@ def parse_v1_instances(body: bytes, max_batch_size: int) -> tuple[list[Any], dic
 
 def v1_tensor(instances: list[Any], spec: TensorSpec, allow_nonfinite: bool = False) -> np.ndarray:
     """v1 instances of numbers → the batch, checked against the model's input ``spec``."""
+    _refuse_nulls_and_booleans(instances, "instances")
     array = numbers(
         instances,
         DTYPES[spec.datatype],
@@ -288,6 +289,18 @@ def v1_tensor(instances: list[Any], spec: TensorSpec, allow_nonfinite: bool = Fa
         raise ProtocolError(400, "'instances' hold NaN/Inf values; send finite numbers")
     check_values(array, spec, "'instances'")
     return array
+
+
+def _refuse_nulls_and_booleans(values: Any, where: str) -> None:
+    """numpy reads JSON ``null`` as NaN and ``true`` as 1.0: name the value instead."""
+    if isinstance(values, list):
+        if all(type(v) is float or type(v) is int for v in values):  # noqa: E721 - bool is an int
+            return
+        for i, value in enumerate(values):
+            _refuse_nulls_and_booleans(value, f"{where}[{i}]")
+    elif values is None or isinstance(values, bool):
+        kind = "null" if values is None else "a boolean"
+        raise ProtocolError(400, f"{where} is {kind}; send a number (a missing value has no number: fill it)")
 
 
 def v1_has_images(instances: list[Any]) -> bool:

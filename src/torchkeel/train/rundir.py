@@ -218,7 +218,7 @@ class RunFiles:
         incident for each empty file (a fresh run's; a resumed one has them from its checkpoint)."""
         if tuning is not None:
             self.log({"step": 0, **tuning.row()})
-            self.note(f"data.num_workers=auto: {tuning.num_workers} ({tuning.reason})")
+            self.say(f"data.num_workers=auto: {tuning.num_workers} ({tuning.reason})")  # --no-progress too
         for path in empty_files:
             self.incident("empty_file", 0, f"{path} is empty: it holds no sample, and was left out")
 

@@ -147,11 +147,19 @@ def _count_samples(path: str) -> int:
     return count
 
 
+def _npy(data: bytes) -> np.ndarray:
+    """A ``.npy`` member; one without NumPy's header is said to be so (``np.load`` would suggest
+    ``allow_pickle``, which would run whatever the bytes hold)."""
+    if not data.startswith(b"\x93NUMPY"):
+        raise ValueError(f"not a .npy array: no NumPy header (starts with {data[:8]!r}); rewrite it with np.save")
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
 def _decoder(image: str | None) -> Any:
     from webdataset.autodecode import Decoder, handle_extension, imagehandler
 
     handlers = [
-        handle_extension("npy", lambda data: np.load(io.BytesIO(data), allow_pickle=False)),
+        handle_extension("npy", _npy),
         handle_extension("cls cls2 class count index inx id", lambda data: int(data.decode().strip())),
         handle_extension("json jsn", lambda data: json.loads(data)),
         handle_extension("txt text", lambda data: data.decode("utf-8")),
