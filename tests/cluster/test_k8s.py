@@ -11,6 +11,7 @@ and ``InferenceService``, KEDA's ``ScaledObject``).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -201,6 +202,7 @@ def test_the_cli_writes_applyable_yaml_and_refuses_bad_names(tmp_path, capsys, m
     )
     (job,) = list(yaml.safe_load_all(out.read_text()))
     assert job["kind"] == "PyTorchJob" and job["metadata"]["name"] == "run"
+    assert not re.search(r"[&*]id\d", out.read_text())  # the Master and Worker pods written out, no anchors
     assert (
         main(["k8s", "train", "cfg.yaml", "name=Bad_Name!", "--nodes", "2", "--gpus-per-node", "0", "--image", "i:1"])
         == 2

@@ -352,9 +352,17 @@ def _scaled_object(spec: ServeSpec, target: str) -> Manifest:
     }
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """Writes a part shared by two places (the same pod template, the same env) twice, not as a
+    YAML anchor and alias (``&id001``/``*id001``), which reviewers and some tools do not follow."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def to_yaml(manifests: list[Manifest]) -> str:
     """One multi-document YAML file, for ``kubectl apply -f``."""
-    return "---\n".join(yaml.safe_dump(m, sort_keys=False) for m in manifests)
+    return "---\n".join(yaml.dump(m, Dumper=_PlainDumper, sort_keys=False) for m in manifests)
 
 
 def _metadata(
