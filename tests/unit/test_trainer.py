@@ -11,6 +11,7 @@ import yaml
 from torch import nn
 
 import torchkeel as tk
+from torchkeel.errors import ConfigError
 
 
 def rows(run_dir, kind):
@@ -119,6 +120,21 @@ def test_progress_lines_without_a_tty(tiny_config, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("keel: data.num_workers=auto: ")  # the worker trial's choice comes first
     assert err[1].startswith("step 2 epoch 0 loss ") and err[-1].startswith("validation: step 4")
+
+
+def test_validation_features_of_another_width_are_refused_at_start(tmp_path):
+    from torch.utils.data import TensorDataset
+
+    config = tk.load_config(None, [f"out_dir={tmp_path}", "train.max_steps=3", "data.num_workers=0"])
+    train = TensorDataset(torch.randn(64, 32), torch.randint(0, 4, (64,)))
+    val = TensorDataset(torch.randn(16, 16), torch.randint(0, 4, (16,)))
+    with pytest.raises(
+        ConfigError, match=r"the first one's sample\[0\] has shape \[16\] in validation, \[32\] in training"
+    ):
+        tk.Trainer(config, model=nn.Linear(32, 4), train_data=train, val_data=val, progress=False)
+    tokens = TensorDataset(torch.randint(0, 9, (64, 12)), torch.randint(0, 4, (64,)))
+    shorter = TensorDataset(torch.randint(0, 9, (16, 7)), torch.randint(0, 4, (16,)))
+    tk.Trainer(config, model=nn.Linear(12, 4), train_data=tokens, val_data=shorter, progress=False)  # ids: any length
 
 
 def test_the_worker_choice_is_said_without_progress_output_too(tiny_config, capsys):

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from torchkeel.config.imports import build_target, resolve_target
@@ -224,6 +225,7 @@ def build_loaders(
     ``num_workers: auto`` runs (or reads from the cache) the worker trial on the training data."""
     per_rank(batch_size, world_size)
     train_data, val_data = resolve_data(cfg, train_data, val_data)
+    check_alike(train_data, val_data)
     make = loader_factory(cfg, batch_size=batch_size, seed=seed, device=device, rank=rank, world_size=world_size)
     tuning = None
     num_workers = cfg.num_workers
@@ -244,6 +246,45 @@ def build_loaders(
     empty = [*getattr(train_data, "empty_files", []), *getattr(val_data, "empty_files", [])]
     sources = {key: data for key, data in (("data.train", train_data), ("data.val", val_data)) if is_source(data)}
     return Loaders(train, val, tuning, empty, sources)
+
+
+def check_alike(train_data: Any, val_data: Any) -> None:
+    """The first validation sample against the first training one, at start, for map-style data:
+    a feature width that differs would otherwise fail in the model after the first epoch.
+
+    Compares each tensor's number of axes, and the last axis of floating tensors (features);
+    integer tensors (token ids, labels) may differ in length.
+
+    Raises:
+        ConfigError: naming the tensor and both shapes.
+    """
+    if val_data is None or is_source(train_data) or is_source(val_data) or not len(train_data) or not len(val_data):
+        return
+    try:
+        train_parts, val_parts = flat_tensors(train_data[0]), flat_tensors(val_data[0])
+    except Exception:  # noqa: BLE001 - a sample that cannot be read is the loader's to report, by index
+        return
+    for (where, a), (_, b) in zip(train_parts, val_parts):
+        floating = a.is_floating_point() and b.is_floating_point()
+        if a.dim() != b.dim() or (floating and a.dim() and a.shape[-1] != b.shape[-1]):
+            raise ConfigError(
+                f"the validation samples do not match the training samples: the first one's {where} has "
+                f"shape {list(b.shape)} in validation, {list(a.shape)} in training; give both datasets "
+                "the same features (columns, preprocessing)"
+            )
+
+
+def flat_tensors(sample: Any, where: str = "sample") -> list[tuple[str, torch.Tensor]]:
+    """A sample's tensors (numpy arrays as tensors) with where each is (``sample[0]``, ``sample['x']``)."""
+    if isinstance(sample, torch.Tensor):
+        return [(where, sample)]
+    if isinstance(sample, np.ndarray) and sample.dtype != object:
+        return [(where, torch.from_numpy(sample))]
+    if isinstance(sample, dict):
+        return [t for key, value in sample.items() for t in flat_tensors(value, f"{where}[{key!r}]")]
+    if isinstance(sample, (tuple, list)):
+        return [t for i, value in enumerate(sample) for t in flat_tensors(value, f"{where}[{i}]")]
+    return []
 
 
 def sample_transform(cfg: DataConfig) -> Callable[[Any], Any] | None:
