@@ -63,6 +63,18 @@ def test_the_script_asks_slurm_for_nodes_gpus_a_warning_and_requeue():
     assert checked.returncode == 0, checked.stderr
 
 
+def test_the_task_gets_the_nodes_cpus_the_directory_and_a_sigterm_that_saves(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    whole = script(gpus_per_node=0)
+    launch = whole[whole.index("srun ") : whole.index("&\nstep=")]
+    assert "exclusive" in sbatch_options(whole) and '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in launch
+    assert sbatch_options(whole)["chdir"] == str(tmp_path)  # relative paths as where keel slurm ran
+    told = script(gpus_per_node=0, cpus_per_node=12)
+    assert sbatch_options(told)["cpus-per-task"] == "12" and "exclusive" not in sbatch_options(told)
+    assert '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in told[told.index("srun ") :]  # srun does not inherit it
+    assert "trap on_term TERM" in whole and 'kill -TERM "$step"' in whole
+
+
 def test_cpu_nodes_run_one_worker_each_unless_told_otherwise():
     assert "gpus-per-node" not in sbatch_options(script(gpus_per_node=0))
     assert "--nproc-per-node 1 " in script(gpus_per_node=0)

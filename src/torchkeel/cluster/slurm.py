@@ -14,6 +14,7 @@ flags, and the time-limit warning into a checkpoint and a requeue:
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
@@ -49,6 +50,9 @@ class SlurmJob:
     max_restarts: int = 3
     """Worker failures torchrun recovers from (every node's workers restart from the checkpoint)."""
     cpus_per_node: int | None = None
+    """CPUs of the node's one task; none: the whole node (``--exclusive``), all its CPUs to the task."""
+    chdir: str = field(default_factory=os.getcwd)
+    """The job's working directory (``--chdir``): imports and relative paths as where it was written."""
     bin_dir: str = field(default_factory=lambda: str(Path(sys.executable).parent))
     """Where ``torchrun`` and ``keel`` are installed on the nodes (this environment's by default)."""
 
@@ -88,9 +92,14 @@ def sbatch_script(job: SlurmJob) -> str:
     ]
     if job.gpus_per_node:
         head.append(f"#SBATCH --gpus-per-node={job.gpus_per_node}")
+    # Slurm >= 22.05 does not pass --cpus-per-task from sbatch on to srun: the srun line says it again.
     if job.cpus_per_node:
         head.append(f"#SBATCH --cpus-per-task={job.cpus_per_node}")
-    head += [f"#SBATCH --time={job.time}"]
+        cpus = '--cpus-per-task="$SLURM_CPUS_PER_TASK"'
+    else:
+        head.append("#SBATCH --exclusive")
+        cpus = '--cpus-per-task="$SLURM_CPUS_ON_NODE"'
+    head += [f"#SBATCH --chdir={q(job.chdir)}", f"#SBATCH --time={job.time}"]
     head += [f"#SBATCH --partition={job.partition}"] if job.partition else []
     head += [f"#SBATCH --account={job.account}"] if job.account else []
     head += [
@@ -130,9 +139,17 @@ on_warning() {{
     requeue=1
     kill -USR1 "$step" 2>/dev/null
 }}
+# scancel and preemption (PreemptMode=CANCEL) send SIGTERM to this shell, then SIGKILL after
+# KillWait (30 s by default): the save must fit in it.
+on_term() {{
+    echo "keel slurm: SIGTERM: saving a checkpoint, then requeueing"
+    requeue=1
+    kill -TERM "$step" 2>/dev/null
+}}
 trap on_warning USR1
+trap on_term TERM
 
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\
+srun --ntasks-per-node=1 {cpus} --kill-on-bad-exit=1 \\
     {continued} &
 step=$!
 wait "$step"
