@@ -150,7 +150,7 @@ def check_job(config: KeelConfig, world_size: int, *, resume: bool = True, overw
     import paths, data files and columns, the batch's split over the ranks and the run directory
     (``resume``: an existing one is continued, as every restart of a job does)."""
     if world_size < 1:
-        raise ConfigError(f"the job needs >= 1 processes, got {world_size}")
+        raise ConfigError(f"--nproc/--ray must be >= 1, got {world_size}")
     per_rank(config.train.batch_size, world_size)
     check_run_dir(config.out_dir, config.name, resume=resume, overwrite=overwrite)
     check_import_paths(config)

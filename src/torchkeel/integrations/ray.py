@@ -90,9 +90,9 @@ def fit(
     directory). ``max_failures``: how many times Ray restarts the worker group after a worker
     died (each restart resumes from the newest checkpoint; -1: without limit, 0: never).
     Workers run in this process's working directory where it exists on their machine, so that
-    relative paths in the config mean the same to them. ``worker_env``: variables set in each worker before the Trainer starts. The run
-    directory (``out_dir``) is made absolute here so that every worker writes the same place; on
-    several machines it must be a shared filesystem.
+    relative paths in the config mean the same to them. ``worker_env``: variables set in each
+    worker before the Trainer starts. The run directory (``out_dir``) is made absolute here so
+    that every worker writes the same place; on several machines it must be a shared filesystem.
     """
     try:
         import ray
