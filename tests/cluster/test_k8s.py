@@ -22,6 +22,7 @@ from kubernetes.client import ApiClient
 
 from torchkeel.cli.main import main
 from torchkeel.cluster.k8s import QUEUE_METRIC, ServeSpec, TrainSpec, kserve, plain, pytorch_job, train_job
+from torchkeel.errors import ConfigError
 from torchkeel.serve.metrics import TRITON_COUNTERS
 
 CLIENT = ApiClient()
@@ -93,6 +94,27 @@ def test_a_pytorchjob_turns_its_per_pod_world_size_into_torchrun_nodes():
     for flag in ("--nnodes=$(WORLD_SIZE)", "--node-rank=$(RANK)", "--master-addr=$(MASTER_ADDR)", "--nproc-per-node=8"):
         assert flag in command
     assert "Worker" not in pytorch_job(train_spec(nodes=1))[0]["spec"]["pytorchReplicaSpecs"]
+
+
+def test_every_pod_asks_for_cpus_and_memory_and_gets_a_memory_backed_dev_shm():
+    cpu_only = train_spec(gpus_per_node=0, nproc_per_node=2)
+    (trainjob,) = train_job(cpu_only)
+    (pytorchjob,) = pytorch_job(train_spec(gpus_per_node=0, cpus_per_node=30, memory_per_node="64Gi", max_restarts=5))
+    resources = trainjob["spec"]["trainer"]["resourcesPerNode"]
+    assert resources == {"requests": {"cpu": "8", "memory": "16Gi"}, "limits": {"memory": "16Gi"}}
+    (patch,) = trainjob["spec"]["runtimePatches"]
+    pods = [patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]]
+    pods += [role["template"] for role in pytorchjob["spec"]["pytorchReplicaSpecs"].values()]
+    for pod in pods:
+        spec = as_model(pod["spec"], "V1PodSpec")
+        assert [v.empty_dir.medium for v in spec.volumes if v.name == "dshm"] == ["Memory"]
+        assert [m.mount_path for m in spec.containers[0].volume_mounts if m.name == "dshm"] == ["/dev/shm"]
+    master = as_model(pytorchjob["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"], "V1PodSpec")
+    assert master.containers[0].resources.requests == {"cpu": "30", "memory": "64Gi"}
+    assert master.containers[0].resources.limits == {"memory": "64Gi"}  # no CPU limit: it would throttle
+    assert "--max-restarts=5" in master.containers[0].command  # as the TrainJob's torchrun
+    with pytest.raises(ConfigError, match="--memory-per-node '64 GB' is not a Kubernetes quantity"):
+        pytorch_job(train_spec(memory_per_node="64 GB"))
 
 
 def test_keel_refuses_a_pytorchjobs_pod_counts_read_as_process_counts(tmp_path):

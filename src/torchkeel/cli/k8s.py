@@ -23,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--pvc", help="PersistentVolumeClaim (ReadWriteMany) for the run directory, at /mnt/keel")
     train.add_argument("--kind", choices=["trainjob", "pytorchjob"], default="trainjob")
     train.add_argument("--nproc-per-node", type=int, help="workers per pod (default: the GPUs, or 1)")
+    train.add_argument("--cpus-per-node", type=int, help="CPUs each pod requests (default: 4 per worker)")
+    train.add_argument(
+        "--memory-per-node", help="memory each pod requests and is limited to, e.g. 64Gi (default: 8Gi per worker)"
+    )
+    train.add_argument("--max-restarts", type=int, default=3, help="worker failures torchrun recovers from")
     train.add_argument("--config-path", help="the config's path inside the container (default: as given)")
     train.add_argument("--runtime", default="torch-distributed", help="TrainJob runtime (ClusterTrainingRuntime)")
     train.add_argument("--namespace")
@@ -65,6 +70,9 @@ def _train(args: argparse.Namespace) -> list:
         nproc_per_node=args.nproc_per_node,
         namespace=args.namespace,
         runtime=args.runtime,
+        cpus_per_node=args.cpus_per_node,
+        memory_per_node=args.memory_per_node,
+        max_restarts=args.max_restarts,
     )
     # The pods' files (code in the image, data on the volume) need not be here: the batch's split is.
     per_rank(config.train.batch_size, spec.nodes * spec.workers_per_node)

@@ -22,6 +22,7 @@ PVC_MOUNT = "/mnt/keel"
 """Where the run directory's volume is mounted in every pod."""
 HTTP_PORT, GRPC_PORT = 8080, 8081
 QUEUE_METRIC = "nv_inference_queue_duration_us"
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 _DNS = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 Manifest = dict[str, Any]
@@ -44,9 +45,17 @@ class TrainSpec:
     runtime: str = "torch-distributed"
     """The Kubeflow Trainer runtime (a ClusterTrainingRuntime) of a TrainJob."""
     max_restarts: int = 3
+    cpus_per_node: int | None = None
+    """CPUs each pod requests; 4 per worker by default (no CPU limit: a limit throttles the step)."""
+    memory_per_node: str | None = None
+    """Memory each pod requests and is limited to (its ``/dev/shm`` counts in it); 8Gi per worker by default."""
 
     def validate(self) -> "TrainSpec":
         _check_name(self.name)
+        if self.cpus_per_node is not None and self.cpus_per_node < 1:
+            raise ConfigError(f"--cpus-per-node must be >= 1, got {self.cpus_per_node}")
+        if self.memory_per_node is not None and not _QUANTITY.match(self.memory_per_node):
+            raise ConfigError(f"--memory-per-node {self.memory_per_node!r} is not a Kubernetes quantity (e.g. 32Gi)")
         if self.nodes < 1:
             raise ConfigError(f"--nodes must be >= 1, got {self.nodes}")
         if self.gpus_per_node < 0:
@@ -58,6 +67,13 @@ class TrainSpec:
     @property
     def workers_per_node(self) -> int:
         return self.nproc_per_node or max(self.gpus_per_node, 1)
+
+    def resources(self) -> dict[str, Any]:
+        """Each pod's requests and limits: CPUs and memory always (CPU pods too), GPUs when asked."""
+        cpus = str(self.cpus_per_node or 4 * self.workers_per_node)
+        memory = self.memory_per_node or f"{8 * self.workers_per_node}Gi"
+        limits = {"memory": memory, **({"nvidia.com/gpu": str(self.gpus_per_node)} if self.gpus_per_node else {})}
+        return {"requests": {"cpu": cpus, "memory": memory}, "limits": limits}
 
     def keel_args(self) -> list[str]:
         """``keel train``'s arguments; with a volume, the run directory is on it."""
@@ -80,8 +96,7 @@ def train_job(spec: TrainSpec) -> list[Manifest]:
         "numNodes": spec.nodes,
         "numProcPerNode": spec.workers_per_node,
     }
-    if spec.gpus_per_node:
-        trainer["resourcesPerNode"] = {"limits": {"nvidia.com/gpu": str(spec.gpus_per_node)}}
+    trainer["resourcesPerNode"] = spec.resources()
     job: Manifest = {
         "apiVersion": "trainer.kubeflow.org/v1alpha1",
         "kind": "TrainJob",
@@ -91,20 +106,18 @@ def train_job(spec: TrainSpec) -> list[Manifest]:
             "trainer": trainer,
         },
     }
-    if spec.pvc:
-        pod = {"volumes": [_pvc_volume(spec.pvc)], "containers": [{"name": "node", "volumeMounts": [_mount()]}]}
-        job["spec"]["runtimePatches"] = [
-            {
-                "manager": "torchkeel",
-                "trainingRuntimeSpec": {
-                    "template": {
-                        "spec": {
-                            "replicatedJobs": [{"name": "node", "template": {"spec": {"template": {"spec": pod}}}}]
-                        }
-                    }
-                },
-            }
-        ]
+    volumes, mounts = _volumes(spec)
+    pod = {"volumes": volumes, "containers": [{"name": "node", "volumeMounts": mounts}]}
+    job["spec"]["runtimePatches"] = [
+        {
+            "manager": "torchkeel",
+            "trainingRuntimeSpec": {
+                "template": {
+                    "spec": {"replicatedJobs": [{"name": "node", "template": {"spec": {"template": {"spec": pod}}}}]}
+                }
+            },
+        }
+    ]
     return [job]
 
 
@@ -120,17 +133,20 @@ def pytorch_job(spec: TrainSpec) -> list[Manifest]:
         "--master-addr=$(MASTER_ADDR)",
         "--master-port=$(MASTER_PORT)",
         f"--nproc-per-node={spec.workers_per_node}",
+        f"--max-restarts={spec.max_restarts}",
         "--no-python",
         "keel",
         *spec.keel_args(),
     ]
-    container: dict[str, Any] = {"name": "pytorch", "image": spec.image, "command": command}
-    if spec.gpus_per_node:
-        container["resources"] = {"limits": {"nvidia.com/gpu": str(spec.gpus_per_node)}}
-    pod: dict[str, Any] = {"containers": [container]}
-    if spec.pvc:
-        container["volumeMounts"] = [_mount()]
-        pod["volumes"] = [_pvc_volume(spec.pvc)]
+    volumes, mounts = _volumes(spec)
+    container: dict[str, Any] = {
+        "name": "pytorch",
+        "image": spec.image,
+        "command": command,
+        "resources": spec.resources(),
+        "volumeMounts": mounts,
+    }
+    pod: dict[str, Any] = {"containers": [container], "volumes": volumes}
 
     def replica(count: int) -> dict[str, Any]:
         return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": pod}}
@@ -376,6 +392,17 @@ def _metadata(
     if annotations:
         meta["annotations"] = dict(annotations)
     return meta
+
+
+def _volumes(spec: TrainSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A pod's volumes and their mounts: a memory-backed ``/dev/shm`` (DataLoader workers pass
+    batches through it; a container's own is 64 MB), and the run directory's claim with ``--pvc``."""
+    volumes = [_pvc_volume(spec.pvc)] if spec.pvc else []
+    mounts = [_mount()] if spec.pvc else []
+    return [*volumes, {"name": "dshm", "emptyDir": {"medium": "Memory"}}], [
+        *mounts,
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
 
 
 def _pvc_volume(claim: str) -> dict[str, Any]:
