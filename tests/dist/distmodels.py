@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from torch import nn
 
 
@@ -32,3 +34,18 @@ def bad_data(bad: tuple[int, ...] = ()):
 
     train, val = make_data()
     return WithBadSamples(train, tuple(bad)), val
+
+
+class FailsOnRank(nn.Module):
+    """``mlp()`` that raises a user's error on ``rank`` before its ``at``-th training forward."""
+
+    def __init__(self, rank: int = 1, at: int = 6) -> None:
+        super().__init__()
+        self.net, self.rank, self.at, self.forwards = mlp(), rank, at, 0
+
+    def forward(self, x):
+        if self.training:
+            self.forwards += 1
+            if self.forwards == self.at and int(os.environ.get("RANK", 0)) == self.rank:
+                raise ValueError(f"a user's bug on rank {self.rank}")
+        return self.net(x)

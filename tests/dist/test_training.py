@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import time
 
@@ -148,6 +149,20 @@ def test_sigterm_reaches_every_rank_which_saves_and_exits_143(work):
                      "--resume", "auto")
     assert "status completed" in resumed.stdout
     assert final(work, "term")[0].step == found.step + 4
+
+
+def test_the_rank_that_ended_first_is_named_with_its_machine_and_how_it_ended(work):
+    host = socket.gethostname()
+    killed = train(work, 2, "name=killed", timeout=120, TORCHKEEL_TEST_STEP_FAULTS="kill:6@rank=1")
+    assert killed.returncode != 0
+    line = next(line for line in killed.stderr.splitlines() if line.startswith("keel: error: rank 0:"))
+    assert f"failed: rank 1 ({host}, pid " in line and "ended first without an error of its own: killed" in line, line
+    assert summary(work, "killed")["error"].endswith(line.split("keel: error: ", 1)[1][-60:])
+    failed = train(work, 2, "name=bug", "model.target=distmodels:FailsOnRank", timeout=120)
+    assert failed.returncode != 0
+    line = next(line for line in failed.stderr.splitlines() if line.startswith("keel: error: rank 0:"))
+    assert f"failed: rank 1 on {host} ended first: ValueError: a user's bug on rank 1" in line, line
+    assert "a user's bug on rank 1" in summary(work, "bug")["error"]  # summary.json holds the cause, not the echo
 
 
 def test_a_stalled_rank_fails_the_job_within_the_timeout_naming_it(work):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -20,8 +21,12 @@ import torch.distributed as dist
 
 from torchkeel.config.schema import DistConfig
 from torchkeel.distributed.rank import RankInfo
-from torchkeel.errors import ConfigError, KeelError
+from torchkeel.errors import ConfigError, KeelError, first_line
 
+# Keys of the job's store (the round's namespace under torchrun) through which ranks say who they
+# are, who failed first with what, and who is still there after a peer went away.
+_WHO, _ALIVE, _ERRORS, _FIRST = "torchkeel/who/", "torchkeel/alive/", "torchkeel/errors", "torchkeel/first-error"
+ENDED_WAIT_S = 3.0  # how long a rank whose peer went away waits for the others to say they are there
 _MISSING_RANKS = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 
@@ -81,9 +86,12 @@ class JobGroup:
             )
             self.owned = True
             end_round(shared, rank_)
+        self._store: dist.Store | None = None
         if self.active:
             # A gloo side group, only for naming the missing rank after a timeout (monitored_barrier).
             self._monitor = dist.new_group(backend="gloo")
+            self._store = dist.distributed_c10d._get_default_store()
+            self._store.set(_WHO + str(dist.get_rank()), f"{socket.gethostname()}, pid {os.getpid()}")
 
     @property
     def active(self) -> bool:
@@ -133,10 +141,7 @@ class JobGroup:
     def _explain(self, exc: BaseException, what: str, step: int, waited_s: float) -> str:
         # A peer that died breaks the connection long before the timeout, whatever the backend's words.
         if "connection closed by peer" in str(exc).lower() or waited_s < 0.5 * self.timeout_s:
-            return (
-                f"rank {self.rank.rank}: {what} at step {step} failed: another rank ended first "
-                "(its error is in the log above)"
-            )
+            return f"rank {self.rank.rank}: {what} at step {step} failed: {self._who_ended_first()}"
         missing = self._missing_ranks()
         who = (
             f"rank {', '.join(map(str, missing))} did not arrive"
@@ -147,6 +152,42 @@ class JobGroup:
         return (
             f"rank {self.rank.rank}: {what} at step {step} timed out after {self.timeout_s:g} s ({key}): "
             f"{who}; stuck in data loading or a slow step? Raise {key} if the wait is expected"
+        )
+
+    def tell_failure(self, exc: Exception) -> None:
+        """This rank's own error, for the messages of the ranks it leaves behind (the job's first
+        error only; a rank that failed because another went away tells nothing)."""
+        if self._store is None or isinstance(exc, CollectiveTimeout):
+            return
+        try:
+            if self._store.add(_ERRORS, 1) == 1:
+                where = f"rank {dist.get_rank()} on {socket.gethostname()}"
+                self._store.set(_FIRST, f"{where} ended first: {type(exc).__name__}: {first_line(exc)}")
+        except (RuntimeError, dist.DistError):  # the store went with the process that held it
+            pass
+
+    def _who_ended_first(self) -> str:
+        """Which rank (and machine) ended first and how: its own error where it told one; else the
+        ranks that do not say they are still there after ``ENDED_WAIT_S`` (killed, or exited)."""
+        store, fallback = self._store, "another rank ended first (its error is in its log)"
+        if store is None:
+            return fallback
+        try:
+            store.set(_ALIVE + str(dist.get_rank()), "1")
+            deadline = time.monotonic() + ENDED_WAIT_S
+            while not store.check([_FIRST]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if store.check([_FIRST]):
+                return store.get(_FIRST).decode()
+            gone = [r for r in range(dist.get_world_size()) if not store.check([_ALIVE + str(r)])]
+            names = [f"rank {r} ({store.get(_WHO + str(r)).decode()})" for r in gone if store.check([_WHO + str(r)])]
+        except (RuntimeError, dist.DistError):
+            return fallback
+        if not names:
+            return fallback
+        return (
+            f"{', '.join(names)} ended first without an error of its own: killed (SIGKILL: the "
+            "out-of-memory killer, a lost node) or exited; torchrun's log on that machine gives its exit code or signal"
         )
 
     def _missing_ranks(self) -> list[int]:

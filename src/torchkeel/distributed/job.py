@@ -7,6 +7,7 @@ Trainer code runs with and without ``torchrun``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -121,5 +122,9 @@ class TrainingJob:
         }
 
     def close(self) -> None:
-        """Leave the process group (every exit path)."""
+        """Leave the process group (every exit path). Called from a ``finally``: an exception in
+        flight is this rank's own failure, told to the other ranks first (``JobGroup.tell_failure``)."""
+        failure = sys.exc_info()[1]
+        if isinstance(failure, Exception):
+            self.group.tell_failure(failure)
         self.group.close()
