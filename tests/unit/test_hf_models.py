@@ -150,6 +150,7 @@ def test_keel_export_hf_of_a_model_that_is_not_transformers_is_refused(tmp_path,
     from conftest import train_tiny
 
     train_tiny(tmp_path, 4)
+    capsys.readouterr()  # the run's own lines (its num_workers choice)
     assert main(["export", str(tmp_path / "tiny"), "--format", "hf"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--format hf writes a transformers model with save_pretrained" in err[0]

@@ -122,19 +122,22 @@ def test_progress_lines_without_a_tty(tiny_config, capsys):
     assert err[1].startswith("step 2 epoch 0 loss ") and err[-1].startswith("validation: step 4")
 
 
-def test_validation_features_of_another_width_are_refused_at_start(tmp_path):
+def test_validation_features_of_another_width_are_refused_at_the_first_step(tmp_path):
     from torch.utils.data import TensorDataset
+
+    from torchkeel.data.build import check_alike, first_sample
 
     config = tk.load_config(None, [f"out_dir={tmp_path}", "train.max_steps=3", "data.num_workers=0"])
     train = TensorDataset(torch.randn(64, 32), torch.randint(0, 4, (64,)))
     val = TensorDataset(torch.randn(16, 16), torch.randint(0, 4, (16,)))
-    with pytest.raises(
-        ConfigError, match=r"the first one's sample\[0\] has shape \[16\] in validation, \[32\] in training"
-    ):
-        tk.Trainer(config, model=nn.Linear(32, 4), train_data=train, val_data=val, progress=False)
-    tokens = TensorDataset(torch.randint(0, 9, (64, 12)), torch.randint(0, 4, (64,)))
-    shorter = TensorDataset(torch.randint(0, 9, (16, 7)), torch.randint(0, 4, (16,)))
-    tk.Trainer(config, model=nn.Linear(12, 4), train_data=tokens, val_data=shorter, progress=False)  # ids: any length
+    trainer = tk.Trainer(config, model=nn.Linear(32, 4), train_data=train, val_data=val, progress=False)
+    with pytest.raises(ConfigError, match=r"sample\[0\] has shape \[16\] in the first validation sample, \[32\] per"):
+        trainer.fit()
+    assert trainer.counters.step == 0  # before the first step, not after an epoch
+    ids = first_sample(TensorDataset(torch.randint(0, 9, (16, 7)), torch.randint(0, 4, (16,))))
+    check_alike((torch.randint(0, 9, (8, 12)), torch.randint(0, 4, (8,))), ids)  # token ids: any length
+    with pytest.raises(ConfigError, match=r"sample\[0\] has shape \[7\] in the first validation sample, \[3, 12\]"):
+        check_alike((torch.randint(0, 9, (8, 3, 12)), torch.randint(0, 4, (8,))), ids)
 
 
 def test_the_worker_choice_is_said_without_progress_output_too(tiny_config, capsys):

@@ -66,6 +66,17 @@ class Loaders:
     sources: dict[str, Any] = field(default_factory=dict)
     """The streaming sources by config key (``data.train``, ``data.val``): their files are
     fingerprinted for resumes (``torchkeel.data.inputs``)."""
+    val_sample: dict[str, torch.Tensor] | None = None
+    """The first validation sample's tensors (map-style data), for ``checked``."""
+
+    def checked(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches`` of training, the first one compared with the first validation sample
+        (``check_alike``), once per run: a mismatch stops the run at its first step."""
+        for batch in batches:
+            if self.val_sample is not None:
+                sample, self.val_sample = self.val_sample, None
+                check_alike(batch, sample)
+            yield batch
 
 
 def is_source(data: Any) -> bool:
@@ -225,7 +236,6 @@ def build_loaders(
     ``num_workers: auto`` runs (or reads from the cache) the worker trial on the training data."""
     per_rank(batch_size, world_size)
     train_data, val_data = resolve_data(cfg, train_data, val_data)
-    check_alike(train_data, val_data)
     make = loader_factory(cfg, batch_size=batch_size, seed=seed, device=device, rank=rank, world_size=world_size)
     tuning = None
     num_workers = cfg.num_workers
@@ -245,32 +255,41 @@ def build_loaders(
     val = make(val_data, num_workers, train=False) if val_data is not None else None
     empty = [*getattr(train_data, "empty_files", []), *getattr(val_data, "empty_files", [])]
     sources = {key: data for key, data in (("data.train", train_data), ("data.val", val_data)) if is_source(data)}
-    return Loaders(train, val, tuning, empty, sources)
+    return Loaders(train, val, tuning, empty, sources, first_sample(val_data))
 
 
-def check_alike(train_data: Any, val_data: Any) -> None:
-    """The first validation sample against the first training one, at start, for map-style data:
-    a feature width that differs would otherwise fail in the model after the first epoch.
+def first_sample(data: Any) -> dict[str, torch.Tensor] | None:
+    """A map-style dataset's first sample, its tensors by where they are (``sample[0]``), or
+    ``None`` (a streaming source, an empty dataset, a sample that cannot be read: the loader
+    reports that one by index)."""
+    if data is None or is_source(data) or not len(data):
+        return None
+    try:
+        return dict(flat_tensors(data[0]))
+    except Exception:  # noqa: BLE001 - see above
+        return None
 
-    Compares each tensor's number of axes, and the last axis of floating tensors (features);
-    integer tensors (token ids, labels) may differ in length.
+
+def check_alike(batch: Any, sample: dict[str, torch.Tensor]) -> None:
+    """A training batch against a validation sample: a feature width that differs would fail in
+    the model only at the first validation, after an epoch.
+
+    Compares each tensor's number of axes (the batch's has one more), and the last axis of
+    floating tensors (features); integer tensors (token ids, labels) may differ in length.
 
     Raises:
         ConfigError: naming the tensor and both shapes.
     """
-    if val_data is None or is_source(train_data) or is_source(val_data) or not len(train_data) or not len(val_data):
-        return
-    try:
-        train_parts, val_parts = flat_tensors(train_data[0]), flat_tensors(val_data[0])
-    except Exception:  # noqa: BLE001 - a sample that cannot be read is the loader's to report, by index
-        return
-    for (where, a), (_, b) in zip(train_parts, val_parts):
+    for where, a in flat_tensors(batch):
+        b = sample.get(where)
+        if b is None:
+            continue
         floating = a.is_floating_point() and b.is_floating_point()
-        if a.dim() != b.dim() or (floating and a.dim() and a.shape[-1] != b.shape[-1]):
+        if a.dim() != b.dim() + 1 or (floating and b.dim() and a.shape[-1] != b.shape[-1]):
             raise ConfigError(
-                f"the validation samples do not match the training samples: the first one's {where} has "
-                f"shape {list(b.shape)} in validation, {list(a.shape)} in training; give both datasets "
-                "the same features (columns, preprocessing)"
+                f"the validation samples do not match the training samples: {where} has shape "
+                f"{list(b.shape)} in the first validation sample, {list(a.shape[1:])} per sample in the "
+                "first training batch; give both datasets the same features (columns, preprocessing)"
             )
 
 

@@ -160,7 +160,7 @@ class Trainer:
             return  # resumed from the checkpoint where it stopped early: nothing left to do
         # An epoch ends when its data does (on every rank together); only max_steps stops mid-epoch.
         while not self._is_at_max_steps() and (train.max_epochs is None or c.epoch < train.max_epochs):
-            batches = self.train_loader.epoch(c.epoch, start_batch=c.batch_in_epoch)
+            batches = self.data.checked(self.train_loader.epoch(c.epoch, start_batch=c.batch_in_epoch))
             self.protections.input_bound.start()
             # One group is read ahead, so that the epoch's last step is known when it is taken.
             groups = iter_groups(self.job.batches(batches, self.train_loader.streaming), train.accumulate)
