@@ -117,6 +117,19 @@ def test_every_pod_asks_for_cpus_and_memory_and_gets_a_memory_backed_dev_shm():
         pytorch_job(train_spec(memory_per_node="64 GB"))
 
 
+def test_each_kserve_manifest_says_its_mode_and_serverless_gets_one_port():
+    raw_runtime, raw_service = kserve(serve_spec())[:2]
+    assert raw_service["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"
+    assert [p["name"] for p in raw_runtime["spec"]["containers"][0]["ports"]] == ["http1", "h2c"]
+    runtime, service = kserve(serve_spec(deployment_mode="Serverless"))[:2]
+    assert service["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "Serverless"
+    container = as_model(runtime["spec"]["containers"][0], "V1Container")
+    assert [p.container_port for p in container.ports] == [8080]  # Knative routes one port
+    assert container.args[container.args.index("--grpc_port") + 1] == "0"
+    with pytest.raises(ConfigError, match="--deployment-mode 'Knative': choose one of RawDeployment, Serverless"):
+        kserve(serve_spec(deployment_mode="Knative"))
+
+
 def test_keel_refuses_a_pytorchjobs_pod_counts_read_as_process_counts(tmp_path):
     write_config(tmp_path)
     variables = {

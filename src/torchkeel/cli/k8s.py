@@ -37,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--image", required=True, help="container image with torchkeel installed")
     serve.add_argument("--storage-uri", help="where the export is in the cluster (default pvc://<name>-models)")
     serve.add_argument("--plain", action="store_true", help="Deployment, Service and HorizontalPodAutoscaler")
+    serve.add_argument(
+        "--deployment-mode",
+        choices=["RawDeployment", "Serverless"],
+        default="RawDeployment",
+        help="KServe's mode (default RawDeployment: HTTP and gRPC ports; Serverless: Knative, HTTP only)",
+    )
     serve.add_argument("--keda-queue-us", type=float, help="KEDA ScaledObject on the average queue wait (us)")
     serve.add_argument("--min-replicas", type=int, default=1)
     serve.add_argument("--max-replicas", type=int, default=4)
@@ -94,5 +100,6 @@ def _serve(args: argparse.Namespace) -> list:
         max_replicas=args.max_replicas,
         gpus=args.gpus,
         keda_queue_us=args.keda_queue_us,
+        deployment_mode=args.deployment_mode,
     )
     return plain(spec) if args.plain else kserve(spec)

@@ -181,9 +181,16 @@ class ServeSpec:
     keda_queue_us: float | None = None
     """Scale on the queue: the average queue wait (microseconds per request) one replica may carry."""
     target_cpu_percent: int = 70
+    deployment_mode: str = "RawDeployment"
+    """KServe's mode: ``RawDeployment`` (a Deployment; HTTP and gRPC ports) or ``Serverless``
+    (Knative, which allows one container port: HTTP only, gRPC off)."""
 
     def validate(self) -> "ServeSpec":
         _check_name(self.name)
+        if self.deployment_mode not in DEPLOYMENT_MODES:
+            raise ConfigError(
+                f"--deployment-mode {self.deployment_mode!r}: choose one of {', '.join(DEPLOYMENT_MODES)}"
+            )
         if not self.image:
             raise ConfigError("--image is required: a container image with torchkeel installed")
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -193,6 +200,7 @@ class ServeSpec:
         return self
 
 
+DEPLOYMENT_MODES = ("RawDeployment", "Serverless")
 MODEL_FORMATS = {"onnx": "onnx", "torchscript": "pytorch", "torch-export": "pytorch"}
 """KServe's model format names for each export format (TorchScript is KServe's ``pytorch``)."""
 
@@ -240,6 +248,9 @@ def kserve(spec: ServeSpec) -> list[Manifest]:
     spec.validate()
     container = _serve_container(spec, "kserve-container")
     container["args"] += ["--model_name", "{{.Name}}", "/mnt/models"]
+    if spec.deployment_mode == "Serverless":  # Knative routes one port: HTTP (v1, v2, metrics)
+        container["ports"] = [p for p in container["ports"] if p["name"] == "http1"]
+        container["args"][container["args"].index("--grpc_port") + 1] = "0"
     runtime = {
         "apiVersion": "serving.kserve.io/v1alpha1",
         "kind": "ServingRuntime",
@@ -266,7 +277,11 @@ def kserve(spec: ServeSpec) -> list[Manifest]:
     service = {
         "apiVersion": "serving.kserve.io/v1beta1",
         "kind": "InferenceService",
-        "metadata": _metadata(spec.name, spec.namespace, annotations=_scrape()),
+        "metadata": _metadata(
+            spec.name,
+            spec.namespace,
+            annotations={**_scrape(), "serving.kserve.io/deploymentMode": spec.deployment_mode},
+        ),
         "spec": {"predictor": predictor},
     }
     return [runtime, service, *([_scaled_object(spec, spec.name + "-predictor")] if spec.keda_queue_us else [])]
