@@ -9,10 +9,12 @@ its checkpoint with the weights of an uninterrupted run.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -73,6 +75,48 @@ def test_the_task_gets_the_nodes_cpus_the_directory_and_a_sigterm_that_saves(tmp
     assert sbatch_options(told)["cpus-per-task"] == "12" and "exclusive" not in sbatch_options(told)
     assert '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in told[told.index("srun ") :]  # srun does not inherit it
     assert "trap on_term TERM" in whole and 'kill -TERM "$step"' in whole
+
+
+FAKE_SRUN = """#!/bin/bash
+echo "$@" > "$LOG/srun.args"
+trap 'echo TERM >> "$LOG/srun.signals"; exit 143' TERM
+trap 'echo USR1 >> "$LOG/srun.signals"; exit 143' USR1
+touch "$LOG/srun.started"
+for _ in $(seq 600); do sleep 0.05; done
+"""
+FAKE_SCONTROL = """#!/bin/bash
+echo "$@" >> "$LOG/scontrol.calls"
+if [ "$1" = show ]; then echo node0; fi
+"""
+
+
+def test_sigterm_to_the_batch_shell_reaches_the_step_and_requeues(tmp_path):
+    """scancel and a CANCEL-mode preemption signal the batch shell: stand-ins for srun and scontrol
+    record what the script does with it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(script(gpus_per_node=0, nodes=1))
+    variables = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node0", "SLURM_NNODES": "1", "SLURM_CPUS_ON_NODE": "2"}
+    environment = {**os.environ, **variables, "LOG": str(tmp_path), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    shell = subprocess.Popen(
+        ["bash", str(tmp_path / "job.sbatch")], env=environment, cwd=tmp_path, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "srun.started").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shell.send_signal(signal.SIGTERM)
+        out, _ = shell.communicate(timeout=20)
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+    assert shell.returncode == 143 and "SIGTERM: saving a checkpoint, then requeueing" in out
+    assert (tmp_path / "srun.signals").read_text().split() == ["TERM"]
+    assert "requeue 7" in (tmp_path / "scontrol.calls").read_text()
+    assert "--cpus-per-task=2" in (tmp_path / "srun.args").read_text()
 
 
 def test_cpu_nodes_run_one_worker_each_unless_told_otherwise():
