@@ -255,37 +255,41 @@ def build_loaders(
     val = make(val_data, num_workers, train=False) if val_data is not None else None
     empty = [*getattr(train_data, "empty_files", []), *getattr(val_data, "empty_files", [])]
     sources = {key: data for key, data in (("data.train", train_data), ("data.val", val_data)) if is_source(data)}
-    return Loaders(train, val, tuning, empty, sources, first_sample(val_data))
+    # A batch transform may reshape the batch: then a sample says nothing about it.
+    val_sample = None if cfg.batch_transform else first_sample(val_data, sample_transform(cfg))
+    return Loaders(train, val, tuning, empty, sources, val_sample)
 
 
-def first_sample(data: Any) -> dict[str, torch.Tensor] | None:
-    """A map-style dataset's first sample, its tensors by where they are (``sample[0]``), or
-    ``None`` (a streaming source, an empty dataset, a sample that cannot be read: the loader
-    reports that one by index)."""
+def first_sample(data: Any, transform: Callable[[Any], Any] | None = None) -> dict[str, torch.Tensor] | None:
+    """A map-style dataset's first sample as the loader gives it (``transform``: the config's
+    sample transform), its tensors by where they are (``sample[0]``); ``None`` for a streaming
+    source, an empty dataset or a sample that cannot be read (the loader reports that one by
+    index). The read changes no random generator: an augmenting dataset draws the same after it."""
     if data is None or is_source(data) or not len(data):
         return None
-    try:
-        return dict(flat_tensors(data[0]))
-    except Exception:  # noqa: BLE001 - see above
-        return None
+    with preserved_rng():
+        try:
+            sample = data[0]
+            return dict(flat_tensors(transform(sample) if transform is not None else sample))
+        except Exception:  # noqa: BLE001 - see above
+            return None
 
 
 def check_alike(batch: Any, sample: dict[str, torch.Tensor]) -> None:
     """A training batch against a validation sample: a feature width that differs would fail in
     the model only at the first validation, after an epoch.
 
-    Compares each tensor's number of axes (the batch's has one more), and the last axis of
-    floating tensors (features); integer tensors (token ids, labels) may differ in length.
+    Compares the last axis of floating tensors found at the same place in both, with the batch's
+    one axis more (features); integer tensors (token ids, labels) may differ in length.
 
     Raises:
         ConfigError: naming the tensor and both shapes.
     """
     for where, a in flat_tensors(batch):
         b = sample.get(where)
-        if b is None:
+        if b is None or not (a.is_floating_point() and b.is_floating_point()) or a.dim() != b.dim() + 1:
             continue
-        floating = a.is_floating_point() and b.is_floating_point()
-        if a.dim() != b.dim() + 1 or (floating and b.dim() and a.shape[-1] != b.shape[-1]):
+        if b.dim() and a.shape[-1] != b.shape[-1]:
             raise ConfigError(
                 f"the validation samples do not match the training samples: {where} has shape "
                 f"{list(b.shape)} in the first validation sample, {list(a.shape[1:])} per sample in the "
