@@ -412,12 +412,11 @@ def _metadata(
 def _volumes(spec: TrainSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """A pod's volumes and their mounts: a memory-backed ``/dev/shm`` (DataLoader workers pass
     batches through it; a container's own is 64 MB), and the run directory's claim with ``--pvc``."""
-    volumes = [_pvc_volume(spec.pvc)] if spec.pvc else []
-    mounts = [_mount()] if spec.pvc else []
-    return [*volumes, {"name": "dshm", "emptyDir": {"medium": "Memory"}}], [
-        *mounts,
-        {"name": "dshm", "mountPath": "/dev/shm"},
-    ]
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if spec.pvc:  # the claim first: it is what a reader of the manifest looks for
+        return [_pvc_volume(spec.pvc), *volumes], [_mount(), *mounts]
+    return volumes, mounts
 
 
 def _pvc_volume(claim: str) -> dict[str, Any]:

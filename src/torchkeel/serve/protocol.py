@@ -291,10 +291,13 @@ def v1_tensor(instances: list[Any], spec: TensorSpec, allow_nonfinite: bool = Fa
     return array
 
 
+_NUMBER_TYPES = {float, int}  # exactly: bool is an int subclass, and is refused
+
+
 def _refuse_nulls_and_booleans(values: Any, where: str) -> None:
     """numpy reads JSON ``null`` as NaN and ``true`` as 1.0: name the value instead."""
     if isinstance(values, list):
-        if all(type(v) is float or type(v) is int for v in values):  # noqa: E721 - bool is an int
+        if set(map(type, values)) <= _NUMBER_TYPES:  # the request path: one pass in C, no generator
             return
         for i, value in enumerate(values):
             _refuse_nulls_and_booleans(value, f"{where}[{i}]")
