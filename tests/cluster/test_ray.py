@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[
 from distrun import final, max_difference, train, write_config  # noqa: E402
 
 from torchkeel.errors import ConfigError  # noqa: E402
-from torchkeel.integrations.ray import fit  # noqa: E402
+from torchkeel.integrations.ray import RayJobFailed, fit  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,33 @@ def test_a_killed_worker_resumes_from_the_checkpoint_through_ray(work, single):
     found, weights = final(work, "ray-killed")
     assert found.step == 24
     assert max_difference(weights, single) < 1e-5
+
+
+def test_a_worker_killed_under_ray_is_named_in_the_summary_with_its_machine(work):
+    """Ray tears the group down when a worker dies: rank 0's summary.json names the rank that
+    ended first and how, not the collective that failed after it."""
+    with pytest.raises(RayJobFailed) as failed:
+        fit(
+            "cfg.yaml",
+            ["name=ray-dies", "train.max_steps=24"],
+            num_workers=2,
+            max_failures=0,
+            worker_env={"TORCHKEEL_TEST_STEP_FAULTS": "kill:6@rank=1"},
+        )
+    line = str(failed.value)
+    assert (
+        line.startswith(f"rank 1 ({socket.gethostname()}, pid ") and "ended first without an error of its own" in line
+    )
+    assert "its process died" in line, line
+    summary = json.loads((work / "runs" / "ray-dies" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == line
+    with pytest.raises(RayJobFailed, match=f"rank 1 on {socket.gethostname()} ended first: ValueError: a user's bug"):
+        fit(
+            "cfg.yaml",
+            ["name=ray-bug", "train.max_steps=24", "model.target=distmodels:FailsOnRank"],
+            num_workers=2,
+            max_failures=0,
+        )
 
 
 PARQUET_CONFIG = """

@@ -57,6 +57,7 @@ def test_the_script_asks_slurm_for_nodes_gpus_a_warning_and_requeue():
         '--rdzv-id "$SLURM_JOB_ID"',
         "--signals-to-handle SIGTERM,SIGINT,SIGUSR1",
         "--resume auto",
+        '"$KEEL_BIN/python3" -m torchkeel.cluster.torchrun',
     ):
         assert flag in launch
     assert "/shared/cfg.yaml" in launch and "'name=my run'" in launch  # quoted for the shell
@@ -212,19 +213,23 @@ def test_the_warning_signal_saves_and_exits_143_like_sigterm(work):
     assert code == 143, err[-3000:]
 
 
-def test_torchrun_passes_the_warning_to_every_worker(work):
+def test_torchrun_passes_the_warning_to_every_worker_and_ends_without_a_traceback(work):
+    """As the sbatch script runs it: torchrun's own ending on a handled signal is a traceback and
+    exit 1 (``srun: error`` in the job log); keel's entry to it says one line and exits 0."""
     command = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "torchkeel.cluster.torchrun",
         "--standalone",
         "--nproc-per-node=2",
         "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1",
         "--monitor-interval=0.2",
         *keel_command(1, "name=usr1-dist", "train.max_steps=400")[1:],
     ]
-    _, err = warned(work, "usr1-dist", command, "sleep:12=2@rank=0")
+    code, err = warned(work, "usr1-dist", command, "sleep:12=2@rank=0")
     assert "keel: rank 1: stopped by SIGUSR1" in err and "(exit 143)" in err, err[-3000:]
+    assert "torchrun passed SIGUSR1 on and its workers have ended" in err, err[-3000:]
+    assert code == 0 and "Traceback" not in err and "SignalException" not in err, err[-3000:]
 
 
 def test_keel_train_nproc_passes_the_warning_on_and_exits_143(work):
@@ -298,6 +303,8 @@ def test_a_real_slurm_job_is_warned_saves_requeues_and_finishes(work, tmp_path):
     text = log.read_text()
     assert "time limit in 60 s: saving a checkpoint, then requeueing" in text
     assert f"resumed: step {stopped['steps']}" in text and "status completed" in text
+    # The warning, the save and the requeue are the normal end of a time-limited start.
+    assert "Traceback" not in text and "srun: error" not in text, text[-4000:]
     found, weights = final(work, "slurm")
     _, expected = final(work, "steady")
     assert found.step == 3000 and stopped["steps"] < 3000

@@ -49,3 +49,9 @@ class FailsOnRank(nn.Module):
             if self.forwards == self.at and int(os.environ.get("RANK", 0)) == self.rank:
                 raise ValueError(f"a user's bug on rank {self.rank}")
         return self.net(x)
+
+
+def normalized(num_features: int = 32, num_classes: int = 4) -> nn.Module:
+    """A BatchNorm in front of a linear layer; ``momentum=None`` keeps the plain average of the
+    batch means, so the running mean after an epoch is the mean of the rows the rank trained on."""
+    return nn.Sequential(nn.BatchNorm1d(num_features, momentum=None), nn.Linear(num_features, num_classes))

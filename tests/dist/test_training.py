@@ -6,17 +6,21 @@ The data: 480 training samples, batches of 64 — the last batch of each epoch i
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import signal
 import socket
 import subprocess
+import tarfile
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from distrun import env, final, keel_command, max_difference, train, write_config
+from torchkeel.data.order import unit_order
 
 ADAMW = ("optim.name=adamw", "optim.lr=3e-3", "train.accumulate=2")
 CASES = {"sgd-accumulate-1": (), "adamw-accumulate-2": ADAMW}
@@ -163,6 +167,39 @@ def test_the_rank_that_ended_first_is_named_with_its_machine_and_how_it_ended(wo
     line = next(line for line in failed.stderr.splitlines() if line.startswith("keel: error: rank 0:"))
     assert f"failed: rank 1 on {host} ended first: ValueError: a user's bug on rank 1" in line, line
     assert "a user's bug on rank 1" in summary(work, "bug")["error"]  # summary.json holds the cause, not the echo
+
+
+def _shard(path, rows, labels):
+    with tarfile.open(path, "w") as tar:
+        for i, (row, label) in enumerate(zip(rows, labels)):
+            npy = io.BytesIO()
+            np.save(npy, row)
+            for name, payload in ((f"{i:06d}.npy", npy.getvalue()), (f"{i:06d}.cls", str(label).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+
+
+def test_the_rank_whose_data_ran_out_first_leaves_batchnorm_statistics_as_its_real_batches_left_them(work):
+    """Two WebDataset shards, 64 and 192 rows: rank 0 reads the short one and runs out after 2 of
+    the epoch's 6 steps. Its 4 stand-in forwards only serve DDP's collectives: the saved running
+    mean (rank 0's, as DDP broadcasts it) is the mean of its 64 rows, over 2 tracked batches."""
+    rng = np.random.default_rng(0)
+    short = rng.normal(3.0, 1.0, size=(64, 32)).astype(np.float32)
+    long = rng.normal(-2.0, 1.0, size=(192, 32)).astype(np.float32)
+    first = unit_order(2, 3, 0, True)[0]  # the unit rank 0 is given first (the config's seed 3, epoch 0)
+    for index, rows in ((first, short), (1 - first, long)):
+        _shard(work / f"bn-{index:06d}.tar", rows, rng.integers(0, 4, len(rows)))
+    _shard(work / "bn-val.tar", long[:32], [0] * 32)
+    data = ("data.format=webdataset", "data.train=bn-{000000..000001}.tar",
+            "data.val=bn-val.tar", "data.input=npy", "data.target=cls", "data.streams=1")
+    result = train(work, 2, "name=bn", "model.target=distmodels:normalized", "train.max_steps=null",
+                   "train.max_epochs=1", *data)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found, weights = final(work, "bn")
+    assert found.step == 6
+    assert int(weights["0.num_batches_tracked"]) == 2
+    assert torch.allclose(weights["0.running_mean"], torch.from_numpy(short.mean(0)), atol=1e-5)
 
 
 def test_a_stalled_rank_fails_the_job_within_the_timeout_naming_it(work):

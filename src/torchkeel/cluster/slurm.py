@@ -7,7 +7,8 @@ flags, and the time-limit warning into a checkpoint and a requeue:
 
 1. ``--signal=B:USR1@S`` makes Slurm signal the batch shell S seconds before the time limit;
 2. the shell passes SIGUSR1 to the job step; torchrun (``--signals-to-handle``) passes it to every
-   worker, and the Trainer treats it like SIGTERM: it saves a checkpoint and exits 143;
+   worker, and the Trainer treats it like SIGTERM: it saves a checkpoint and exits 143; torchrun
+   then ends with one line and exit code 0 (:mod:`torchkeel.cluster.torchrun`), not a traceback;
 3. the shell then requeues the job (``scontrol requeue``), which starts again with
    ``--resume auto`` from that checkpoint.
 """
@@ -109,7 +110,8 @@ def sbatch_script(job: SlurmJob) -> str:
         f"#SBATCH --output={job.name}-%j.out",
     ]
     torchrun = [
-        '"$KEEL_BIN/torchrun"',
+        # torchrun itself, ending with one line and exit 0 when it stopped the workers for a signal.
+        '"$KEEL_BIN/python3" -m torchkeel.cluster.torchrun',
         '--nnodes "$SLURM_NNODES"',
         f"--nproc-per-node {job.workers_per_node}",
         "--rdzv-backend c10d",

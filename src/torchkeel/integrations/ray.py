@@ -16,17 +16,36 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from torchkeel.config.load import load_config
-from torchkeel.errors import ConfigError
+from torchkeel.errors import ConfigError, KeelError
+from torchkeel.io import write_json_atomic
 
 REPORTED = ("train", "val")
+
+
+class RayJobFailed(KeelError):
+    """Ray ended the job because a worker failed: the message names the rank, its machine and how."""
+
+
+class RankFailed(RuntimeError):
+    """A worker's own error, with the machine it ran on (Ray's report names only the rank)."""
+
+    def __init__(self, host: str, error: str) -> None:
+        super().__init__(f"{error} (on {host})")
+        self.host, self.error = host, error
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.host, self.error)
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -49,9 +68,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     faults = os.environ.get("TORCHKEEL_TEST_STEP_FAULTS")  # the test seam keel train reads too
     trainer = Trainer(config, resume="auto", progress=False, oom_hook=parse_step_faults(faults) if faults else None)
     trainer.files.row_hooks.append(lambda row: _report(ray.train.report, row))
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    except Exception as error:
+        raise RankFailed(socket.gethostname(), f"{type(error).__name__}: {error}") from error
     if summary.get("status") == "failed":
-        raise RuntimeError(f"keel train failed on rank {trainer.rank.rank}: {summary.get('error')}")
+        raise RankFailed(socket.gethostname(), str(summary.get("error")))
     # The last report carries a small Ray checkpoint that points at keel's own (no copy of the
     # weights), so that Ray's Result has the run's summary and where its weights are.
     final = {k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
@@ -137,9 +159,55 @@ def fit(
         ),
     )
     # Ray installs a SIGINT handler of its own for the fit and leaves it: the caller's comes back.
-    previous = signal.getsignal(signal.SIGINT)
+    previous, started = signal.getsignal(signal.SIGINT), time.time()
     try:
         return trainer.fit()
+    except Exception as error:
+        line = ended_first(error)
+        if line is None:
+            raise
+        _summarize_failure(out_dir / cfg.name, line, started)
+        raise RayJobFailed(line) from error
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, previous)
+
+
+def ended_first(error: BaseException) -> str | None:
+    """One line from Ray's failure report (``WorkerGroupError.worker_failures``): the rank that
+    failed in its own right (not one that only saw another end), its machine and how it ended.
+    None when Ray names no worker."""
+    failures = getattr(error, "worker_failures", None)
+    if not failures:
+        return None
+    rank = min(failures, key=lambda r: ("ended first" in str(failures[r]), r))
+    failure = failures[rank]
+    if isinstance(failure, RankFailed):
+        return f"rank {rank} on {failure.host} ended first: {failure.error.splitlines()[0][:300]}"
+    text = str(failure)
+    found = {
+        key: match[1]
+        for key, pattern in (
+            ("host", r"hostname='([^']*)'"),
+            ("pid", r"\bpid=(\d+)"),
+            ("detail", r"Worker exit detail: ([^.]*)"),
+            ("log", r"log_file_path='([^']*)'"),
+        )
+        if (match := re.search(pattern, text))
+    }
+    who = f"rank {rank}" + (f" ({found['host']}, pid {found.get('pid', '?')})" if "host" in found else "")
+    if "actor died" in text or "detail" in found:
+        how = f"its process died ({found.get('detail', 'no detail from Ray')}: a signal, the out-of-memory killer or a crash)"
+    else:
+        how = text.splitlines()[0][:300]
+    return f"{who} ended first without an error of its own: {how}" + (
+        f"; its log: {found['log']}" if "log" in found else ""
+    )
+
+
+def _summarize_failure(run_dir: Path, line: str, started: float) -> None:
+    """Write ``summary.json`` for a job Ray tore down before rank 0 could (rank 0's own summary
+    of this fit is kept)."""
+    summary = run_dir / "summary.json"
+    if run_dir.is_dir() and not (summary.exists() and summary.stat().st_mtime >= started):
+        write_json_atomic(summary, {"status": "failed", "error": line})
