@@ -104,7 +104,10 @@ def test_a_model_whose_warmup_fails_is_unavailable_with_the_reason(exported):
 
 
 def test_requests_through_the_app_warm_the_request_path_and_are_not_counted(exported, monkeypatch):
-    app = create_app(exported[0], ServeOptions(max_batch_size=8))
+    # Every wave is sent and none times out in the queue, however busy the machine is: the
+    # warm-up's time budget and the queue's timeout are wall-clock limits, not what is tested.
+    monkeypatch.setattr("torchkeel.serve.warmup.BUDGET_S", 600.0)
+    app = create_app(exported[0], ServeOptions(max_batch_size=8, queue_timeout_ms=600_000))
     server = app.state.server
     (model,) = server.repository.models.values()
     batches, forward = [], model.batcher.run_batch
@@ -145,10 +148,11 @@ def _recorded(method, name: str, calls: list):
     return recording
 
 
-def test_a_route_that_fails_on_the_warmup_values_is_left_out_and_the_model_still_serves(exported):
+def test_a_route_that_fails_on_the_warmup_values_is_left_out_and_the_model_still_serves(exported, monkeypatch):
     # A model that normalizes its input (x / x.norm()) answers NaN for zeros: v1 cannot write NaN
     # as JSON (500). The model is fine for real inputs: it must stay in service.
-    app = create_app(exported[0], ServeOptions(max_batch_size=8))
+    monkeypatch.setattr("torchkeel.serve.warmup.BUDGET_S", 600.0)  # every wave, however busy the machine
+    app = create_app(exported[0], ServeOptions(max_batch_size=8, queue_timeout_ms=600_000))
     (model,) = app.state.server.repository.models.values()
     forward = model.batcher.run_batch
 
