@@ -29,6 +29,12 @@ HABIT_CONTROLS = [
     "clean_multitask.py",
     "clean_sorted_shuffled.py",
     "clean_epoch_item.py",
+    "clean_gan_dcgan.py",
+    "clean_two_stage.py",
+    "clean_clip.py",
+    "clean_scheduler_per_step.py",
+    "clean_accumulation_divided.py",
+    "clean_train_after_eval.py",
 ]
 SHORT = sorted({EXPECTED[n]["id"]: n for n in reversed(FAULTS)}.values()) + SHORT_CONTROLS + HABIT_CONTROLS
 NONDET = {n for n in FAULTS if EXPECTED[n]["id"] == "nondeterministic"}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import gc
+import linecache
+import re
 import sys
 import types
 import weakref
@@ -28,10 +30,11 @@ def census(
     kept longest. Returns the census and the pruned weak references of the live ones.
 
     ``roots`` maps the ids of the root nodes of recent backward passes (held alive by the caller,
-    so an id is not reused) to their step: a live tensor whose graph reaches two of them, or one of
-    an earlier step, other than its own, keeps graphs that backward already ran through
-    (``total_loss += loss``), and so do the losses of two earlier steps still alive (a list of
-    them), whatever the sizes do from one census to the next."""
+    so an id is not reused) to their step: a live tensor whose graph reaches those of two steps,
+    other than its own, keeps graphs that backward already ran through (``total_loss += loss``),
+    and so do the losses of two earlier steps still alive (a list of them), whatever the sizes do
+    from one census to the next. A tensor that reaches one step's passes only is replaced each
+    step (``errD = errD_real + errD_fake``)."""
     roots = roots or {}
     seen: dict[int, torch.Tensor] = {}
     for ref in tracked:
@@ -49,7 +52,9 @@ def census(
             largest, largest_nodes = t, nodes
         if roots:
             steps = [roots[id(n)] for n in found if id(n) in roots and n is not t.grad_fn]
-            reached = len(steps) if len(steps) >= 2 or any(s < step for s in steps) else 0
+            # The passes of one step only (a GAN's errD = errD_real + errD_fake, kept until the
+            # next iteration reassigns it) are replaced each step: a leak spans several steps.
+            reached = len(steps) if len(set(steps)) >= 2 else 0
             if reached > spans:
                 spanning, spans = t, reached
         if budget <= 0:
@@ -107,9 +112,26 @@ def _name_in_stack(obj: Any) -> str | None:
             for name, value in frame.f_locals.items():
                 if value is obj:
                     scope = "global" if frame.f_code.co_name == "<module>" else f"in {frame.f_code.co_name}()"
-                    return f"'{name}' {scope} ({site_text(user_site(frame))})"
+                    site = user_site(frame)
+                    line = _accumulating_line(frame, name)
+                    return f"'{name}' {scope} ({site_text({**site, 'line': line} if site and line else site)})"
         frame = frame.f_back
     return None
+
+
+def _accumulating_line(frame: types.FrameType, name: str) -> int | None:
+    """The line of ``frame``'s function that adds to ``name`` (``name += x``, ``name.append(x)``),
+    else the last that assigns it: where the graphs are kept, not where the census found them."""
+    code = frame.f_code
+    grows = re.compile(rf"(?<![\w.]){re.escape(name)}\s*(\+=|-=|\.append\(|\.extend\(|\.insert\()")
+    assigns = re.compile(rf"(?<![\w.]){re.escape(name)}\s*=[^=]")
+    numbers = sorted({line for _, _, line in code.co_lines() if line})
+    lines = [(n, linecache.getline(code.co_filename, n)) for n in numbers]
+    grown = [n for n, text in lines if grows.search(text)]
+    assigned = [n for n, text in lines if assigns.search(text)]
+    if grown:
+        return grown[0]
+    return assigned[-1] if assigned else None
 
 
 def _attribute_name(obj: Any) -> str | None:

@@ -30,6 +30,7 @@ from torchkeel.diagnose.input_detectors import (
     nonfinite_input,
     probabilities_into_cross_entropy,
 )
+from torchkeel.diagnose.loop_detectors import LOOP_DETECTORS
 from torchkeel.diagnose.probe import Facts
 from torchkeel.diagnose.runner import ScriptOutcome
 from torchkeel.diagnose.step_detectors import (
@@ -224,6 +225,7 @@ DETECTORS: tuple[Detector, ...] = (
     dropout_always_on,
     leaked_graph,
     dataloader_bottleneck,
+    *LOOP_DETECTORS,
 )
 
 
@@ -233,6 +235,8 @@ def judge(facts: Facts, outcome: ScriptOutcome, extra: list[Finding] = ()) -> li
     ids = {x.id for x in findings}
     if ids & {"missing-zero-grad", "double-step", "repeated-backward"}:
         findings = [x for x in findings if x.id not in ("grad-exploding", "lr-divergence")]
+    if "zero-grad-before-step" in ids:  # step() finds no gradients: the order says why
+        findings = [x for x in findings if x.id not in ("grad-none", "params-not-updating")]
     diverged = next((x for x in findings if x.id == "lr-divergence"), None)
     if diverged is not None:
         for x in findings:

@@ -78,6 +78,7 @@ class ProbabilitiesIntoCrossEntropy(Site, total=False):
     num_classes: int
     max_row_sum_error: float | None
     produced_by: str | None
+    loss_at: str  # the loss call; the Site is the line that made the probabilities, where known
 
 
 class BatchnormBatchOne(Site, total=False):
@@ -162,6 +163,66 @@ class BatchLabels(TypedDict):
     size: int
 
 
+class OneUnitCrossEntropy(Site, total=False):
+    """Cross entropy over a one-unit output: the log-softmax of one logit is 0, and so is the loss."""
+
+    step: int
+    loss: str
+    shape: list[int]
+
+
+class ZeroGradBeforeStep(Site, total=False):
+    """``zero_grad()`` between a backward and the step of the optimizer whose gradients it cleared."""
+
+    step: int
+    optimizer: str
+    backward_at: str
+    step_at: str
+
+
+class ClipBeforeBackward(Site, total=False):
+    """A clip of the gradients before this step's backward: it clipped the previous step's (or none)."""
+
+    step: int
+    call: str  # clip_grad_norm_, clip_grad_value_
+    backward_at: str
+    step_at: str
+
+
+class SchedulerCall(Site, total=False):
+    """A learning-rate scheduler the script stepped: how often, in which order, how far the lr went."""
+
+    scheduler: str
+    calls: int
+    calls_before_step: int  # calls made before its optimizer's first step, or after a backward before the step
+    first_epoch_calls: int  # calls during the first epoch of the loader it was stepped with
+    batches_per_epoch: int | None
+    horizon: dict[str, Any]  # step_size / milestones / T_max / total_iters, as the script set it
+    lr_set: float
+    lr_first_epoch_min: float  # the lowest lr within that first epoch
+    lr_reached: float
+
+
+class StepGroup(TypedDict):
+    """What came before one optimizer step: backwards, batches fetched, whether a loss was scaled."""
+
+    step: int
+    backwards: int
+    batches: int
+    unscaled: bool  # no backward's loss was divided (or multiplied) right before it
+    backward_at: str
+
+
+class TrainedInEval(Site, total=False):
+    """Optimizer steps on a model left in eval mode after it had trained in train mode."""
+
+    step: int  # the first such step
+    steps: int
+    module: str
+    layers: list[str]  # its Dropout / BatchNorm layers
+    trained_until: int  # the last step it trained in train mode
+
+
 class ProbeError(TypedDict):
     error: str
 
@@ -184,6 +245,12 @@ KINDS: dict[str, type] = {
     "repeated-backward": RepeatedBackward,
     "dropout-always-on": DropoutAlwaysOn,
     "batch-labels": BatchLabels,
+    "one-unit-cross-entropy": OneUnitCrossEntropy,
+    "zero-grad-before-step": ZeroGradBeforeStep,
+    "clip-before-backward": ClipBeforeBackward,
+    "scheduler-calls": SchedulerCall,
+    "trained-in-eval": TrainedInEval,
+    "step-groups": StepGroup,
     "probe-error": ProbeError,
 }
 NAMES: dict[type, str] = {definition: name for name, definition in KINDS.items()}

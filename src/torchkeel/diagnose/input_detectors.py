@@ -145,10 +145,13 @@ def probabilities_into_cross_entropy(f: Facts, o: ScriptOutcome) -> list[Finding
         softmax, expects = True, "logits (it applies the sigmoid itself)"
         message = f"{ev['loss']} received the output of a sigmoid{where_text(ev)}; it expects {expects}"
     else:
+        made = where_text(ev) if ev.get("loss_at") and ev["loss_at"] != f"{ev.get('file')}:{ev.get('line')}" else ""
         message = (
-            f"{ev['loss']} received rows that already sum to 1 ({ev['rows']} rows of {ev['num_classes']} classes"
-            + (", the output of a softmax" if softmax else "")
-            + f"{where_text(ev)}); it expects {expects}"
+            f"{ev['loss']}"
+            + (f" at {ev['loss_at']}" if ev.get("loss_at") and ev["loss_at"] != "<library code>" else "")
+            + f" received rows that already sum to 1 ({ev['rows']} rows of {ev['num_classes']} classes"
+            + (f", the output of a softmax{made}" if softmax else "")
+            + f"); it expects {expects}"
         )
     return [
         Finding(
@@ -162,6 +165,7 @@ def probabilities_into_cross_entropy(f: Facts, o: ScriptOutcome) -> list[Finding
                 "produced_by": ev.get("produced_by"),
                 "max_row_sum_error": ev["max_row_sum_error"],
                 "step": ev["step"],
+                "loss_at": ev.get("loss_at"),
                 **site_fields(ev),
             },
             "Remove the softmax before CrossEntropyLoss and pass the logits (apply softmax only for predictions); "

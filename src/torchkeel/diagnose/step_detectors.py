@@ -9,7 +9,14 @@ import math
 import statistics
 from typing import Any
 
-from torchkeel.diagnose.events import DoubleStep, LossWithoutGraph, NonfiniteForward, NonfiniteGrad, NonfiniteLoss
+from torchkeel.diagnose.events import (
+    DoubleStep,
+    LossWithoutGraph,
+    NonfiniteForward,
+    NonfiniteGrad,
+    NonfiniteLoss,
+    OneUnitCrossEntropy,
+)
 from torchkeel.diagnose.findings import Finding, site_fields, where_text
 from torchkeel.diagnose.probe import Facts
 from torchkeel.diagnose.runner import ScriptOutcome
@@ -83,6 +90,29 @@ def missing_zero_grad(f: Facts, o: ScriptOutcome) -> list[Finding]:
     ]
 
 
+_ONE_UNIT_FIX = (
+    "For one output, use BCEWithLogitsLoss with float targets of 0 and 1; for C classes, give the last layer C "
+    "outputs and pass class indices to cross entropy."
+)
+
+
+def _why_gradients_are_zero(f: Facts) -> str:
+    """Why every gradient is zero at step(): the loss itself (a one-unit cross entropy is exactly
+    0, a loss that does not change), read before guessing at the order of the calls."""
+    one_unit = f.first(OneUnitCrossEntropy)
+    values = {x["value"] for x in f.losses}
+    if one_unit is not None:
+        return (
+            f"{one_unit['loss']} over a one-unit output (shape {one_unit['shape']}){where_text(one_unit)} is exactly 0 "
+            "whatever the weights (the log-softmax of a single logit is 0), so every gradient is 0"
+        )
+    if values == {0.0}:
+        return "the loss is exactly 0 at every step, so every gradient is 0"
+    if len(values) == 1 and len(f.losses) >= 3:
+        return f"the loss is {values.pop():.6g} at every step: it does not depend on the parameters"
+    return "the gradients are zero when step() runs (is zero_grad() called between backward() and step()?)"
+
+
 def params_not_updating(f: Facts, o: ScriptOutcome) -> list[Finding]:
     out = []
     for opt in f.optimizers:
@@ -101,7 +131,7 @@ def params_not_updating(f: Facts, o: ScriptOutcome) -> list[Finding]:
         elif opt["lrs"] and all(lr == 0 for lr in opt["lrs"]):
             why = "the learning rate is 0 in every parameter group"
         elif norms and max(norms) == 0:
-            why = "the gradients are zero when step() runs (is zero_grad() called between backward() and step()?)"
+            why = _why_gradients_are_zero(f)
         elif len(opt["grad_none"]) == opt["num_trainable"]:
             continue  # no gradient at all: grad-none says why
         else:
@@ -124,6 +154,10 @@ def params_not_updating(f: Facts, o: ScriptOutcome) -> list[Finding]:
                 "Build the optimizer from the model you train (optimizer = SGD(model.parameters(), ...)) after the "
                 "model is final, with a learning rate above 0."
                 if foreign or "learning rate" in why
+                else _ONE_UNIT_FIX
+                if "one-unit" in why
+                else "Make the loss depend on the parameters: compute it from the model's output of this step."
+                if "the loss is" in why
                 else "Call zero_grad() before backward() (or after step()), never between backward() and step().",
             )
         )

@@ -27,7 +27,7 @@ def train(model, loader, optimizer, criterion, epochs):
 
 
 torch.manual_seed(1)
-data = TensorDataset(torch.randn(64, 20), torch.randint(0, 5, (64,)))
+data = TensorDataset(torch.randn(128, 20), torch.randint(0, 5, (128,)))
 loader = DataLoader(data, batch_size=32, shuffle=True)
 model = Net()
 train(model, loader, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), nn.CrossEntropyLoss(), epochs=12)

@@ -131,6 +131,8 @@ class BackwardListener:
         if facts.backward_calls == 4 * probe.anomaly_steps and not light:
             torch.autograd.set_detect_anomaly(False)  # a script that rarely steps: stop recording stacks
         probe.optim.backward_done()
+        if not light:
+            probe.guarded(probe.loop.backward_done, roots)
         if not light and loss_finite and not facts.events.get("nonfinite-grad"):
             probe.guarded(self._check_grads, hooks)
         return result

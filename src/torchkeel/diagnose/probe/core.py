@@ -23,6 +23,7 @@ from torchkeel.diagnose.probe.backward import BackwardListener
 from torchkeel.diagnose.probe.data import LoaderListener
 from torchkeel.diagnose.probe.facts import Facts, StopScript
 from torchkeel.diagnose.probe.habits import HabitListener
+from torchkeel.diagnose.probe.loop import LoopListener
 from torchkeel.diagnose.probe.modules import ModuleListener
 from torchkeel.diagnose.probe.optim import OptimizerListener
 from torchkeel.diagnose.probe.seeds import SeedListener
@@ -60,6 +61,7 @@ class Probe:
         self._undo: list[Callable[[], None]] = []
         self.modules, self.backward, self.optim = ModuleListener(self), BackwardListener(self), OptimizerListener(self)
         self.data, self.seeds, self.habits = LoaderListener(self), SeedListener(self), HabitListener(self)
+        self.loop = LoopListener(self)
         for dropout in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout):
             self.modules.loss_checks[dropout] = self.habits.check_dropout
 
@@ -74,6 +76,7 @@ class Probe:
             self.optim.install_zero_grad()
             self.data.install()
             self.habits.install()
+            self.loop.install()
             self.seeds.note_start()
             if self.anomaly_steps > 0:
                 previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
@@ -112,6 +115,7 @@ class Probe:
             self.facts.events["graph-reused"] = self.facts.events.get("graph-reused", [])
             self.optim.finish()
             self.habits.finish()
+            self.loop.finish()
             self.data.finish()
         while self._undo:
             try:

@@ -40,7 +40,10 @@ class LoaderListener:
             start = time.perf_counter()
             probe.in_fetch = True
             try:
-                return original(it)
+                batch = original(it)
+                if not probe.light:
+                    probe.loop.fetched()
+                return batch
             finally:
                 probe.in_fetch = False
                 waited = time.perf_counter() - start
@@ -71,7 +74,10 @@ class LoaderListener:
                     "shuffle": _shuffles(loader.sampler),
                     "batches": 0,
                     "wait_s": 0.0,
+                    "epochs": 0,
+                    "length": _length(loader),
                 }
+            listener.loaders[id(loader)]["epochs"] += 1
             listener.loader_of[id(it)] = listener.loaders[id(loader)]
             return it
 
@@ -110,6 +116,13 @@ class LoaderListener:
             "loaders": list(self.loaders.values()),
             "loop_s": max(0.0, loop),
         }
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:  # an iterable dataset without __len__
+        return None
 
 
 def _shuffles(sampler: Any) -> bool | None:

@@ -107,7 +107,8 @@ class HabitListener:
 
     def finish(self) -> None:
         """Parameters an optimizer was given that stayed frozen (``requires_grad=False``) at their
-        initial values (never loaded), in modules the forward pass used."""
+        initial values (never loaded, never stepped: a backbone trained in a first stage and then
+        frozen was trained), in modules the forward pass used."""
         probe, facts = self.probe, self.probe.facts
         facts.events["batch-labels"] = list(self.labels)
         names, owners = probe.param_names(), probe.owner_of()
@@ -124,6 +125,6 @@ class HabitListener:
                 owner = owners.get(id(p))
                 if p.requires_grad:
                     trainable += 1
-                elif owner is not None and id(owner) in probe.used and id(p) not in loaded:
+                elif owner is not None and id(owner) in probe.used and id(p) not in loaded | probe.optim.trained:
                     frozen.append({"parameter": names.get(id(p), "?"), "module": probe.name_of(owner)})
         facts.frozen = {"parameters": frozen, "trainable_in_optimizers": trainable}

@@ -22,13 +22,21 @@ from torchkeel.diagnose.events import (
     LabelOutOfRange,
     NonfiniteForward,
     NonfiniteInput,
+    OneUnitCrossEntropy,
     ProbabilitiesIntoCrossEntropy,
 )
-from torchkeel.diagnose.tracing import FirstNonfiniteOp, allocates_uninitialized, nonfinite_scalar, op_name
+from torchkeel.diagnose.tracing import (
+    FirstNonfiniteOp,
+    allocates_uninitialized,
+    forward_site,
+    nonfinite_scalar,
+    op_name,
+)
 from torchkeel.inspect.sites import (
     has_graph,
     is_nonfinite,
     nonfinite_layout,
+    site_text,
     tensors_in,
     user_frame,
     user_site,
@@ -164,6 +172,7 @@ class ModuleListener:
         if id(module) not in probe.roots:
             label = variable_name(module, user_frame()) or type(module).__name__
             probe.roots[id(module)] = (module, label)
+        probe.loop.model_called(module)
         if not torch.is_grad_enabled() and module.training and len(events.get("eval-in-train-mode", [])) < 5:
             active = [
                 probe.name_of(m)
@@ -314,6 +323,11 @@ class ModuleListener:
         probe = self.probe
         site, loss, step = user_site() or {}, func.__name__, probe.next_step
         num_classes = logits.shape[1] if logits.dim() >= 2 else logits.shape[0]
+        if num_classes == 1 and func is F.cross_entropy and not probe.facts.events.get("one-unit-cross-entropy"):
+            probe.record(
+                "one-unit-cross-entropy",
+                OneUnitCrossEntropy(step=step, loss=loss, shape=list(logits.shape), **site),
+            )
         if not target.is_floating_point() and target.numel():
             probe.habits.observe_labels(target)
             valid = target[target != bound.get("ignore_index", -100)]
@@ -351,7 +365,8 @@ class ModuleListener:
                         max_row_sum_error=float((x.sum(dim=1) - 1).abs().max()),
                         produced_by=producer,
                         step=step,
-                        **site,
+                        loss_at=site_text(site or None),
+                        **(_made_at(logits) or site),
                     ),
                 )
 
@@ -396,3 +411,10 @@ class ModuleListener:
     def finish(self) -> None:
         """The order in which leaf layers with parameters first ran, by name."""
         self.probe.facts.layer_order = [self.probe.name_of(m) for m in self.leaf_order.values()]
+
+
+def _made_at(t: torch.Tensor) -> dict[str, Any]:
+    """The user's line that made ``t`` (its softmax, say), from anomaly mode's forward stack."""
+    node = t.grad_fn
+    trace = node.metadata.get("traceback_") if node is not None and hasattr(node, "metadata") else None
+    return forward_site(trace) if trace else {}

@@ -40,6 +40,7 @@ class OptimizerListener:
         self.consumed: dict[int, set[int]] = {}  # optimizer → params whose gradient it stepped with
         self.stale_params: dict[int, set[int]] = {}  # optimizer → params whose gradient adds onto a stepped one
         self.num_steps_of: dict[int, int] = {}
+        self.trained: set[int] = set()  # params some optimizer stepped with a gradient (they were trained)
         self.backward_since_step = 0
 
     def install(self) -> None:
@@ -61,6 +62,8 @@ class OptimizerListener:
         def zero_grad(self_: Any, *args: Any, **kwargs: Any) -> Any:
             facts.zero_grad_calls += 1
             facts.closure_zero_grad_calls += probe.in_step
+            if not probe.busy:
+                probe.guarded(probe.loop.zero_grad, self_)
             return original(self_, *args, **kwargs)
 
         return zero_grad
@@ -97,6 +100,7 @@ class OptimizerListener:
                 )
             )
         self.stale_params[key] = set()
+        probe.loop.before_step(optimizer)
         site = user_site()
         sites = self.since_backward.setdefault(key, [])
         sites.append(site)
@@ -108,6 +112,7 @@ class OptimizerListener:
                 ),
             )
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.trained.update(id(p) for p in params if p.grad is not None and p.requires_grad)
         history = self.grad_none.setdefault(key, [])
         if len(history) < 3:
             history.append({id(p) for p in params if p.requires_grad and p.grad is None})

@@ -1,0 +1,156 @@
+"""Detectors for a loop whose calls are in the wrong order or at the wrong cadence: gradients
+cleared between backward and step, clipped before they exist, a scheduler stepped before its
+optimizer or once a batch on an epoch horizon, micro-batches summed without dividing the loss, a
+model left in eval mode for training. Pure functions of ``Facts``, as in ``detectors``."""
+
+from __future__ import annotations
+
+from torchkeel.diagnose.events import ClipBeforeBackward, TrainedInEval, ZeroGradBeforeStep
+from torchkeel.diagnose.findings import Finding, site_fields, where_text
+from torchkeel.diagnose.probe import Facts
+from torchkeel.diagnose.runner import ScriptOutcome
+
+# Schedules that decay over a horizon the script sets; stepped once a batch on a horizon meant in
+# epochs, they reach their end within the first epoch. Warmups (LinearLR, ConstantLR), OneCycleLR
+# and transformers' LambdaLR schedules are counted in steps by design and are left out.
+_DECAYS = {"StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR", "PolynomialLR", "MultiplicativeLR"}
+_COLLAPSED = 1e-2  # the lr fell to this fraction of the one the script set within one epoch
+_MIN_BATCHES = 20
+
+
+def zero_grad_before_step(f: Facts, o: ScriptOutcome) -> list[Finding]:
+    events = f.events.get("zero-grad-before-step", [])
+    if not events or (len(events) < 2 and f.steps > 1):
+        return []
+    e: ZeroGradBeforeStep = events[0]
+    message = (
+        f"zero_grad(){where_text(e)} runs after backward() ({e['backward_at']}) and before "
+        f"{e['optimizer']}.step() ({e['step_at']}): it clears the gradients the step was to use, so "
+        f"step() sees none and the weights do not learn (from step {e['step']})"
+    )
+    evidence = {
+        "step": e["step"],
+        "optimizer": e["optimizer"],
+        "backward_at": e["backward_at"],
+        "step_at": e["step_at"],
+        **site_fields(e),
+    }
+    fix = "Call zero_grad() before backward() (or right after step()), never between backward() and step()."
+    return [Finding("zero-grad-before-step", "error", message, evidence, fix)]
+
+
+def clip_before_backward(f: Facts, o: ScriptOutcome) -> list[Finding]:
+    events = f.events.get("clip-before-backward", [])
+    if len(events) < 2:
+        return []  # once could be a clip of a first step's leftover; the fault repeats every step
+    e: ClipBeforeBackward = events[0]
+    message = (
+        f"{e['call']}(){where_text(e)} runs before backward() ({e['backward_at']}) at every step: it clips the "
+        "previous step's gradients (or none, after zero_grad), and the gradients step() uses are never clipped"
+    )
+    evidence = {"step": e["step"], "call": e["call"], "backward_at": e["backward_at"], "step_at": e["step_at"]}
+    fix = f"Move {e['call']}() between backward() and optimizer.step()."
+    return [Finding("clip-before-backward", "error", message, {**evidence, **site_fields(e)}, fix)]
+
+
+def scheduler_cadence(f: Facts, o: ScriptOutcome) -> list[Finding]:
+    out = []
+    for e in f.events.get("scheduler-calls", []):
+        per_epoch = e.get("batches_per_epoch") or 0
+        lr_set, low = e["lr_set"], e["lr_first_epoch_min"]
+        if (
+            e["scheduler"] in _DECAYS
+            and per_epoch >= _MIN_BATCHES
+            and e["first_epoch_calls"] >= per_epoch // 2
+            and lr_set > 0
+            and low <= _COLLAPSED * lr_set
+        ):
+            horizon = ", ".join(f"{k}={v}" for k, v in e["horizon"].items() if k != "gamma") or "its horizon"
+            message = (
+                f"{e['scheduler']}.step(){where_text(e)} runs once per batch ({e['first_epoch_calls']} times in the "
+                f"first epoch of {per_epoch} batches), but {horizon} reads as epochs: the learning rate fell from "
+                f"{lr_set:g} to {low:.3g} within the first epoch"
+            )
+            evidence = {
+                "scheduler": e["scheduler"],
+                "horizon": e["horizon"],
+                "calls": e["calls"],
+                "first_epoch_calls": e["first_epoch_calls"],
+                "batches_per_epoch": per_epoch,
+                "lr_set": lr_set,
+                "lr_first_epoch_min": low,
+                "lr_reached": e["lr_reached"],
+                **site_fields(e),
+            }
+            fix = (
+                "Call scheduler.step() once per epoch (after the epoch's batches), or give the horizon in "
+                "steps (step_size × batches per epoch)."
+            )
+            out.append(Finding("scheduler-cadence", "error", message, evidence, fix))
+    return out
+
+
+def scheduler_before_optimizer(f: Facts, o: ScriptOutcome) -> list[Finding]:
+    early = [e for e in f.events.get("scheduler-calls", []) if e["calls_before_step"]]
+    if not early or not f.steps:
+        return []
+    e = early[0]
+    message = (
+        f"{e['scheduler']}.step(){where_text(e)} runs before optimizer.step() ({e['calls_before_step']} time(s)): "
+        "the schedule's first value is skipped and every later one comes a step early"
+    )
+    evidence = {"scheduler": e["scheduler"], "calls_before_step": e["calls_before_step"], **site_fields(e)}
+    fix = "Call optimizer.step() first, then scheduler.step()."
+    return [Finding("scheduler-before-optimizer", "warning", message, evidence, fix)]
+
+
+def accumulation_not_averaged(f: Facts, o: ScriptOutcome) -> list[Finding]:
+    groups = f.events.get("step-groups", [])[:-1] or f.events.get("step-groups", [])  # the last may be partial
+    if len(groups) < 3:
+        return []
+    sizes = {g["backwards"] for g in groups}
+    if len(sizes) != 1 or (k := sizes.pop()) < 2:
+        return []
+    if not all(g["batches"] == k and g["unscaled"] for g in groups):
+        return []  # several losses of one batch (a GAN), or each divided before its backward
+    lrs = [lr for opt in f.optimizers for lr in opt["lrs"]][:3]
+    lr_text = ", ".join(f"{lr:g}" for lr in lrs)
+    message = (
+        f"the script accumulates {k} micro-batches per optimizer step ({k} backward() calls at {groups[0]['backward_at']}, "
+        f"one per batch) without dividing the loss by {k}: the gradient is the sum of {k} batches' gradients, "
+        f"so the step is {k}x what the learning rate ({lr_text}) says"
+    )
+    evidence = {"micro_batches": k, "steps_checked": len(groups), "backward_at": groups[0]["backward_at"], "lrs": lrs}
+    fix = f"Divide each micro-batch's loss by {k} before backward() (loss = loss / {k})."
+    return [Finding("accumulation-not-averaged", "warning", message, evidence, fix)]
+
+
+def train_mode_not_restored(f: Facts, o: ScriptOutcome) -> list[Finding]:
+    e: TrainedInEval | None = f.first(TrainedInEval)
+    if e is None:
+        return []
+    message = (
+        f"{e['module']} trained in eval mode for {e['steps']} step(s) from step {e['step']}: it trained in train mode "
+        f"until step {e['trained_until']}, then eval(){where_text(e)} was not undone, so its "
+        f"{', '.join(e['layers'][:4])} train as in evaluation (no dropout, frozen batch statistics)"
+    )
+    evidence = {
+        "module": e["module"],
+        "step": e["step"],
+        "steps": e["steps"],
+        "trained_until": e["trained_until"],
+        "layers": e["layers"],
+        **site_fields(e),
+    }
+    fix = f"Call {e['module']}.train() after the validation pass, before training resumes."
+    return [Finding("train-mode-not-restored", "error", message, evidence, fix)]
+
+
+LOOP_DETECTORS = (
+    zero_grad_before_step,
+    clip_before_backward,
+    scheduler_cadence,
+    scheduler_before_optimizer,
+    accumulation_not_averaged,
+    train_mode_not_restored,
+)
