@@ -35,6 +35,8 @@ HABIT_CONTROLS = [
     "clean_scheduler_per_step.py",
     "clean_accumulation_divided.py",
     "clean_train_after_eval.py",
+    "clean_attention_time.py",
+    "clean_features_standardized.py",
 ]
 SHORT = sorted({EXPECTED[n]["id"]: n for n in reversed(FAULTS)}.values()) + SHORT_CONTROLS + HABIT_CONTROLS
 NONDET = {n for n in FAULTS if EXPECTED[n]["id"] == "nondeterministic"}

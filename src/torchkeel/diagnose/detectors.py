@@ -235,6 +235,12 @@ def judge(facts: Facts, outcome: ScriptOutcome, extra: list[Finding] = ()) -> li
     ids = {x.id for x in findings}
     if ids & {"missing-zero-grad", "double-step", "repeated-backward"}:
         findings = [x for x in findings if x.id not in ("grad-exploding", "lr-divergence")]
+    scale = next((x for x in findings if x.id == "input-scale"), None)
+    if scale is not None and ids & {"grad-exploding", "lr-divergence", "nonfinite-forward", "nonfinite-grad"}:
+        scale.severity = "error"  # the inputs' scale shows in the gradients: the cause before its effects
+        for x in findings:
+            if x.id in ("grad-exploding", "lr-divergence"):
+                x.severity = "warning"
     if "zero-grad-before-step" in ids:  # step() finds no gradients: the order says why
         findings = [x for x in findings if x.id not in ("grad-none", "params-not-updating")]
     diverged = next((x for x in findings if x.id == "lr-divergence"), None)

@@ -171,6 +171,29 @@ class OneUnitCrossEntropy(Site, total=False):
     shape: list[int]
 
 
+class SoftmaxOverBatch(Site, total=False):
+    """A softmax over dim 0 of a ``(batch, classes)`` tensor: it normalizes across the samples."""
+
+    step: int
+    call: str
+    shape: list[int]
+    dim: int
+    module: str | None
+
+
+class InputScale(Site, total=False):
+    """Data far from unit scale at a model call's first Linear/Conv layer."""
+
+    step: int
+    module: str
+    layer: str
+    min: float
+    max: float
+    images: bool  # integer values in 0..255 of a ≥ 3-D input: images not divided by 255
+    column_rms_max: float
+    columns: list[int]  # feature columns of magnitude ≥ 100 (root mean square over the batch)
+
+
 class ZeroGradBeforeStep(Site, total=False):
     """``zero_grad()`` between a backward and the step of the optimizer whose gradients it cleared."""
 
@@ -246,6 +269,8 @@ KINDS: dict[str, type] = {
     "dropout-always-on": DropoutAlwaysOn,
     "batch-labels": BatchLabels,
     "one-unit-cross-entropy": OneUnitCrossEntropy,
+    "softmax-over-batch": SoftmaxOverBatch,
+    "input-scale": InputScale,
     "zero-grad-before-step": ZeroGradBeforeStep,
     "clip-before-backward": ClipBeforeBackward,
     "scheduler-calls": SchedulerCall,

@@ -5,7 +5,13 @@ model left in eval mode for training. Pure functions of ``Facts``, as in ``detec
 
 from __future__ import annotations
 
-from torchkeel.diagnose.events import ClipBeforeBackward, TrainedInEval, ZeroGradBeforeStep
+from torchkeel.diagnose.events import (
+    ClipBeforeBackward,
+    InputScale,
+    SoftmaxOverBatch,
+    TrainedInEval,
+    ZeroGradBeforeStep,
+)
 from torchkeel.diagnose.findings import Finding, site_fields, where_text
 from torchkeel.diagnose.probe import Facts
 from torchkeel.diagnose.runner import ScriptOutcome
@@ -146,6 +152,43 @@ def train_mode_not_restored(f: Facts, o: ScriptOutcome) -> list[Finding]:
     return [Finding("train-mode-not-restored", "error", message, evidence, fix)]
 
 
+def softmax_over_batch(f: Facts, o: ScriptOutcome) -> list[Finding]:
+    e: SoftmaxOverBatch | None = f.first(SoftmaxOverBatch)
+    if e is None:
+        return []
+    rows, classes = e["shape"]
+    message = (
+        f"{e['call']}(dim={e['dim']}){where_text(e)} normalizes a ({rows}, {classes}) output over its first axis, "
+        f"the {rows} samples of the batch: each sample's probabilities depend on the others, and the "
+        f"{classes} classes of one sample do not sum to 1"
+    )
+    evidence = {"call": e["call"], "dim": e["dim"], "shape": e["shape"], "module": e.get("module"), **site_fields(e)}
+    fix = f"Use dim=1 (or dim=-1), the classes' axis: {e['call']}(x, dim=1)."
+    return [Finding("softmax-over-batch", "error", message, evidence, fix)]
+
+
+def input_scale(f: Facts, o: ScriptOutcome) -> list[Finding]:
+    e: InputScale | None = f.first(InputScale)
+    if e is None:
+        return []
+    if e["images"]:
+        what = f"images with integer values {e['min']:g}..{e['max']:g} (not divided by 255)"
+        fix = "Scale images to [0, 1] (x / 255, or ToTensor / ConvertImageDtype) and normalize them."
+    else:
+        columns = ", ".join(str(c) for c in e["columns"][:6])
+        what = (
+            f"features from {e['min']:.4g} to {e['max']:.4g}, column(s) {columns} of magnitude up to "
+            f"{e['column_rms_max']:.4g} (root mean square over the batch)"
+        )
+        fix = "Standardize the feature columns ((x - mean) / std, computed on the training data)."
+    message = (
+        f"the first layer {e['module']} ({e['layer']}) receives {what}: inputs far from unit scale make the "
+        "first gradients huge and training slow or unstable"
+    )
+    keys = ("module", "layer", "min", "max", "images", "column_rms_max", "columns", "step")
+    return [Finding("input-scale", "warning", message, {k: e[k] for k in keys} | site_fields(e), fix)]
+
+
 LOOP_DETECTORS = (
     zero_grad_before_step,
     clip_before_backward,
@@ -153,4 +196,6 @@ LOOP_DETECTORS = (
     scheduler_before_optimizer,
     accumulation_not_averaged,
     train_mode_not_restored,
+    softmax_over_batch,
+    input_scale,
 )

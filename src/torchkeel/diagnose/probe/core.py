@@ -26,6 +26,7 @@ from torchkeel.diagnose.probe.habits import HabitListener
 from torchkeel.diagnose.probe.loop import LoopListener
 from torchkeel.diagnose.probe.modules import ModuleListener
 from torchkeel.diagnose.probe.optim import OptimizerListener
+from torchkeel.diagnose.probe.scale import ScaleListener
 from torchkeel.diagnose.probe.seeds import SeedListener
 from torchkeel.inspect.sites import has_graph, tensors_in
 
@@ -61,9 +62,10 @@ class Probe:
         self._undo: list[Callable[[], None]] = []
         self.modules, self.backward, self.optim = ModuleListener(self), BackwardListener(self), OptimizerListener(self)
         self.data, self.seeds, self.habits = LoaderListener(self), SeedListener(self), HabitListener(self)
-        self.loop = LoopListener(self)
+        self.loop, self.scale = LoopListener(self), ScaleListener(self)
         for dropout in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout):
             self.modules.loss_checks[dropout] = self.habits.check_dropout
+        self.modules.loss_checks.update(self.scale.softmaxes())
 
     # ---------------------------------------------------------------- install / uninstall
     def __enter__(self) -> Probe:
@@ -116,6 +118,7 @@ class Probe:
             self.optim.finish()
             self.habits.finish()
             self.loop.finish()
+            self.scale.finish()
             self.data.finish()
         while self._undo:
             try:

@@ -134,6 +134,8 @@ class ModuleListener:
             return
         if not self.stack:
             probe.guarded(self._root_call, module, args)
+        if not probe.scale.first_layer_seen and next(module.children(), None) is None:
+            probe.guarded(probe.scale.check_first_layer, module, args)
         if isinstance(module, _BN) and module.training:
             probe.guarded(self._batchnorm_input, module, args)
         probe.used.add(id(module))
@@ -173,6 +175,7 @@ class ModuleListener:
             label = variable_name(module, user_frame()) or type(module).__name__
             probe.roots[id(module)] = (module, label)
         probe.loop.model_called(module)
+        probe.scale.model_called(args)
         if not torch.is_grad_enabled() and module.training and len(events.get("eval-in-train-mode", [])) < 5:
             active = [
                 probe.name_of(m)
@@ -323,6 +326,8 @@ class ModuleListener:
         probe = self.probe
         site, loss, step = user_site() or {}, func.__name__, probe.next_step
         num_classes = logits.shape[1] if logits.dim() >= 2 else logits.shape[0]
+        if target.dim() >= 1:
+            probe.scale.loss_rows.add(int(target.shape[0]))
         if num_classes == 1 and func is F.cross_entropy and not probe.facts.events.get("one-unit-cross-entropy"):
             probe.record(
                 "one-unit-cross-entropy",
