@@ -37,6 +37,7 @@ HABIT_CONTROLS = [
     "clean_train_after_eval.py",
     "clean_attention_time.py",
     "clean_features_standardized.py",
+    "clean_augmentation_train_only.py",
 ]
 SHORT = sorted({EXPECTED[n]["id"]: n for n in reversed(FAULTS)}.values()) + SHORT_CONTROLS + HABIT_CONTROLS
 NONDET = {n for n in FAULTS if EXPECTED[n]["id"] == "nondeterministic"}

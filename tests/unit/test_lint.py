@@ -397,6 +397,7 @@ class Data(torch.utils.data.Dataset):
         """
 import torch
 model = torch.nn.Linear(2, 1)
+model.register_forward_hook(lambda module, args, output: print(output.shape))
 out = model.forward(torch.randn(1, 2))
 """,
         """
@@ -465,6 +466,196 @@ for x, y in data:
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     opt.step()
+""",
+    ),
+    "TK127": (
+        LOOP
+        + """
+import torch.nn.functional as F
+for x, y in data:
+    opt.zero_grad()
+    loss = F.nll_loss(F.softmax(model(x), dim=1), y.long().flatten())
+    loss.backward()
+    opt.step()
+""",
+        LOOP
+        + """
+import torch.nn.functional as F
+for x, y in data:
+    opt.zero_grad()
+    loss = F.nll_loss(F.log_softmax(model(x), dim=1), y.long().flatten())
+    loss.backward()
+    opt.step()
+""",
+    ),
+    "TK128": (
+        LOOP
+        + """
+for x, y in data:
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    opt.step()
+""",
+        LOOP
+        + """
+for x, y in data:
+    opt.zero_grad()
+    out = model(x)
+    first = torch.nn.functional.mse_loss(out, y)
+    second = out.abs().mean()
+    first.backward(retain_graph=True)
+    second.backward()
+    opt.step()
+""",
+    ),
+    "TK129": (
+        """
+import torch
+import torch.nn.functional as F
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+    def forward(self, x):
+        return self.fc(F.dropout(x, 0.5))
+""",
+        """
+import torch
+import torch.nn.functional as F
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+    def forward(self, x):
+        return self.fc(F.dropout(x, 0.5, training=self.training))
+""",
+    ),
+    "TK130": (
+        LOOP
+        + """
+opt = torch.optim.LBFGS(model.parameters(), lr=0.8)
+for x, y in data:
+    def closure():
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+    opt.step(closure)
+""",
+        LOOP
+        + """
+opt = torch.optim.LBFGS(model.parameters(), lr=0.8)
+for x, y in data:
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+    opt.step(closure)
+""",
+    ),
+    "TK131": (
+        """
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+criterion = torch.nn.CrossEntropyLoss()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for x, y in [(torch.randn(4, 8), torch.rand(4, 1))]:
+    opt.zero_grad()
+    loss = criterion(model(x), y)
+    loss.backward()
+    opt.step()
+""",
+        """
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+criterion = torch.nn.BCEWithLogitsLoss()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for x, y in [(torch.randn(4, 8), torch.rand(4, 1))]:
+    opt.zero_grad()
+    loss = criterion(model(x), y)
+    loss.backward()
+    opt.step()
+""",
+    ),
+    "TK132": (
+        LOOP
+        + """
+for x, y in data:
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    loss.backward()
+    opt.step()
+""",
+        LOOP
+        + """
+for x, y in data:
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+""",
+    ),
+    "TK133": (
+        """
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Dropout(0.2), torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = [(torch.randn(4, 2), torch.randn(4, 1))] * 3
+def evaluate():
+    model.eval()
+    with torch.no_grad():
+        return sum(torch.nn.functional.mse_loss(model(x), y).item() for x, y in data)
+for epoch in range(3):
+    for x, y in data:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+    print(evaluate())
+""",
+        """
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Dropout(0.2), torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = [(torch.randn(4, 2), torch.randn(4, 1))] * 3
+def evaluate():
+    model.eval()
+    with torch.no_grad():
+        return sum(torch.nn.functional.mse_loss(model(x), y).item() for x, y in data)
+for epoch in range(3):
+    model.train()
+    for x, y in data:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+    print(evaluate())
+""",
+    ),
+    "TK134": (
+        LOOP
+        + """
+accum = 4
+for i, (x, y) in enumerate(data):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    if (i + 1) % accum == 0:
+        opt.step()
+        opt.zero_grad()
+""",
+        LOOP
+        + """
+accum = 4
+for i, (x, y) in enumerate(data):
+    loss = torch.nn.functional.mse_loss(model(x), y) / accum
+    loss.backward()
+    if (i + 1) % accum == 0:
+        opt.step()
+        opt.zero_grad()
 """,
     ),
 }

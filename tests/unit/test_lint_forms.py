@@ -384,3 +384,161 @@ def test_the_corpus_parses_and_every_finding_is_a_known_rule():
     report = lint_paths([str(root)])
     assert report.files >= 50 and all(f.code in RULES or f.code == "TK100" for f in report.findings)
     assert not [f for f in report.findings if f.code == "TK100"]
+
+
+# --- the false-positive families found on public trees (issue 40) --------------------------------
+
+
+def in_file(text: str, code: str, path: str = "train.py") -> list[int]:
+    found = lint_source(textwrap.dedent(text), path, select_rules([code]))
+    return [f.line for f in found if f.code == code]
+
+
+def test_tk105_once_per_file_naming_the_other_loaders():
+    text = """
+        from torch.utils.data import DataLoader
+        train = DataLoader(list(range(8)), num_workers=2)
+        val = DataLoader(list(range(8)), num_workers=2)
+    """
+    found = lint_source(textwrap.dedent(text), "train.py", select_rules(["TK105"]))
+    assert [f.line for f in found] == [3] and "1 more loader(s) at lines 4" in found[0].message
+
+
+def test_tk129_quiet_when_dropout_runs_only_while_training():
+    text = """
+        import torch.nn as nn
+        import torch.nn.functional as F
+        class Net(nn.Module):
+            def forward(self, x):
+                if self.training and self.rate > 0:
+                    x = F.dropout(x, p=self.rate)
+                return x
+    """
+    assert in_file(text, "TK129") == []
+
+
+def test_tk111_quiet_when_the_evaluation_function_disables_gradients_itself():
+    text = """
+        import torch
+        @torch.no_grad()
+        def validate_network(loader, model):
+            return [model(x) for x in loader]
+        def main(model, loader, opt):
+            model.eval()
+            for epoch in range(3):
+                stats = validate_network(loader, model)
+    """
+    assert in_file(text, "TK111") == []
+
+
+def test_tk122_quiet_on_a_dry_run_in_init_and_without_hooks_or_wrappers():
+    text = """
+        import torch
+        class Wrapper(torch.nn.Module):
+            def __init__(self, net):
+                super().__init__()
+                self.net = net
+                self.register_forward_hook(lambda m, a, o: None)
+                self.forward(torch.randn(2, 3))
+        layer = torch.nn.Linear(3, 3)
+        relevance = layer.forward(torch.randn(2, 3))
+    """
+    assert in_file(text, "TK122") == [10]  # the hook is registered in this file: layer.forward skips it
+    assert in_file(text.replace("                self.register_forward_hook(lambda m, a, o: None)\n", ""), "TK122") == []
+
+
+def test_tk103_quiet_on_host_indices_shapes_and_scalars():
+    text = """
+        import torch
+        class Net(torch.nn.Module):
+            def forward(self, x, idx):
+                picked = x[torch.arange(x.shape[0]), idx]
+                counts = torch.tensor([t.shape[-1] for t in [x]])
+                scaled = x * torch.tensor(self.dim ** 0.5, dtype=x.dtype)
+                mask = torch.ones(x.shape[0], 4).bool()
+                return picked, counts, scaled, mask
+    """
+    assert in_file(text, "TK103") == [8]  # only the mask, a CPU tensor the caller receives
+
+
+def test_tk116_quiet_on_scratch_files_counts_in_the_name_one_off_scripts_and_tests():
+    text = """
+        import tempfile, torch
+        def fit(model, loader, engine):
+            for batch in loader:
+                with tempfile.TemporaryDirectory() as tmpdirname:
+                    torch.save(model.state_dict(), tmpdirname + "/cache.pt")
+                torch.save(model.state_dict(), "model_epoch_{}.pth".format(engine.state.epoch))
+                torch.save(model.state_dict(), f"./saved/iter_{iteration + 1}.pth")
+                torch.save(model.state_dict(), f"model_accu_{accu:3.3f}.chkpt")
+        def prepare(destination_path):
+            torch.save([1, 2], destination_path / "train.pt")
+        def save_best(model):
+            torch.save(model.state_dict(), "best.pt")
+    """
+    assert in_file(text, "TK116") == [13]  # the one file rewritten on every improvement
+    assert in_file(text, "TK116", "tests/test_checkpoint.py") == []
+
+
+def test_tk110_quiet_on_an_imported_function_and_a_class_named_like_a_transformer():
+    text = """
+        import torch
+        from .utils import convert_model
+        from nets import TransformerNet
+        def run(model, loader, opt):
+            for x in loader:
+                opt.zero_grad()
+                model(x).sum().backward()
+                opt.step()
+            with torch.no_grad():
+                convert_model(model)
+    """
+    assert in_file(text, "TK110") == []
+
+
+def test_tk101_quiet_under_no_grad_and_when_the_losses_are_backpropagated_later():
+    text = """
+        import torch
+        @torch.no_grad()
+        def validate(model, loader, criterion):
+            losses = []
+            for x, y in loader:
+                loss = criterion(model(x), y)
+                losses.append(loss)
+            return torch.stack(losses).mean()
+        def accumulate(model, loader, criterion):
+            losses = []
+            for x, y in loader:
+                loss = criterion(model(x), y)
+                losses.append(loss)
+            for i in range(len(losses)):
+                loss = losses[i]
+                loss.backward()
+    """
+    assert in_file(text, "TK101") == []
+
+
+def test_tk123_quiet_on_a_joined_message_and_in_tests():
+    joined = """
+        devices = {"cpu": 1, "disk": 2}
+        text = " and ".join([d for d in set(devices) if d in ("cpu", "disk")])
+    """
+    assert in_file(joined, "TK123") == []
+    ordered = """
+        words = "a b c a".split()
+        vocab = {w: i for i, w in enumerate(set(words))}
+    """
+    assert in_file(ordered, "TK123") == [3] and in_file(ordered, "TK123", "tests/test_vocab.py") == []
+
+
+def test_the_rules_about_a_run_are_quiet_in_test_files():
+    text = """
+        import torch
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+        for _ in range(3):
+            opt.step()
+            sched.step()
+    """
+    assert in_file(text, "TK126") == [7] and in_file(text, "TK126", "tests/test_scheduler.py") == []

@@ -19,6 +19,7 @@ from torchkeel.diagnose.habit_detectors import (
     dropout_always_on,
     frozen_parameters,
     lr_divergence,
+    params_not_updating,
     repeated_backward,
     unshuffled_ordered_labels,
 )
@@ -41,7 +42,6 @@ from torchkeel.diagnose.step_detectors import (
     missing_zero_grad,
     nonfinite_forward,
     nonfinite_grad,
-    params_not_updating,
 )
 
 Detector = Callable[[Facts, ScriptOutcome], list[Finding]]

@@ -194,6 +194,21 @@ class InputScale(Site, total=False):
     columns: list[int]  # feature columns of magnitude ≥ 100 (root mean square over the batch)
 
 
+class AugmentationInEvaluation(Site, total=False):
+    """An evaluation loader whose sample 0 differs from one read to the next: random transforms."""
+
+    dataset_class: str
+    step: int
+
+
+class GeneratorInWorkers(Site, total=False):
+    """A dataset that holds its own random generator, read by several workers (each a copy of it)."""
+
+    dataset_class: str
+    num_workers: int
+    generators: list[str]
+
+
 class ZeroGradBeforeStep(Site, total=False):
     """``zero_grad()`` between a backward and the step of the optimizer whose gradients it cleared."""
 
@@ -271,6 +286,8 @@ KINDS: dict[str, type] = {
     "one-unit-cross-entropy": OneUnitCrossEntropy,
     "softmax-over-batch": SoftmaxOverBatch,
     "input-scale": InputScale,
+    "augmentation-in-evaluation": AugmentationInEvaluation,
+    "generator-in-workers": GeneratorInWorkers,
     "zero-grad-before-step": ZeroGradBeforeStep,
     "clip-before-backward": ClipBeforeBackward,
     "scheduler-calls": SchedulerCall,

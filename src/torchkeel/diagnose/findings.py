@@ -44,6 +44,8 @@ FINDING_IDS = (
     "dropout-always-on",
     "leaked-graph",
     "nondeterministic",
+    "generator-in-workers",
+    "augmentation-in-evaluation",
     "dataloader-bottleneck",
     "scheduler-before-optimizer",
     "graph-break",

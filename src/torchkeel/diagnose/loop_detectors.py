@@ -6,7 +6,9 @@ model left in eval mode for training. Pure functions of ``Facts``, as in ``detec
 from __future__ import annotations
 
 from torchkeel.diagnose.events import (
+    AugmentationInEvaluation,
     ClipBeforeBackward,
+    GeneratorInWorkers,
     InputScale,
     SoftmaxOverBatch,
     TrainedInEval,
@@ -189,6 +191,34 @@ def input_scale(f: Facts, o: ScriptOutcome) -> list[Finding]:
     return [Finding("input-scale", "warning", message, {k: e[k] for k in keys} | site_fields(e), fix)]
 
 
+def augmentation_in_evaluation(f: Facts, o: ScriptOutcome) -> list[Finding]:
+    e: AugmentationInEvaluation | None = f.first(AugmentationInEvaluation)
+    if e is None:
+        return []
+    message = (
+        f"the evaluation loader{where_text(e)} reads {e['dataset_class']} with random transforms: sample 0 differs "
+        "from one read to the next, so the validation score is of augmented data and changes from run to run"
+    )
+    fix = "Give the validation dataset its own deterministic transform (resize, center crop, normalize)."
+    return [Finding("augmentation-in-evaluation", "warning", message, {**e}, fix)]
+
+
+def generator_in_workers(f: Facts, o: ScriptOutcome) -> list[Finding]:
+    e: GeneratorInWorkers | None = f.first(GeneratorInWorkers)
+    if e is None:
+        return []
+    message = (
+        f"{e['dataset_class']} holds its own random generator ({', '.join(e['generators'])}) and "
+        f"{e['num_workers']} DataLoader workers read it{where_text(e)}: each worker gets a copy of the same "
+        "state, so the workers draw the same numbers and the augmentation repeats across them"
+    )
+    fix = (
+        "Draw from the global generators (the DataLoader seeds torch, random and numpy in each worker), or "
+        "reseed the dataset's generator in a worker_init_fn from torch.utils.data.get_worker_info().seed."
+    )
+    return [Finding("generator-in-workers", "warning", message, {**e}, fix)]
+
+
 LOOP_DETECTORS = (
     zero_grad_before_step,
     clip_before_backward,
@@ -198,4 +228,6 @@ LOOP_DETECTORS = (
     train_mode_not_restored,
     softmax_over_batch,
     input_scale,
+    augmentation_in_evaluation,
+    generator_in_workers,
 )

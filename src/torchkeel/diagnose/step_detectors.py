@@ -15,7 +15,6 @@ from torchkeel.diagnose.events import (
     NonfiniteForward,
     NonfiniteGrad,
     NonfiniteLoss,
-    OneUnitCrossEntropy,
 )
 from torchkeel.diagnose.findings import Finding, site_fields, where_text
 from torchkeel.diagnose.probe import Facts
@@ -88,80 +87,6 @@ def missing_zero_grad(f: Facts, o: ScriptOutcome) -> list[Finding]:
             "k backward calls.",
         )
     ]
-
-
-_ONE_UNIT_FIX = (
-    "For one output, use BCEWithLogitsLoss with float targets of 0 and 1; for C classes, give the last layer C "
-    "outputs and pass class indices to cross entropy."
-)
-
-
-def _why_gradients_are_zero(f: Facts) -> str:
-    """Why every gradient is zero at step(): the loss itself (a one-unit cross entropy is exactly
-    0, a loss that does not change), read before guessing at the order of the calls."""
-    one_unit = f.first(OneUnitCrossEntropy)
-    values = {x["value"] for x in f.losses}
-    if one_unit is not None:
-        return (
-            f"{one_unit['loss']} over a one-unit output (shape {one_unit['shape']}){where_text(one_unit)} is exactly 0 "
-            "whatever the weights (the log-softmax of a single logit is 0), so every gradient is 0"
-        )
-    if values == {0.0}:
-        return "the loss is exactly 0 at every step, so every gradient is 0"
-    if len(values) == 1 and len(f.losses) >= 3:
-        return f"the loss is {values.pop():.6g} at every step: it does not depend on the parameters"
-    return "the gradients are zero when step() runs (is zero_grad() called between backward() and step()?)"
-
-
-def params_not_updating(f: Facts, o: ScriptOutcome) -> list[Finding]:
-    out = []
-    for opt in f.optimizers:
-        foreign = opt["num_params"] > 0 and opt["num_model_params"] == 0 and f.layer_order
-        still = len(opt["moved"]) >= 2 and not any(opt["moved"])
-        if not (foreign or still):
-            continue
-        norms = [r["total"] for r in f.grad_norms if r["optimizer"] == opt["index"]]
-        if foreign:
-            why = (
-                "the optimizer holds tensors that are not the parameters of the model the script runs "
-                "(built from a copy, or the model was rebuilt after the optimizer)"
-            )
-        elif opt["num_params"] and not opt["num_trainable"]:
-            why = "no parameter in the optimizer requires grad (all frozen)"
-        elif opt["lrs"] and all(lr == 0 for lr in opt["lrs"]):
-            why = "the learning rate is 0 in every parameter group"
-        elif norms and max(norms) == 0:
-            why = _why_gradients_are_zero(f)
-        elif len(opt["grad_none"]) == opt["num_trainable"]:
-            continue  # no gradient at all: grad-none says why
-        else:
-            why = "the update is too small to change any value"
-        message = f"{opt['class']}.step() ran {f.steps} times but the weights never changed: {why}"
-        out.append(
-            Finding(
-                "params-not-updating",
-                "error",
-                message,
-                {
-                    "optimizer": opt["class"],
-                    "optimizer_index": opt["index"],
-                    "learning_rates": opt["lrs"],
-                    "steps_checked": len(opt["moved"]),
-                    "num_params": opt["num_params"],
-                    "num_model_params": opt["num_model_params"],
-                    "reason": why,
-                },
-                "Build the optimizer from the model you train (optimizer = SGD(model.parameters(), ...)) after the "
-                "model is final, with a learning rate above 0."
-                if foreign or "learning rate" in why
-                else _ONE_UNIT_FIX
-                if "one-unit" in why
-                else "Make the loss depend on the parameters: compute it from the model's output of this step."
-                if "the loss is" in why
-                else "Call zero_grad() before backward() (or after step()), never between backward() and step().",
-            )
-        )
-    return out
 
 
 def grad_none(f: Facts, o: ScriptOutcome) -> list[Finding]:

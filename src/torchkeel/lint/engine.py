@@ -51,6 +51,9 @@ class Rule:
     summary: str
     fix: str
     check: Callable[[Source], Iterable[tuple[ast.AST, str]]]
+    in_tests: bool = True
+    """False for rules about what a training run does over time (a checkpoint rewritten, an epoch's
+    order, a device): a test file's saves, loops and mocks are not that run."""
 
 
 @dataclasses.dataclass
@@ -108,6 +111,18 @@ class Source:
             elif isinstance(node, ast.AnnAssign) and node.value is not None:
                 for name in _target_names(node.target):
                     self.assigned.setdefault(name, []).append(node.value)
+
+    @functools.cached_property
+    def is_test(self) -> bool:
+        """A test file: under a ``tests``/``test`` directory, ``test_*.py``, ``*_test.py`` or ``conftest.py``."""
+        parts = Path(self.path).parts
+        name = parts[-1] if parts else ""
+        return (
+            any(p in ("tests", "test") for p in parts[:-1])
+            or name.startswith("test_")
+            or name.endswith("_test.py")
+            or name == "conftest.py"
+        )
 
     def calls(self, root: ast.AST | None = None) -> Iterator[ast.Call]:
         for node in ast.walk(root or self.tree):
@@ -189,11 +204,11 @@ class Source:
         return _folder_calls(os.path.dirname(os.path.abspath(self.path)), frozenset(names))
 
     def imported_from(self, name: str) -> str | None:
-        """The module that ``from MODULE import name`` in this file names, or None."""
+        """The module that ``from MODULE import name`` (or ``from .MODULE``) in this file names, or None."""
         for node in ast.walk(self.tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if isinstance(node, ast.ImportFrom) and (node.module or node.level):
                 if any((a.asname or a.name) == name for a in node.names):
-                    return node.module
+                    return node.module or "."  # from . import name: this package
         return None
 
     def class_def(self, name: str) -> ast.ClassDef | None:
@@ -299,6 +314,8 @@ def lint_source(text: str, path: str, rules: Iterable[Rule]) -> list[LintFinding
     lines = text.splitlines()
     found: dict[tuple[str, int, int], LintFinding] = {}
     for rule in rules:
+        if source.is_test and not rule.in_tests:
+            continue
         for node, message in rule.check(source):
             line, col = getattr(node, "lineno", 1), getattr(node, "col_offset", 0)
             if 0 < line <= len(lines) and _silenced(lines[line - 1], rule.code):

@@ -24,6 +24,7 @@ from torchkeel.diagnose.probe.data import LoaderListener
 from torchkeel.diagnose.probe.facts import Facts, StopScript
 from torchkeel.diagnose.probe.habits import HabitListener
 from torchkeel.diagnose.probe.loop import LoopListener
+from torchkeel.diagnose.probe.losses import LossListener
 from torchkeel.diagnose.probe.modules import ModuleListener
 from torchkeel.diagnose.probe.optim import OptimizerListener
 from torchkeel.diagnose.probe.scale import ScaleListener
@@ -62,7 +63,8 @@ class Probe:
         self._undo: list[Callable[[], None]] = []
         self.modules, self.backward, self.optim = ModuleListener(self), BackwardListener(self), OptimizerListener(self)
         self.data, self.seeds, self.habits = LoaderListener(self), SeedListener(self), HabitListener(self)
-        self.loop, self.scale = LoopListener(self), ScaleListener(self)
+        self.loop, self.scale, self.losses = LoopListener(self), ScaleListener(self), LossListener(self)
+        self.modules.loss_checks.update(self.losses.checks())
         for dropout in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout):
             self.modules.loss_checks[dropout] = self.habits.check_dropout
         self.modules.loss_checks.update(self.scale.softmaxes())

@@ -8,7 +8,12 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.utils.data import RandomSampler, SequentialSampler, dataloader
+
+from torchkeel.diagnose.events import AugmentationInEvaluation, GeneratorInWorkers
+from torchkeel.diagnose.probe.augment import own_generators, random_per_read
+from torchkeel.inspect.sites import user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
@@ -43,6 +48,10 @@ class LoaderListener:
                 batch = original(it)
                 if not probe.light:
                     probe.loop.fetched()
+                    info = listener.loader_of.get(id(it))
+                    if info is not None and not info.get("checked"):
+                        info["checked"] = True
+                        probe.guarded(listener._check_augmentation, it, info)
                 return batch
             finally:
                 probe.in_fetch = False
@@ -97,6 +106,32 @@ class LoaderListener:
             return
         info["batches"] += 1
         info["wait_s"] += waited
+
+    def _check_augmentation(self, it: Any, info: dict[str, Any]) -> None:
+        """A loader's first batch: random samples in an evaluation loader (fetched without
+        gradients, or with every model in eval mode), and a generator of the dataset's own copied
+        into several workers."""
+        probe, dataset = self.probe, it._dataset
+        models = [m for m, _ in probe.roots.values()]
+        evaluating = not torch.is_grad_enabled() or (models and not any(m.training for m in models))
+        site = user_site() or {}
+        if evaluating and random_per_read(dataset):
+            probe.record(
+                "augmentation-in-evaluation",
+                AugmentationInEvaluation(dataset_class=type(dataset).__name__, step=probe.next_step, **site),
+            )
+        if it._num_workers >= 2 and getattr(it, "_worker_init_fn", None) is None:
+            generators = own_generators(dataset)
+            if generators:
+                probe.record(
+                    "generator-in-workers",
+                    GeneratorInWorkers(
+                        dataset_class=type(dataset).__name__,
+                        num_workers=it._num_workers,
+                        generators=generators[:5],
+                        **site,
+                    ),
+                )
 
     def current_loader(self) -> dict[str, Any] | None:
         """The loader the last batch came from (for events that name the data)."""

@@ -11,7 +11,6 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
 from torchkeel.checkpoint.state import leaving_no_trace
@@ -19,16 +18,12 @@ from torchkeel.diagnose.events import (
     BatchnormBatchOne,
     CarriedState,
     EvalInTrainMode,
-    LabelOutOfRange,
     NonfiniteForward,
     NonfiniteInput,
-    OneUnitCrossEntropy,
-    ProbabilitiesIntoCrossEntropy,
 )
 from torchkeel.diagnose.tracing import (
     FirstNonfiniteOp,
     allocates_uninitialized,
-    forward_site,
     nonfinite_scalar,
     op_name,
 )
@@ -36,7 +31,6 @@ from torchkeel.inspect.sites import (
     has_graph,
     is_nonfinite,
     nonfinite_layout,
-    site_text,
     tensors_in,
     user_frame,
     user_site,
@@ -85,12 +79,7 @@ class ModuleListener:
         # Outputs of top-level module calls → the step that made them: an input that is one of
         # them from an earlier step is state carried across steps with its graph (an RNN's hidden).
         self.root_outputs: dict[int, tuple[weakref.ref, int]] = {}
-        self.loss_checks: dict[Callable, Callable] = {
-            F.cross_entropy: self.check_classification,
-            F.nll_loss: self.check_classification,
-            F.binary_cross_entropy: self.check_binary,
-            F.binary_cross_entropy_with_logits: self.check_binary,
-        }
+        self.loss_checks: dict[Callable, Callable] = {}  # function → check (the loss listener's, dropout's)
         self._mode: _Mode | None = None
         self._mode_on = True
         self._unsafe: list[Callable[[], None]] = []  # what torch.compile cannot trace through
@@ -315,111 +304,6 @@ class ModuleListener:
                 NonfiniteInput(op=op_name(func), step=step, **nonfinite_layout(bad_inputs[0]), **site),
             )
 
-    # ---------------------------------------------------------------- loss arguments
-    def check_classification(self, func: Callable, args: Any, kwargs: dict) -> None:
-        names = ("input", "target", "weight", "size_average", "ignore_index")
-        bound = dict(zip(names, args))
-        bound.update(kwargs)
-        logits, target = bound.get("input"), bound.get("target")
-        if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor) or logits.dim() < 1:
-            return
-        probe = self.probe
-        site, loss, step = user_site() or {}, func.__name__, probe.next_step
-        num_classes = logits.shape[1] if logits.dim() >= 2 else logits.shape[0]
-        if target.dim() >= 1:
-            probe.scale.loss_rows.add(int(target.shape[0]))
-        if num_classes == 1 and func is F.cross_entropy and not probe.facts.events.get("one-unit-cross-entropy"):
-            probe.record(
-                "one-unit-cross-entropy",
-                OneUnitCrossEntropy(step=step, loss=loss, shape=list(logits.shape), **site),
-            )
-        if not target.is_floating_point() and target.numel():
-            probe.habits.observe_labels(target)
-            valid = target[target != bound.get("ignore_index", -100)]
-            if valid.numel():
-                low, high = int(valid.min()), int(valid.max())
-                if low < 0 or high >= num_classes:
-                    bad = valid[(valid < 0) | (valid >= num_classes)]
-                    probe.record(
-                        "label-out-of-range",
-                        LabelOutOfRange(
-                            loss=loss,
-                            value=high if high >= num_classes else low,
-                            num_classes=int(num_classes),
-                            num_bad_targets=int(bad.numel()),
-                            min_target=low,
-                            max_target=high,
-                            step=step,
-                            **site,
-                        ),
-                    )
-        if (
-            logits.dim() >= 2
-            and logits.is_floating_point()
-            and not probe.facts.events.get("probabilities-into-cross-entropy")
-        ):
-            x = logits.detach()
-            if x.shape[1] > 1 and bool((x >= 0).all()) and float((x.sum(dim=1) - 1).abs().max()) < 1e-3:
-                producer = type(logits.grad_fn).__name__ if logits.grad_fn is not None else None
-                probe.record(
-                    "probabilities-into-cross-entropy",
-                    ProbabilitiesIntoCrossEntropy(
-                        loss=loss,
-                        rows=int(x.shape[0]),
-                        num_classes=int(x.shape[1]),
-                        max_row_sum_error=float((x.sum(dim=1) - 1).abs().max()),
-                        produced_by=producer,
-                        step=step,
-                        loss_at=site_text(site or None),
-                        **(_made_at(logits) or site),
-                    ),
-                )
-
-    def check_binary(self, func: Callable, args: Any, kwargs: dict) -> None:
-        bound = dict(zip(("input", "target"), args))
-        bound.update(kwargs)
-        x, target = bound.get("input"), bound.get("target")
-        if not isinstance(x, torch.Tensor) or not isinstance(target, torch.Tensor) or not target.numel():
-            return
-        probe = self.probe
-        site, step = user_site() or {}, probe.next_step
-        low, high = float(target.min()), float(target.max())
-        if low < 0 or high > 1:
-            probe.record(
-                "label-out-of-range",
-                LabelOutOfRange(
-                    loss=func.__name__,
-                    value=high if high > 1 else low,
-                    num_classes=2,
-                    min_target=low,
-                    max_target=high,
-                    num_bad_targets=int(((target < 0) | (target > 1)).sum()),
-                    step=step,
-                    **site,
-                ),
-            )
-        producer = type(x.grad_fn).__name__ if x.grad_fn is not None else None
-        if func is F.binary_cross_entropy_with_logits and producer and "Sigmoid" in producer:
-            probe.record(
-                "probabilities-into-cross-entropy",
-                ProbabilitiesIntoCrossEntropy(
-                    loss=func.__name__,
-                    rows=int(x.shape[0]) if x.dim() else 1,
-                    num_classes=2,
-                    max_row_sum_error=None,
-                    produced_by=producer,
-                    step=step,
-                    **site,
-                ),
-            )
-
     def finish(self) -> None:
         """The order in which leaf layers with parameters first ran, by name."""
         self.probe.facts.layer_order = [self.probe.name_of(m) for m in self.leaf_order.values()]
-
-
-def _made_at(t: torch.Tensor) -> dict[str, Any]:
-    """The user's line that made ``t`` (its softmax, say), from anomaly mode's forward stack."""
-    node = t.grad_fn
-    trace = node.metadata.get("traceback_") if node is not None and hasattr(node, "metadata") else None
-    return forward_site(trace) if trace else {}

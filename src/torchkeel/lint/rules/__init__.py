@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from torchkeel.lint.engine import Rule
-from torchkeel.lint.rules import checkpoint, data, distributed, loop, model
+from torchkeel.lint.rules import checkpoint, data, distributed, loop, model, order
 
 _TABLE = [
     (
@@ -240,9 +240,84 @@ _TABLE = [
         "a loop that steps an optimizer but never calls backward()",
         "Call loss.backward() before optimizer.step().",
     ),
+    (
+        "TK127",
+        "softmax-into-nll",
+        "probabilities-into-cross-entropy",
+        "error",
+        order.softmax_into_nll,
+        "nll_loss / NLLLoss given softmax output (it expects log_softmax)",
+        "Use log_softmax before nll_loss, or pass logits to cross_entropy.",
+    ),
+    (
+        "TK128",
+        "repeated-backward",
+        "repeated-backward",
+        "error",
+        order.repeated_backward,
+        "a second backward() of the same loss kept with retain_graph=True, before step()",
+        "Call backward() once per loss; to combine losses, add them and call backward() once.",
+    ),
+    (
+        "TK129",
+        "dropout-without-training",
+        "dropout-always-on",
+        "error",
+        order.dropout_without_training,
+        "F.dropout(x, p) inside forward() without training=",
+        "Pass training=self.training, or use an nn.Dropout module.",
+    ),
+    (
+        "TK130",
+        "closure-without-zero-grad",
+        "missing-zero-grad",
+        "error",
+        order.closure_without_zero_grad,
+        "a closure passed to optimizer.step() that calls backward() and never zero_grad()",
+        "Call optimizer.zero_grad() first thing in the closure.",
+    ),
+    (
+        "TK131",
+        "cross-entropy-one-output",
+        "params-not-updating",
+        "error",
+        order.cross_entropy_one_output,
+        "cross entropy over an nn.Sequential that ends in nn.Linear(n, 1): the loss is always 0",
+        "Use BCEWithLogitsLoss with one output, or give the last layer one output per class.",
+    ),
+    (
+        "TK132",
+        "clip-before-backward",
+        "clip-before-backward",
+        "error",
+        order.clip_before_backward,
+        "gradient clipping before backward() in the iteration (it clips the previous step's gradients)",
+        "Clip between backward() and optimizer.step().",
+    ),
+    (
+        "TK133",
+        "train-mode-not-restored",
+        "train-mode-not-restored",
+        "error",
+        order.train_not_restored,
+        "model.eval() in the epoch loop around a training loop and model.train() nowhere in the file",
+        "Call model.train() at the start of each epoch's training loop.",
+    ),
+    (
+        "TK134",
+        "accumulation-not-divided",
+        "accumulation-not-averaged",
+        "warning",
+        order.accumulation_not_divided,
+        "backward() every iteration, step() every k-th (`% k`), and the loss never divided",
+        "Divide the loss by the accumulation steps before backward() (loss = loss / k).",
+    ),
 ]
 
+# Rules about what a training run does over time, quiet in test files (``Rule.in_tests``).
+_NOT_IN_TESTS = {"TK103", "TK116", "TK118", "TK123", "TK126"}
+
 RULES: dict[str, Rule] = {
-    code: Rule(code, name, finding_id, severity, summary, fix, check)
+    code: Rule(code, name, finding_id, severity, summary, fix, check, code not in _NOT_IN_TESTS)
     for code, name, finding_id, severity, check, summary, fix in _TABLE
 }

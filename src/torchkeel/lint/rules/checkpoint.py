@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 from torchkeel.lint.engine import Source, call_name, dotted, keyword, last, torch_version
 
@@ -116,7 +117,9 @@ def _in_memory(source: Source, target: ast.expr) -> bool:
 
 
 def _new_path_each_time(source: Source, call: ast.Call, path: ast.expr) -> bool:
-    """The path names the loop's variable (a file per epoch), a step-like parameter, or the clock."""
+    """The path names the loop's variable (a file per epoch), a step-like parameter, the clock, or
+    — formatted into it — a count or score of the run (``engine.state.epoch``, ``iteration + 1``,
+    ``accu``): a new file per save."""
     loop = source.loop_names(call)
     fn = source.function_of(call)
     params = {a.arg for a in fn.args.args + fn.args.kwonlyargs} if fn else set()
@@ -126,7 +129,65 @@ def _new_path_each_time(source: Source, call: ast.Call, path: ast.expr) -> bool:
             return node.id in loop or (node.id in params and any(w in node.id.lower() for w in _STEP_WORDS))
         return isinstance(node, ast.Call) and last(call_name(node)) in _VARIES_PER_CALL
 
-    return source.reaches(path, varies)
+    return source.reaches(path, varies) or source.reaches(path, _formats_a_count)
+
+
+_COUNTS = ("epoch", "step", "iter", "accu", "acc", "score", "loss")
+
+
+def _formats_a_count(node: ast.AST) -> bool:
+    """An f-string, ``.format(...)`` or ``%`` whose values name a count or score of the run."""
+    if isinstance(node, ast.JoinedStr):
+        values = [v.value for v in node.values if isinstance(v, ast.FormattedValue)]
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "format":
+        values = [*node.args, *(k.value for k in node.keywords)]
+    elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and isinstance(node.left, ast.Constant):
+        values = [node.right]
+    else:
+        return False
+    names = [
+        n.id if isinstance(n, ast.Name) else n.attr
+        for v in values
+        for n in ast.walk(v)
+        if isinstance(n, (ast.Name, ast.Attribute))
+    ]
+    return any(any(w in name.lower() for w in _COUNTS) for name in names)
+
+
+_TEMPORARY = ("tempfile", "TemporaryDirectory", "NamedTemporaryFile", "mkdtemp", "mkstemp", "gettempdir")
+
+
+def _temporary(source: Source, path: ast.expr) -> bool:
+    """A scratch path: made by ``tempfile`` (or named ``tmp...``), nobody's last good checkpoint."""
+
+    def scratch(node: ast.AST) -> bool:
+        if isinstance(node, ast.Name) and node.id.lower().startswith(("tmp", "temp")):
+            return True
+        if isinstance(node, ast.Attribute) and node.attr.lower().startswith(("tmp", "temp")):
+            return True
+        return isinstance(node, ast.Call) and any(t in call_name(node) for t in _TEMPORARY)
+
+    if source.reaches(path, scratch):
+        return True
+    with_block = source.enclosing(path, ast.With)
+    while with_block is not None:  # with tempfile.TemporaryDirectory() as d: ... d / "x.pt"
+        for item in with_block.items:
+            if any(t in ast.unparse(item.context_expr) for t in _TEMPORARY) and item.optional_vars is not None:
+                bound = dotted(item.optional_vars)
+                if bound and any(dotted(n) == bound for n in ast.walk(path)):
+                    return True
+        with_block = source.enclosing(with_block, ast.With)
+    return False
+
+
+_ONE_OFF = ("prepare", "convert", "merge", "export", "download", "preprocess")
+
+
+def _one_off(source: Source, call: ast.Call) -> bool:
+    """A save in a data-preparation or conversion function (or script): it runs once per use."""
+    fn = source.function_of(call)
+    name = (fn.name if fn else "") + " " + Path(source.path).stem
+    return any(word in name.lower() for word in _ONE_OFF) and not _in_loop(source, call)
 
 
 def _deleted_after(source: Source, call: ast.Call, path: ast.expr) -> bool:
@@ -183,8 +244,10 @@ def save_to_final_path(source: Source) -> Iterator[tuple[ast.AST, str]]:
         path = _write_target(source, call)
         if (
             _in_memory(source, path)
+            or _temporary(source, path)
             or _new_path_each_time(source, call, path)
             or _deleted_after(source, call, path)
+            or _one_off(source, call)
             or not _runs_repeatedly(source, call)
         ):
             continue

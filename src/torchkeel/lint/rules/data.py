@@ -34,20 +34,25 @@ def _workers(call: ast.Call) -> ast.expr | None:
 
 
 def workers_without_main_guard(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    for call in source.calls():
-        if (
-            last(call_name(call)) == "DataLoader"
-            and _workers(call) is not None
-            and source.function_of(call) is None
-            and not source.in_main_guard(call)
-        ):
-            yield (
-                call,
-                (
-                    'DataLoader(num_workers>0) at module level outside `if __name__ == "__main__":`: with the '
-                    "spawn start method (Windows, macOS) every worker re-runs this file"
-                ),
-            )
+    """Once per file (one missing guard is one cause, however many loaders it has)."""
+    loaders = [
+        call
+        for call in source.calls()
+        if last(call_name(call)) == "DataLoader"
+        and _workers(call) is not None
+        and source.function_of(call) is None
+        and not source.in_main_guard(call)
+    ]
+    if loaders:
+        also = f" (and {len(loaders) - 1} more loader(s) at lines {', '.join(str(c.lineno) for c in loaders[1:])})"
+        yield (
+            loaders[0],
+            (
+                'DataLoader(num_workers>0) at module level outside `if __name__ == "__main__":`'
+                + (also if len(loaders) > 1 else "")
+                + ": with the spawn start method (Windows, macOS) every worker re-runs this file"
+            ),
+        )
 
 
 def lambda_in_loader(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -158,7 +163,12 @@ _ORDER_FREE = {"any", "all", "sum", "min", "max", "len", "set", "frozenset", "so
 def _order_free(source: Source, comprehension: ast.AST) -> bool:
     """A comprehension whose result does not depend on order: ``any(p in x for p in a_set)``, a set."""
     parent = source.parents.get(comprehension)
-    return isinstance(comprehension, ast.SetComp) or (isinstance(parent, ast.Call) and call_name(parent) in _ORDER_FREE)
+    joined = isinstance(parent, ast.Call) and last(call_name(parent)) == "join"  # a message: ", ".join(...)
+    return (
+        isinstance(comprehension, ast.SetComp)
+        or (isinstance(parent, ast.Call) and call_name(parent) in _ORDER_FREE)
+        or joined
+    )
 
 
 def _is_set(node: ast.AST) -> bool:

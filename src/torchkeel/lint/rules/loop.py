@@ -226,6 +226,8 @@ def loss_accumulated(source: Source) -> Iterator[tuple[ast.AST, str]]:
         if not isinstance(value, ast.Name) or source.enclosing(node, ast.For, ast.While) is None:
             continue
         scope = source.function_of(node) or source.tree
+        if _no_graph(source, node) or _backpropagated_later(source, scope, node):
+            continue
         if _is_loss_tensor(source, scope, value.id):
             yield (
                 node,
@@ -234,6 +236,38 @@ def loss_accumulated(source: Source) -> Iterator[tuple[ast.AST, str]]:
                     "memory grows every step"
                 ),
             )
+
+
+def _no_graph(source: Source, node: ast.AST) -> bool:
+    """Under ``torch.no_grad()`` / ``inference_mode()`` (a block, or the function's decorator): no graph is kept."""
+    parent = source.parents.get(node)
+    while parent is not None:
+        if isinstance(parent, ast.With) and any(
+            last(call_name(i.context_expr)) in {"no_grad", "inference_mode"} for i in parent.items
+        ):
+            return True
+        if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return any("no_grad" in dotted(d) or "inference_mode" in dotted(d) for d in parent.decorator_list)
+        parent = source.parents.get(parent)
+    return False
+
+
+def _backpropagated_later(source: Source, scope: ast.AST, node: ast.AST) -> bool:
+    """The list (or sum) is backpropagated after the loop: ``for l in losses: l.backward()`` or
+    ``torch.stack(losses).sum().backward()``: kept on purpose, for one backward over all of them."""
+    holder = dotted(node.target) if isinstance(node, ast.AugAssign) else dotted(node.func.value)  # type: ignore[attr-defined]
+    if not holder:
+        return False
+    loop = source.enclosing(node, ast.For, ast.While)
+    for call in source.calls(scope):
+        if last(call_name(call)) != "backward" or call.lineno <= node.lineno:
+            continue
+        if loop is not None and source.enclosing(call, ast.For, ast.While) is loop:
+            continue  # a backward in the same loop: the usual per-step one
+        around = source.enclosing(call, ast.For) or call  # for loss in losses: ... / loss = losses[i] ... backward
+        if holder in {dotted(n) for n in ast.walk(around)}:
+            return True
+    return False
 
 
 def _is_loss_tensor(source: Source, scope: ast.AST, name: str) -> bool:

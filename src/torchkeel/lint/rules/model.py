@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 
 from torchkeel.lint.engine import Source, call_name, dotted, keyword, last
@@ -65,6 +66,7 @@ def factory_without_device(source: Source) -> Iterator[tuple[ast.AST, str]]:
             and keyword(call, "device") is None
             and _in_forward(source, call)
             and not _moved_after(source, call)
+            and not _index_or_metadata(source, call)
         ):
             yield (
                 call,
@@ -73,6 +75,25 @@ def factory_without_device(source: Source) -> Iterator[tuple[ast.AST, str]]:
                     "the model runs on"
                 ),
             )
+
+
+def _index_or_metadata(source: Source, call: ast.Call) -> bool:
+    """An index on the host (``x[torch.arange(n), idx]``: a CUDA tensor takes CPU indices) or a
+    tensor of the inputs' shapes (``torch.tensor([t.shape[-1] for t in x])``): host data on purpose."""
+    node, parent = call, source.parents.get(call)
+    while isinstance(parent, (ast.Attribute, ast.Call)) and parent is not None:
+        if isinstance(parent, ast.Call) and parent.func is not node:
+            break
+        node, parent = parent, source.parents.get(parent)
+    while isinstance(parent, (ast.Tuple, ast.List)):
+        node, parent = parent, source.parents.get(parent)
+    if isinstance(parent, ast.Subscript) and parent.slice is node:
+        return True
+    if last(call_name(call)) != "tensor" or not call.args:
+        return False
+    data = call.args[0]
+    scalar = not isinstance(data, (ast.List, ast.Tuple, ast.ListComp, ast.GeneratorExp))  # 0-dim: any device takes it
+    return scalar or any(isinstance(n, ast.Attribute) and n.attr == "shape" for n in ast.walk(data))
 
 
 def _moved_after(source: Source, call: ast.Call) -> bool:
@@ -125,6 +146,7 @@ _HOOKS = {"register_forward_hook", "register_forward_pre_hook", "register_full_b
 
 def forward_called_directly(source: Source) -> Iterator[tuple[ast.AST, str]]:
     hooks = any(last(call_name(c)) in _HOOKS for c in source.calls())
+    wrappers = any(last(call_name(c)) in _WRAPPERS for c in source.calls())
     for call in source.calls():
         if isinstance(call.func, ast.Attribute) and call.func.attr == "forward":
             receiver = call.func.value
@@ -132,6 +154,10 @@ def forward_called_directly(source: Source) -> Iterator[tuple[ast.AST, str]]:
                 continue  # super().forward, and RPC proxies: rref.remote().forward, RemoteModule.forward
             if isinstance(receiver, ast.Name) and receiver.id == "self" and not hooks:
                 continue  # a module calling its own forward skips no hook this file registers
+            if isinstance(receiver, ast.Name) and receiver.id == "self" and source.method_name(call) == "__init__":
+                continue  # a dry run in __init__ to create lazy parameters: no hook is registered yet
+            if not hooks and not wrappers:
+                continue  # no hook registered here and no DDP / FSDP / compile: forward(x) is model(x)
             yield (
                 call,
                 (
@@ -139,6 +165,10 @@ def forward_called_directly(source: Source) -> Iterator[tuple[ast.AST, str]]:
                     f"call {dotted(receiver)}(...)"
                 ),
             )
+
+
+# Wrappers that work through the module's __call__ or hooks (FSDP2's fully_shard registers hooks).
+_WRAPPERS = {"DistributedDataParallel", "DDP", "FullyShardedDataParallel", "FSDP", "fully_shard", "compile"}
 
 
 def _remote(source: Source, receiver: ast.expr) -> bool:
@@ -183,6 +213,8 @@ def _model_calls(source: Source, root: ast.AST) -> list[ast.Call]:
             isinstance(call.func, (ast.Name, ast.Attribute))
             and any(k in last(name).lower() for k in ("model", "net", "encoder", "classifier"))
             and "." not in name.replace("self.", "")
+            and name not in source.functions  # validate_network(...): a function of this file, not a model
+            and not (name not in source.assigned and source.imported_from(name))  # convert_model: imported, a function
         ):
             out.append(call)
     return out
@@ -207,6 +239,8 @@ def eval_without_eval(source: Source) -> Iterator[tuple[ast.AST, str]]:
 
 
 _MODE_LAYERS = ("Dropout", "BatchNorm", "dropout", "batch_norm", "SyncBatchNorm", "Transformer")
+# nn.Transformer and its layers hold dropout; a class of one's own named TransformerNet need not.
+_MODE_LAYER = re.compile(r"Dropout|BatchNorm|dropout|batch_norm|\bTransformer(Encoder|Decoder)?(Layer)?\(")
 
 
 def _has_mode_layers(source: Source, model: str) -> bool | None:
@@ -224,13 +258,13 @@ def _class_has_mode_layers(source: Source, value: ast.AST, depth: int) -> bool |
     call, where, node = source.constructed(value)
     if call is None:
         return None
-    if any(m in ast.unparse(call) for m in _MODE_LAYERS):
+    if _MODE_LAYER.search(ast.unparse(call)):
         return True  # nn.Dropout(...), nn.Sequential(..., nn.BatchNorm1d(...)), nn.LSTM(..., dropout=0.2)
     if call_name(call).startswith(("nn.", "torch.nn.")):
         return False
     if node is None or depth == 0:
         return None
-    if any(m in ast.unparse(node) for m in _MODE_LAYERS):
+    if _MODE_LAYER.search(ast.unparse(node)):
         return True
     inner = {_class_has_mode_layers(where, c, depth - 1) for c in where.calls(node) if last(call_name(c))[:1].isupper()}
     return True if True in inner else (None if None in inner else False)
