@@ -444,7 +444,9 @@ def test_tk122_quiet_on_a_dry_run_in_init_and_without_hooks_or_wrappers():
         relevance = layer.forward(torch.randn(2, 3))
     """
     assert in_file(text, "TK122") == [10]  # the hook is registered in this file: layer.forward skips it
-    assert in_file(text.replace("                self.register_forward_hook(lambda m, a, o: None)\n", ""), "TK122") == []
+    assert (
+        in_file(text.replace("                self.register_forward_hook(lambda m, a, o: None)\n", ""), "TK122") == []
+    )
 
 
 def test_tk103_quiet_on_host_indices_shapes_and_scalars():
