@@ -38,6 +38,7 @@ HABIT_CONTROLS = [
     "clean_attention_time.py",
     "clean_features_standardized.py",
     "clean_augmentation_train_only.py",
+    "clean_eval_on_purpose.py",
 ]
 SHORT = sorted({EXPECTED[n]["id"]: n for n in reversed(FAULTS)}.values()) + SHORT_CONTROLS + HABIT_CONTROLS
 NONDET = {n for n in FAULTS if EXPECTED[n]["id"] == "nondeterministic"}

@@ -247,6 +247,7 @@ class StepGroup(TypedDict):
     step: int
     backwards: int
     batches: int
+    calls: int  # model calls with gradients on (micro-batches drawn without a DataLoader)
     unscaled: bool  # no backward's loss was divided (or multiplied) right before it
     backward_at: str
 
@@ -258,7 +259,7 @@ class TrainedInEval(Site, total=False):
     steps: int
     module: str
     layers: list[str]  # its Dropout / BatchNorm layers
-    trained_until: int  # the last step it trained in train mode
+    trained_until: int | None  # the last step it trained in train mode (None: eval() came in an evaluation first)
 
 
 class ProbeError(TypedDict):

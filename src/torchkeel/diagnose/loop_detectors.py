@@ -119,8 +119,9 @@ def accumulation_not_averaged(f: Facts, o: ScriptOutcome) -> list[Finding]:
     sizes = {g["backwards"] for g in groups}
     if len(sizes) != 1 or (k := sizes.pop()) < 2:
         return []
-    if not all(g["batches"] == k and g["unscaled"] for g in groups):
-        return []  # several losses of one batch (a GAN), or each divided before its backward
+    one_per_backward = all(g["batches"] == k or (g["batches"] == 0 and g["calls"] == k) for g in groups)
+    if not one_per_backward or not all(g["unscaled"] for g in groups):
+        return []  # several losses of one batch (a GAN, a multitask head), or each divided before its backward
     lrs = [lr for opt in f.optimizers for lr in opt["lrs"]][:3]
     lr_text = ", ".join(f"{lr:g}" for lr in lrs)
     message = (
@@ -137,9 +138,13 @@ def train_mode_not_restored(f: Facts, o: ScriptOutcome) -> list[Finding]:
     e: TrainedInEval | None = f.first(TrainedInEval)
     if e is None:
         return []
+    before = (
+        f"it trained in train mode until step {e['trained_until']}, then eval(){where_text(e)} was not undone"
+        if e["trained_until"] is not None
+        else f"an evaluation switched it with eval(){where_text(e)} (under no_grad) and nothing switched it back"
+    )
     message = (
-        f"{e['module']} trained in eval mode for {e['steps']} step(s) from step {e['step']}: it trained in train mode "
-        f"until step {e['trained_until']}, then eval(){where_text(e)} was not undone, so its "
+        f"{e['module']} trained in eval mode for {e['steps']} step(s) from step {e['step']}: {before}, so its "
         f"{', '.join(e['layers'][:4])} train as in evaluation (no dropout, frozen batch statistics)"
     )
     evidence = {

@@ -37,6 +37,7 @@ class LoopListener:
         self.clips: list[tuple[str, dict[str, Any] | None, int]] = []  # (function, site, backwards before it)
         self.backwards = 0  # since the last step
         self.batches = 0  # fetched since the last step
+        self.calls = 0  # model calls with gradients on since the last step (a micro-batch each, without a loader)
         self.roots_scaled: list[bool] = []  # per backward since the last step: was the loss divided first
         self.groups: list[dict[str, Any]] = []  # per step: backwards, batches, all unscaled, the backward site
         self.schedulers: dict[int, dict[str, Any]] = {}
@@ -81,6 +82,7 @@ class LoopListener:
     def model_called(self, module: torch.nn.Module) -> None:
         if torch.is_grad_enabled():
             self.grad_roots[id(module)] = module
+            self.calls += 1
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         probe, step = self.probe, self.probe.next_step
@@ -116,12 +118,13 @@ class LoopListener:
                     "step": step,
                     "backwards": self.backwards,
                     "batches": self.batches,
+                    "calls": self.calls,
                     "unscaled": not any(self.roots_scaled),
                     "backward_at": self.backward_at,
                 }
             )
         self._note_modes(step)
-        self.backwards, self.batches, self.clips, self.zeroed, self.roots_scaled = 0, 0, [], [], []
+        self.backwards, self.batches, self.calls, self.clips, self.zeroed, self.roots_scaled = 0, 0, 0, [], [], []
 
     def _note_modes(self, step: int) -> None:
         for key, module in self.grad_roots.items():
@@ -137,8 +140,8 @@ class LoopListener:
                 record = self.modes[key] = {"module": module, "layers": layers, "trained_until": None, "eval": []}
             if module.training:
                 record["trained_until"], record["eval"] = step, []
-            elif record["trained_until"] is not None:
-                record["eval"].append(step)
+            elif record["trained_until"] is not None or self.eval_sites.get(module, {}).get("no_grad"):
+                record["eval"].append(step)  # after training in train mode, or after an evaluation's eval()
         self.grad_roots = {}
 
     # ---------------------------------------------------------------- wrapped here
@@ -204,7 +207,8 @@ class LoopListener:
             finally:
                 listener.mode_calls -= 1
                 if listener.mode_calls == 0 and not listener.probe.busy and not mode:
-                    listener.eval_sites[module] = user_site()
+                    # eval() under no_grad is an evaluation's (nanoGPT's estimate_loss), not a setup's
+                    listener.eval_sites[module] = {**(user_site() or {}), "no_grad": not torch.is_grad_enabled()}
 
         return train
 
@@ -216,7 +220,7 @@ class LoopListener:
         for record in self.modes.values():
             if len(record["eval"]) >= 2:
                 module = record["module"]
-                site = self.eval_sites.get(module)
+                site = {k: v for k, v in self.eval_sites.get(module, {}).items() if k != "no_grad"}
                 probe.record(
                     "trained-in-eval",
                     TrainedInEval(
