@@ -658,6 +658,22 @@ for i, (x, y) in enumerate(data):
         opt.zero_grad()
 """,
     ),
+    "TK135": (
+        """
+import numpy as np
+import torch
+data = np.sin(np.arange(100) / 20.0)
+torch.save(data, open("traindata.pt", "wb"))
+loaded = torch.load("traindata.pt")
+""",
+        """
+import numpy as np
+import torch
+data = np.sin(np.arange(100) / 20.0)
+torch.save(torch.from_numpy(data), open("traindata.pt", "wb"))
+loaded = torch.load("traindata.pt", weights_only=True)
+""",
+    ),
 }
 
 

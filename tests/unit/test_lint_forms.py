@@ -544,3 +544,19 @@ def test_the_rules_about_a_run_are_quiet_in_test_files():
             sched.step()
     """
     assert in_file(text, "TK126") == [7] and in_file(text, "TK126", "tests/test_scheduler.py") == []
+
+
+def test_tk126_quiet_when_the_gradients_are_assigned_by_hand():
+    text = """
+        import torch
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x in [torch.randn(4, 2)] * 3:
+            grads = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g
+            opt.step()
+    """
+    assert in_file(text, "TK126") == []
+    by_hand = text.replace("p.grad = g", "p.data -= 0.1 * g").replace("torch.autograd.grad", "estimate")
+    assert in_file(by_hand, "TK126") == [9]  # the weights moved by hand: the step has no gradient

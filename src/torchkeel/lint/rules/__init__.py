@@ -312,6 +312,17 @@ _TABLE = [
         "backward() every iteration, step() every k-th (`% k`), and the loss never divided",
         "Divide the loss by the accumulation steps before backward() (loss = loss / k).",
     ),
+    (
+        "TK135",
+        "load-needs-pickle",
+        None,
+        "error",
+        checkpoint.load_needs_pickle,
+        "torch.load (weights_only=True by default since torch 2.6) of a file saved with a numpy array, a whole "
+        "module or an argparse namespace",
+        "Save tensors and plain containers (torch.from_numpy(a), model.state_dict(), vars(args)), or load with "
+        "weights_only=False for a file you trust.",
+    ),
 ]
 
 # Rules about what a training run does over time, quiet in test files (``Rule.in_tests``).

@@ -181,10 +181,23 @@ def zero_grad_between(source: Source) -> Iterator[tuple[ast.AST, str]]:
                     break
 
 
+def _grads_assigned(scope: ast.AST) -> bool:
+    """``p.grad = g`` (not None) or ``torch.autograd.grad(...)``: gradients made by hand, then stepped."""
+    for node in ast.walk(scope):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Attribute) and t.attr == "grad" for t in node.targets
+        ):
+            if not (isinstance(node.value, ast.Constant) and node.value.value is None):
+                return True
+        if isinstance(node, ast.Call) and call_name(node).endswith("autograd.grad"):
+            return True
+    return False
+
+
 def step_without_backward(source: Source) -> Iterator[tuple[ast.AST, str]]:
     for loop, events in training_loops(source):
         steps = [e for e in events if e.kind == "step" and e.depth == 0 and not e.has_closure]
-        if not steps or any(e.kind == "backward" for e in events):
+        if not steps or any(e.kind == "backward" for e in events) or _grads_assigned(loop):
             continue
         outer = source.enclosing(loop, ast.For, ast.While, ast.AsyncFor)
         if outer is not None and any(e.kind == "backward" for e in loop_events(source, outer.body)):
