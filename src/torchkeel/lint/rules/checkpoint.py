@@ -276,17 +276,19 @@ def load_needs_pickle(source: Source) -> Iterator[tuple[ast.AST, str]]:
     version = torch_version()
     if version is not None and version < _SAFE_LOAD_SINCE:
         return
-    saved = _pickled_saves(source)
-    for folder_file in _neighbours(source):
-        saved.update(_pickled_saves(folder_file))
-    if not saved:
-        return
+    loads = []
     for call in source.calls():
         if call_name(call) != "torch.load" or not call.args or _inside_safe_globals(source, call):
             continue
         value = keyword(call, "weights_only")
-        if value is not None and not (isinstance(value, ast.Constant) and value.value is True):
-            continue
+        if value is None or (isinstance(value, ast.Constant) and value.value is True):
+            loads.append(call)
+    if not any(_file_name(call.args[0]) for call in loads):
+        return  # the files next to this one are read only for a load of a named file
+    saved = _pickled_saves(source)
+    for folder_file in _neighbours(source):
+        saved.update(_pickled_saves(folder_file))
+    for call in loads:
         name = _file_name(call.args[0])
         if name in saved:
             yield (
