@@ -39,6 +39,7 @@ HABIT_CONTROLS = [
     "clean_features_standardized.py",
     "clean_augmentation_train_only.py",
     "clean_eval_on_purpose.py",
+    "clean_from_pretrained_train.py",
 ]
 SHORT = sorted({EXPECTED[n]["id"]: n for n in reversed(FAULTS)}.values()) + SHORT_CONTROLS + HABIT_CONTROLS
 NONDET = {n for n in FAULTS if EXPECTED[n]["id"] == "nondeterministic"}

@@ -260,6 +260,7 @@ class TrainedInEval(Site, total=False):
     module: str
     layers: list[str]  # its Dropout / BatchNorm layers
     trained_until: int | None  # the last step it trained in train mode (None: eval() came in an evaluation first)
+    by_library: bool  # a library put it in eval mode (from_pretrained) and it never trained in train mode
 
 
 class ProbeError(TypedDict):

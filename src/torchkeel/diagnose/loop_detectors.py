@@ -138,11 +138,15 @@ def train_mode_not_restored(f: Facts, o: ScriptOutcome) -> list[Finding]:
     e: TrainedInEval | None = f.first(TrainedInEval)
     if e is None:
         return []
-    before = (
-        f"it trained in train mode until step {e['trained_until']}, then eval(){where_text(e)} was not undone"
-        if e["trained_until"] is not None
-        else f"an evaluation switched it with eval(){where_text(e)} (under no_grad) and nothing switched it back"
-    )
+    if e["trained_until"] is not None:
+        before = f"it trained in train mode until step {e['trained_until']}, then eval(){where_text(e)} was not undone"
+    elif e.get("by_library"):
+        before = (
+            f"a library put it in eval mode{where_text(e)} (transformers' from_pretrained returns models in eval "
+            "mode) and the script never calls train()"
+        )
+    else:
+        before = f"an evaluation switched it with eval(){where_text(e)} (under no_grad) and nothing switched it back"
     message = (
         f"{e['module']} trained in eval mode for {e['steps']} step(s) from step {e['step']}: {before}, so its "
         f"{', '.join(e['layers'][:4])} train as in evaluation (no dropout, frozen batch statistics)"
@@ -153,9 +157,10 @@ def train_mode_not_restored(f: Facts, o: ScriptOutcome) -> list[Finding]:
         "steps": e["steps"],
         "trained_until": e["trained_until"],
         "layers": e["layers"],
+        "by_library": bool(e.get("by_library")),
         **site_fields(e),
     }
-    fix = f"Call {e['module']}.train() after the validation pass, before training resumes."
+    fix = f"Call {e['module']}.train() before training (and again after each validation pass)."
     return [Finding("train-mode-not-restored", "error", message, evidence, fix)]
 
 

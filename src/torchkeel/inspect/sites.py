@@ -120,6 +120,8 @@ def tensors_in(obj: Any, limit: int = 64) -> list[torch.Tensor]:
 
 def is_nonfinite(t: torch.Tensor) -> bool:
     """True when a floating-point tensor holds NaN or Inf (a host sync)."""
+    if t.is_meta:
+        return False  # no values (a model built on the meta device before its weights load)
     return (t.is_floating_point() or t.is_complex()) and t.numel() > 0 and not bool(torch.isfinite(t).all())
 
 

@@ -10,6 +10,7 @@ gradients on, a step about to run); wraps the clip functions, ``LRScheduler.step
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchkeel.diagnose.events import ClipBeforeBackward, SchedulerCall, StepGroup, TrainedInEval, ZeroGradBeforeStep
-from torchkeel.inspect.sites import site_text, user_site
+from torchkeel.inspect.sites import is_user_file, site_text, user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
@@ -140,8 +141,10 @@ class LoopListener:
                 record = self.modes[key] = {"module": module, "layers": layers, "trained_until": None, "eval": []}
             if module.training:
                 record["trained_until"], record["eval"] = step, []
-            elif record["trained_until"] is not None or self.eval_sites.get(module, {}).get("no_grad"):
-                record["eval"].append(step)  # after training in train mode, or after an evaluation's eval()
+            elif record["trained_until"] is not None or record["eval"] or _not_chosen(self.eval_sites.get(module, {})):
+                if not record["eval"]:
+                    record["since"] = dict(self.eval_sites.get(module, {}))  # the eval() that began it
+                record["eval"].append(step)  # after training in train mode, or after an eval() nobody chose
         self.grad_roots = {}
 
     # ---------------------------------------------------------------- wrapped here
@@ -207,8 +210,16 @@ class LoopListener:
             finally:
                 listener.mode_calls -= 1
                 if listener.mode_calls == 0 and not listener.probe.busy and not mode:
-                    # eval() under no_grad is an evaluation's (nanoGPT's estimate_loss), not a setup's
-                    listener.eval_sites[module] = {**(user_site() or {}), "no_grad": not torch.is_grad_enabled()}
+                    # eval() under no_grad is an evaluation's (nanoGPT's estimate_loss), not a setup's; one a
+                    # library makes (transformers' from_pretrained returns models in eval mode) is nobody's choice
+                    caller = sys._getframe(1)
+                    while caller is not None and caller.f_code.co_name in ("train", "eval"):
+                        caller = caller.f_back  # Module.eval, and a library's own train() override
+                    listener.eval_sites[module] = {
+                        **(user_site() or {}),
+                        "no_grad": not torch.is_grad_enabled(),
+                        "by_library": caller is not None and not is_user_file(caller.f_code.co_filename),
+                    }
 
         return train
 
@@ -220,7 +231,9 @@ class LoopListener:
         for record in self.modes.values():
             if len(record["eval"]) >= 2:
                 module = record["module"]
-                site = {k: v for k, v in self.eval_sites.get(module, {}).items() if k != "no_grad"}
+                called = record.get("since") or self.eval_sites.get(module, {})
+                site = {k: v for k, v in called.items() if k not in ("no_grad", "by_library")}
+                site["by_library"] = bool(called.get("by_library")) and record["trained_until"] is None
                 probe.record(
                     "trained-in-eval",
                     TrainedInEval(
@@ -233,6 +246,11 @@ class LoopListener:
                     ),
                 )
         events["step-groups"] = [StepGroup(**{**g, "backward_at": site_text(g["backward_at"])}) for g in self.groups]
+
+
+def _not_chosen(eval_call: dict[str, Any]) -> bool:
+    """An eval() made by an evaluation (under no_grad) or by a library, not by the script's setup."""
+    return bool(eval_call.get("no_grad") or eval_call.get("by_library"))
 
 
 def _plain(value: Any) -> Any:
