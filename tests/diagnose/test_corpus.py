@@ -68,6 +68,7 @@ def test_short_corpus(name, short_reports):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # about 120 scripts, two at a time, each with its reproducibility run
 def test_whole_corpus_meets_the_goals():
     reports = diagnose_all(sorted(EXPECTED))
     failures = {}
