@@ -88,9 +88,11 @@ class LoopListener:
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         probe, step = self.probe, self.probe.next_step
         site = user_site()
-        trainable = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-        cleared = next((s for params, s in self.zeroed if params & trainable), None)
-        if self.backwards and cleared is not None:
+        cleared = None
+        if self.backwards and self.zeroed:  # the parameter set only when a zero_grad followed a backward
+            trainable = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+            cleared = next((s for params, s in self.zeroed if params & trainable), None)
+        if cleared is not None:
             probe.record(
                 "zero-grad-before-step",
                 ZeroGradBeforeStep(
