@@ -11,7 +11,7 @@ Rules, comma-separated:
 Points: ``<file>:before_temp``, ``<file>:mid_write``, ``<file>:after_write``,
 ``<file>:after_fsync``, ``<file>:after_replace`` for each of ``model.safetensors``,
 ``state.safetensors`` and ``state.json``, then ``before_manifest`` and ``after_manifest``.
-``keel train`` reads the rules from ``TORCHKEEL_TEST_FAULTS``; nothing else does.
+``hooks_from_env`` reads the rules from ``TORCHKEEL_TEST_FAULTS``.
 
 Training-step faults (``TORCHKEEL_TEST_STEP_FAULTS``), run before each forward pass:
 
@@ -19,8 +19,12 @@ Training-step faults (``TORCHKEEL_TEST_STEP_FAULTS``), run before each forward p
 - ``sleep:N=SECONDS``: pause before the N-th forward pass (a stalled rank);
 - ``kill:N``: SIGKILL this process before the N-th forward pass.
 
-A slow served model (``TORCHKEEL_TEST_FORWARD_SLEEP_S``, read by ``keel serve``): every forward
-of the batcher pauses that long first, so that requests are certainly in flight (``slowed``).
+A slow served model (``TORCHKEEL_TEST_FORWARD_SLEEP_S``, ``slow_forwards_from_env``, which
+``keel serve`` calls): every forward of the batcher pauses that long first, so that requests are
+certainly in flight.
+
+``hooks_from_env`` is the one reader of the training faults; ``keel train`` and Ray's workers
+get their Trainer through ``torchkeel.integrations.command.command_trainer``, which calls it.
 
 Any rule may end in ``@rank=R`` (only on that rank) and ``@restart=K`` (only in torchrun's K-th
 restart of the workers, ``TORCHELASTIC_RESTART_COUNT``), so that a fault happens once per job.
@@ -35,13 +39,39 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from torchkeel.checkpoint.format import PointHook
 from torchkeel.inspect.memory import rss_bytes
+from torchkeel.train.hooks import TrainerHooks
+
+CHECKPOINT_FAULTS = "TORCHKEEL_TEST_FAULTS"
+STEP_FAULTS = "TORCHKEEL_TEST_STEP_FAULTS"
+FORWARD_SLEEP = "TORCHKEEL_TEST_FORWARD_SLEEP_S"
+
+
+def hooks_from_env(environ: Mapping[str, str] | None = None) -> TrainerHooks | None:
+    """The Trainer's fault injection that ``TORCHKEEL_TEST_FAULTS`` (checkpoint writes) and
+    ``TORCHKEEL_TEST_STEP_FAULTS`` (training steps) describe; ``None`` when neither is set."""
+    env = os.environ if environ is None else environ
+    faults, step_faults = env.get(CHECKPOINT_FAULTS), env.get(STEP_FAULTS)
+    if not (faults or step_faults):
+        return None
+    return TrainerHooks(
+        checkpoint=parse_fault_rules(faults) if faults else None,
+        before_forward=parse_step_faults(step_faults) if step_faults else None,
+    )
+
+
+def slow_forwards_from_env(models: Iterable[Any], environ: Mapping[str, str] | None = None) -> None:
+    """Slow every served model's batch forward by ``TORCHKEEL_TEST_FORWARD_SLEEP_S`` seconds, when set."""
+    delay = (os.environ if environ is None else environ).get(FORWARD_SLEEP)
+    if delay:
+        for model in models:
+            model.batcher.run_batch = slowed(model.batcher.run_batch, float(delay))
 
 
 def parse_fault_rules(spec: str) -> PointHook:
@@ -71,7 +101,7 @@ def parse_fault_rules(spec: str) -> PointHook:
 
 
 def parse_step_faults(spec: str) -> Callable[[int], None]:
-    """A ``before_forward(num_samples)`` hook (``Trainer(oom_hook=...)``) that carries out ``spec``."""
+    """A ``TrainerHooks.before_forward(num_samples)`` hook that carries out ``spec``."""
     oom: OomInjector | None = None
     sleeps: dict[int, float] = {}
     kills: dict[int, str | None] = {}
@@ -138,8 +168,8 @@ def slowed(forward: Callable[[Any], Any], seconds: float) -> Callable[[Any], Any
 class OomInjector:
     """Fault injection: raises ``torch.OutOfMemoryError`` for micro-batches above ``max_samples``.
 
-    Pass it as ``train_step(..., before_forward=OomInjector(16))`` (or ``Trainer(oom_hook=...)``)
-    to exercise the split path on a CPU.
+    Pass it as ``TrainerHooks(before_forward=OomInjector(16))`` to ``train_step(hooks=)`` or
+    ``Trainer(hooks=)`` to exercise the split path on a CPU.
     """
 
     def __init__(self, max_samples: int) -> None:

@@ -129,12 +129,31 @@ def test_a_position_saved_with_batches_read_ahead_reads_them_again(tmp_path, kin
     loader = StreamLoader(source, 16, seed=2, num_workers=2, streams=3, max_bad_fraction=0.1)
     batches = loader.epoch(1)
     taken = [next(batches) for _ in range(9)]  # 7 trained on, 2 read ahead
-    state = loader.state_dict(unconsumed=taken[7:])
+    state = loader.state_dict(read_ahead=2)
     batches.close()
     again = StreamLoader(source, 16, seed=2, num_workers=1, streams=3, max_bad_fraction=0.1)
     again.load_state_dict(state)
     rest = [ids(b) for b in again.epoch(1, start_batch=7)]
     assert [ids(b) for b in taken[:7]] + rest == whole
+
+
+def test_a_position_saved_late_in_a_long_epoch_with_one_batch_read_ahead_reads_it_again(tmp_path):
+    """As the Trainer consumes: one batch ahead, each batch dropped once trained on (their memory,
+    and ids, are reused), the save after a hundred batches."""
+    source = make_source("parquet", tmp_path)
+    whole = [ids(b) for b in StreamLoader(source, 4, seed=5, streams=3).epoch(0)]
+    loader = StreamLoader(source, 4, seed=5, streams=3)
+    batches = loader.epoch(0)
+    trained, held = [], next(batches)
+    for _ in range(100):
+        current, held = held, next(batches)
+        trained.append(ids(current))
+        del current
+    state = loader.state_dict(read_ahead=1)
+    batches.close()
+    again = StreamLoader(source, 4, seed=5, streams=3)
+    again.load_state_dict(state)
+    assert trained + [ids(b) for b in again.epoch(0, start_batch=100)] == whole
 
 
 def test_the_order_and_augmentations_of_map_style_do_not_depend_on_the_worker_count(tmp_path):
@@ -267,9 +286,9 @@ def test_a_null_in_a_parquet_row_is_skipped_and_named(tmp_path):
     loader = StreamLoader(source, 16, seed=0, max_bad_fraction=0.01)
     seen = [i for batch in loader.epoch(0) for i in ids(batch)]
     assert sorted(seen) == sorted(set(range(480)) - {7, 300})
-    named = sorted(where for where, _ in loader.new_bad)
+    named = sorted(where for where, _ in loader.bad.new)
     assert named == [f"{tmp_path}/part-0.parquet row 7", f"{tmp_path}/part-1.parquet row 140"]
-    assert all("null" in error for _, error in loader.new_bad)
+    assert all("null" in error for _, error in loader.bad.new)
 
 
 def test_a_corrupt_sample_in_a_shard_is_skipped_and_named(tmp_path):
@@ -277,7 +296,7 @@ def test_a_corrupt_sample_in_a_shard_is_skipped_and_named(tmp_path):
     loader = StreamLoader(source, 16, seed=0, num_workers=2, max_bad_fraction=0.01)
     seen = [i for batch in loader.epoch(0) for i in ids(batch)]
     assert sorted(seen) == sorted(set(range(480)) - {85})
-    ((where, error),) = loader.new_bad
+    ((where, error),) = loader.bad.new
     assert where == f"{tmp_path}/train-000001.tar key 000085" and error.startswith("npy: ValueError")
     assert "not a .npy array: no NumPy header (starts with b'not an n')" in error and "pickle" not in error
 
@@ -307,7 +326,7 @@ def test_a_map_style_item_that_raises_is_skipped_and_named():
     loader = EpochLoader(Flaky(), 8, seed=0, num_workers=2, max_bad_fraction=0.1)
     seen = sorted(int(v) for x, _ in loader.epoch(0) for v in x[:, 0])
     assert seen == sorted(set(range(40)) - {3, 17})
-    assert sorted(loader.new_bad) == [
+    assert sorted(loader.bad.new) == [
         ("dataset index 17", "OSError: cannot read image 17.jpg"),
         ("dataset index 3", "OSError: cannot read image 3.jpg"),
     ]

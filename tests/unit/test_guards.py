@@ -18,6 +18,7 @@ import torchkeel as tk
 from torchkeel.errors import SampleTooLarge, TrainingDiverged
 from torchkeel.testing import OomInjector
 from torchkeel.train.guards import Action, NonFiniteGuard, SpikeDetector
+from torchkeel.train.hooks import TrainerHooks
 from torchkeel.train.memory import LeakDetector, MemoryMonitor
 from torchkeel.train.nonfinite import diagnose_nonfinite
 
@@ -247,7 +248,12 @@ def test_oom_split_trains_to_the_same_parameters(tiny_config, tmp_path):
     plain = tk.Trainer(tiny_config("name=plain", *args), model=no_dropout_model(), progress=False)
     plain.fit()
     injector = OomInjector(16)
-    split = tk.Trainer(tiny_config("name=split", *args), model=no_dropout_model(), oom_hook=injector, progress=False)
+    split = tk.Trainer(
+        tiny_config("name=split", *args),
+        model=no_dropout_model(),
+        hooks=TrainerHooks(before_forward=injector),
+        progress=False,
+    )
     summary = split.fit()
     assert summary["status"] == "completed" and summary["incidents"] == {"oom_split": 1}
     assert injector.num_raised == 2  # 64 failed, 32 failed, 16 fit; then 16 from the start
@@ -271,7 +277,7 @@ def test_a_single_sample_that_does_not_fit_is_a_clear_error():
             precision=tk.Precision(),
             device=CPU,
             split_on_oom=True,
-            before_forward=OomInjector(0),
+            hooks=TrainerHooks(before_forward=OomInjector(0)),
         )
 
 
@@ -292,7 +298,7 @@ def test_other_errors_pass_through_unchanged():
             precision=tk.Precision(),
             device=CPU,
             split_on_oom=True,
-            before_forward=broken,
+            hooks=TrainerHooks(before_forward=broken),
         )
 
 

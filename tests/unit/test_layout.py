@@ -1,19 +1,42 @@
-"""The size budgets of docs/architecture.md: a loop that fits a screen or two, rooms of a size
-a newcomer reads in one sitting."""
+"""The size budgets of docs/architecture.md: functions that fit a screen, rooms of a size a
+newcomer reads in one sitting."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "torchkeel"
+MAX_FUNCTION_LINES = 60
 
 
 def lines(path: Path) -> int:
     return len(path.read_text().splitlines())
 
 
-def test_the_trainer_is_a_loop_and_no_module_outgrows_its_budget():
-    assert lines(SRC / "train" / "trainer.py") <= 300
+def own_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's lines, less its docstring and the functions and classes defined inside it
+    (each of those is measured on its own)."""
+    kept = set(range(function.lineno, function.end_lineno + 1))
+    body = function.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        kept -= set(range(body[0].lineno, body[0].end_lineno + 1))
+    for node in ast.walk(function):
+        if node is not function and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            kept -= set(range(node.lineno, node.end_lineno + 1))
+    return len(kept)
+
+
+def test_no_function_is_longer_than_a_screen():
+    over = {}
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and own_lines(node) > MAX_FUNCTION_LINES:
+                over[f"{path.relative_to(SRC)}:{node.lineno} {node.name}"] = own_lines(node)
+    assert not over, f"functions over {MAX_FUNCTION_LINES} lines (docstrings and nested functions aside): {over}"
+
+
+def test_no_module_outgrows_its_budget():
     over = {str(p.relative_to(SRC)): lines(p) for p in SRC.rglob("*.py") if lines(p) > 450}
     assert not over, f"modules over 450 lines: {over}"
     over = {str(p.relative_to(SRC)): lines(p) for p in (SRC / "diagnose").rglob("*.py") if lines(p) > 400}

@@ -16,6 +16,7 @@ from test_trainer_checkpoints import SignalAt  # noqa: E402
 
 import torchkeel as tk  # noqa: E402
 from torchkeel.errors import ConfigError, MissingExtraError  # noqa: E402
+from torchkeel.train.hooks import TrainerHooks  # noqa: E402
 from torchkeel.train.tracking import MlflowLogger  # noqa: E402
 
 
@@ -146,8 +147,10 @@ def test_the_rows_are_in_mlflow_before_each_checkpoint_is_saved(tiny_config, sto
     trainer = tk.Trainer(
         tiny_config(f"logging.mlflow.tracking_uri={store}", "checkpoint.every_steps=5"),
         progress=False,
-        checkpoint_hook=lambda point: (
-            seen.append(held_steps(store)) if point == "model.safetensors:before_temp" else None
+        hooks=TrainerHooks(
+            checkpoint=lambda point: (
+                seen.append(held_steps(store)) if point == "model.safetensors:before_temp" else None
+            )
         ),
     )
     trainer.fit()

@@ -19,7 +19,9 @@ def rows(run_dir, kind):
 
 
 def test_hand_written_loop_and_trainer_give_identical_losses(tiny_config, tmp_path):
-    expected = hand_written_loop.main(max_epochs=3, batch_size=16, accumulate=4, lr=3e-3, warmup_steps=4, clip=1.0)
+    expected = hand_written_loop.main(
+        max_epochs=3, batch_size=16, accumulate=4, lr=3e-3, warmup_steps=4, clip=1.0
+    ).losses
     config = tiny_config(
         "train.max_epochs=3",
         "train.accumulate=4",
@@ -34,8 +36,62 @@ def test_hand_written_loop_and_trainer_give_identical_losses(tiny_config, tmp_pa
     assert losses == expected
 
 
+GUARD_RUNS = {
+    "skips-then-escalates": ("skip", (10, 11, 12, 13, 14, 15, 16, 17)),
+    "rolls-back": ("rollback", (3,)),
+    "gives-up": ("rollback", (3, 200)),
+}
+
+
+@pytest.mark.parametrize("policy, nan_rows", GUARD_RUNS.values(), ids=GUARD_RUNS.keys())
+def test_the_hand_written_loop_meets_the_trainers_incidents_and_ends_with_its_weights(
+    tiny_config, tmp_path, policy, nan_rows
+):
+    """Data with NaN rows: the loop answers each of the guard's actions as the Trainer does."""
+    settings = dict(max_epochs=3, batch_size=16, accumulate=4, lr=3e-3, warmup_steps=4, clip=1.0)
+    try:
+        loop = hand_written_loop.main(**settings, on_nonfinite=policy, snapshot_every=5, nan_rows=nan_rows)
+        loop_error = None
+    except tk.TrainingDiverged as exc:
+        loop, loop_error = None, exc
+    config = tiny_config(
+        "train.max_epochs=3",
+        "train.accumulate=4",
+        "optim.lr=3e-3",
+        "optim.weight_decay=0",
+        "schedule.warmup_steps=4",
+        "train.clip_grad_norm=1.0",
+        f"guard.on_nonfinite={policy}",
+        "guard.snapshot_every=5",
+        f"data.args.nan_rows={list(nan_rows)}",
+    )
+    trainer = tk.Trainer(config, progress=False)
+    if loop_error is not None:
+        with pytest.raises(tk.TrainingDiverged):
+            trainer.fit()
+    else:
+        assert trainer.fit()["status"] == "completed"
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "tiny" / "incidents.jsonl").read_text().splitlines()]
+    met = [
+        {
+            "kind": r["kind"],
+            "step": r["step"],
+            **({"action": r["action"]} if "action" in r else {"to_step": r["to_step"]}),
+        }
+        for r in rows
+        if r["kind"] in ("nonfinite", "rollback")
+    ]
+    if loop_error is not None:
+        assert met[-1]["action"] == "fail" and f"at step {met[-1]['step']}:" in str(loop_error)
+        return
+    assert met == loop.incidents and {i["action"] for i in met if "action" in i} <= {"skipped", "rollback"}
+    assert any(i["kind"] == "rollback" for i in met)
+    weights = trainer.model.state_dict()
+    assert all(torch.equal(weights[k], v) for k, v in loop.model.state_dict().items())
+
+
 def test_hand_written_loop_bf16_matches_too(tiny_config, tmp_path):
-    expected = hand_written_loop.main(max_epochs=1, precision="bf16")
+    expected = hand_written_loop.main(max_epochs=1, precision="bf16").losses
     config = tiny_config(
         "train.max_epochs=1",
         "train.accumulate=4",

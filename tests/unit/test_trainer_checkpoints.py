@@ -13,6 +13,7 @@ from torch import nn
 
 import torchkeel as tk
 from torchkeel.errors import CheckpointError
+from torchkeel.train.hooks import TrainerHooks
 from torchkeel.train.preempt import StopSignals
 
 
@@ -167,7 +168,7 @@ def test_every_metrics_row_up_to_a_checkpoint_is_on_disk_before_the_checkpoint_i
             steps = [r["step"] for r in tk.read_metrics(metrics) if r["kind"] == "train"]
             on_disk.append(steps[-1] if steps else 0)
 
-    trainer = tk.Trainer(tiny_config("checkpoint.every_steps=7"), progress=False, checkpoint_hook=at)
+    trainer = tk.Trainer(tiny_config("checkpoint.every_steps=7"), progress=False, hooks=TrainerHooks(checkpoint=at))
     trainer.fit()
     assert on_disk[:3] == [7, 14, 21]  # log_every 1: each save's own step was on disk before it
     rows = [r["step"] for r in tk.read_metrics(metrics) if r["kind"] == "train"]

@@ -11,6 +11,7 @@ from torch import nn
 
 import torchkeel as tk
 from torchkeel.config.load import load_config
+from torchkeel.data.bad import BadSampleLedger
 from torchkeel.distributed import RankInfo, TrainingJob
 from torchkeel.errors import TrainingDiverged
 from torchkeel.train.checkpointing import RunCheckpoints, RunState
@@ -93,7 +94,7 @@ def test_checkpoints_save_and_restore_the_learners_and_every_components_state(tm
         a.model.weight.fill_(0.25)
     state = lambda p: RunState(
         RunCounters(),
-        Protections(
+        Protections.from_config(
             cfg,
             p,
             objective=Objective.of(nn.MSELoss()),  # noqa: E731
@@ -112,7 +113,7 @@ def test_checkpoints_save_and_restore_the_learners_and_every_components_state(tm
     saved.bad_samples.shown.add("file.parquet row 3")
     saved.incidents.counts["bad_sample"] = 2
     checkpoints = RunCheckpoints(cfg.checkpoint, tmp_path / "ck", job)
-    checkpoints.save(a, saved, held=[], meta={})
+    checkpoints.save(a, saved, read_ahead=0, meta={})
     checkpoints.wait()
     found = checkpoints.find("auto", warn=pytest.fail)
     assert found is not None and found.step == 6
@@ -134,7 +135,7 @@ class _Positions:
     def __init__(self) -> None:
         self.loaded = None
 
-    def state_dict(self, unconsumed=()):
+    def state_dict(self, read_ahead=0):
         return {"position": 6}
 
     def load_state_dict(self, state):
@@ -146,7 +147,7 @@ def test_protections_name_what_acted_and_a_guard_that_gives_up_still_reports_its
         tmp_path, "guard.on_nonfinite=rollback", "guard.max_rollbacks=1", "guard.diagnose=false", "guard.spike_factor=2"
     )
     p = parts()
-    protections = Protections(
+    protections = Protections.from_config(
         cfg, p, objective=Objective.of(nn.MSELoss()), precision=tk.Precision(), device=CPU, num_workers=0
     )
     protections.take_snapshot(0)
@@ -166,7 +167,7 @@ def test_protections_name_what_acted_and_a_guard_that_gives_up_still_reports_its
 
 
 def test_without_the_guard_no_snapshot_is_taken(tmp_path):
-    protections = Protections(
+    protections = Protections.from_config(
         config(tmp_path, "guard.enabled=false"),
         parts(),
         objective=Objective.of(nn.MSELoss()),
@@ -175,29 +176,20 @@ def test_without_the_guard_no_snapshot_is_taken(tmp_path):
         num_workers=0,
     )
     protections.take_snapshot(0)
-    assert protections.snapshots == []
+    assert protections.rollback is None
 
 
 def test_a_bad_sample_is_printed_once_and_recorded_every_time(tmp_path):
     class Loader:
-        new_bad: list = []
-
-        class bad:
-            @staticmethod
-            def add_others(found):
-                raise AssertionError("one process: no other rank")
-
-            @staticmethod
-            def check(waiting=0):
-                pass
+        bad = BadSampleLedger(max_fraction=1.0, num_samples=100)
 
     report = BadSampleReport(TrainingJob(config(tmp_path).dist, RankInfo(), CPU))
     seen = []
     for _ in range(2):
-        Loader.new_bad = [("a.parquet row 7", "null label")]
+        Loader.bad.record([("a.parquet row 7", "null label")])
         seen += report.collect(Loader).incidents
     assert [(i.kind, i.quiet) for i in seen] == [("bad_sample", False), ("bad_sample", True)]
-    assert Loader.new_bad == [] and report.state_dict() == ["a.parquet row 7"]
+    assert Loader.bad.new == [] and report.state_dict() == ["a.parquet row 7"]
 
 
 def test_train_step_agrees_on_flags_read_once_the_backward_is_done():

@@ -103,12 +103,9 @@ def run(args: argparse.Namespace) -> int:
 
     def on_start(repository) -> None:
         started.append(repository)
-        delay = os.environ.get("TORCHKEEL_TEST_FORWARD_SLEEP_S")  # a test seam, see torchkeel.testing
-        if delay:
-            from torchkeel.testing import slowed
+        from torchkeel.testing import slow_forwards_from_env  # a test seam: unset, nothing happens
 
-            for model in repository.models.values():
-                model.batcher.run_batch = slowed(model.batcher.run_batch, float(delay))
+        slow_forwards_from_env(repository.models.values())
         _report(repository, f"http://{args.host}:{args.port}{grpc}")
 
     serve(args.export_dirs, args.host, args.port, options, on_start=on_start)

@@ -17,11 +17,10 @@ from torchkeel.data.build import build_sources
 from torchkeel.distributed.rank import RankInfo, per_rank
 from torchkeel.env.cpus import choose_threads, usable_cpus
 from torchkeel.errors import ConfigError, first_line
-from torchkeel.testing import parse_fault_rules, parse_step_faults
+from torchkeel.integrations.command import command_trainer
 from torchkeel.train.hf import check_hf_model
 from torchkeel.train.preempt import PREEMPT_SIGNALS, WARNING_SIGNALS, preempt_exit_code
 from torchkeel.train.rundir import check_run_dir
-from torchkeel.train.trainer import Trainer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,17 +96,13 @@ def run(args: argparse.Namespace) -> int:
     threads, reason = choose_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), usable_cpus(), os.environ)
     if threads is not None:
         torch.set_num_threads(threads)
-    faults = os.environ.get("TORCHKEEL_TEST_FAULTS")  # test seams, see torchkeel.checkpoint.faults
-    step_faults = os.environ.get("TORCHKEEL_TEST_STEP_FAULTS")
-    trainer = Trainer(
+    trainer = command_trainer(
         config,
         resume=args.resume,
         allow_config_change=args.allow_config_change,
         allow_data_change=args.allow_data_change,
         overwrite=args.overwrite,
         progress=not args.no_progress,
-        checkpoint_hook=parse_fault_rules(faults) if faults else None,
-        oom_hook=parse_step_faults(step_faults) if step_faults else None,
     )
     if threads is not None and rank.is_main and not args.no_progress:
         print(f"keel: torch threads: {threads} per process ({reason})", file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -14,6 +14,7 @@ import torch
 
 from torchkeel.config.imports import build_target, resolve_target
 from torchkeel.config.schema import DataConfig
+from torchkeel.data.bad import BadSampleLedger
 from torchkeel.data.collate import build_collate
 from torchkeel.data.images import ImagePreprocess
 from torchkeel.data.loader import EpochLoader
@@ -37,20 +38,20 @@ class Loader(Protocol):
     ranks may hold different numbers of batches (then ``TrainingJob.batches`` keeps them in
     step). ``options`` holds the settings both share (``options.batch_size`` is always the job's
     batch, each rank collating ``options.rank_batch_size`` of it); ``num_workers`` is the worker
-    processes the loader runs.
+    processes the loader runs; ``bad`` is its ledger of bad samples and batches handed out.
+    ``origin(number, index)`` names where sample ``index`` of the epoch's batch ``number``
+    came from; ``state_dict(read_ahead)`` leaves out the latest ``read_ahead`` batches.
     """
 
     streaming: bool
     options: LoaderOptions
     num_workers: int
-    new_bad: list[tuple[str, str]]
-    bad: Any
+    bad: BadSampleLedger
 
     def num_batches(self, epoch: int) -> int: ...
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]: ...
-    def origin(self, batch: Any, index: int) -> str | None: ...
-    def bad_in(self, batches: Sequence[Any]) -> int: ...
-    def state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]: ...
+    def origin(self, number: int, index: int) -> str | None: ...
+    def state_dict(self, read_ahead: int = 0) -> dict[str, Any]: ...
     def load_state_dict(self, state: Any) -> None: ...
     def close(self) -> None: ...
 

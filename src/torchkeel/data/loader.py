@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from torchkeel.data.bad import BadSamples, remember
+from torchkeel.data.bad import BadSampleLedger, Handout
 from torchkeel.data.collate import DefaultCollate, collate_or_split
 from torchkeel.data.options import HasLoaderOptions, LoaderOptions
 from torchkeel.data.order import bucket_order, epoch_seed
@@ -146,9 +146,10 @@ class EpochLoader(HasLoaderOptions):
     batches and each sample is seen once per epoch by one rank.
 
     A sample whose ``__getitem__`` raises, or whose shape differs from the rest of its batch, is
-    skipped and listed in ``new_bad`` (the Trainer records it as an incident); past
+    skipped and recorded in the ledger ``bad`` (the Trainer records it as an incident); past
     ``max_bad_fraction`` of the dataset in one epoch, a ``DataError`` lists the first ten (with
-    several ranks the caller shares the counts and calls ``bad.check()``, see ``BadSamples``). ``bucket_by`` (a dict key or tuple index of the sample)
+    several ranks the caller shares the counts and calls ``bad.check()``, see
+    ``BadSampleLedger``). ``bucket_by`` (a dict key or tuple index of the sample)
     sorts windows of ``bucket_window`` samples by that field's length: batches of similar
     lengths, in an order that is still a function of ``(seed, epoch)``.
 
@@ -204,13 +205,12 @@ class EpochLoader(HasLoaderOptions):
         self.num_samples = len(dataset)  # type: ignore[arg-type]
         if self.num_samples == 0:
             raise DataError(f"dataset {type(dataset).__name__} is empty")
-        self.bad = BadSamples(max_bad_fraction, self.num_samples, world_size)
+        self.bad = BadSampleLedger(max_bad_fraction, self.num_samples, world_size)
         self._lengths: np.ndarray | None = None if lengths is None else np.asarray(lengths, dtype=np.int64)
         self._sampler = _EpochSampler()
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._loader: DataLoader | None = None
         self._guarded, self._collate = _Guarded(dataset, seed, rank, self._epoch), _Collate(self.options.collate_fn)
-        self._recent: dict[int, tuple[list[int], int]] = {}  # id(batch) -> (dataset indices, bad samples)
 
     def __len__(self) -> int:
         """Batches per epoch (the last one may be short, unless ``drop_last``)."""
@@ -249,9 +249,7 @@ class EpochLoader(HasLoaderOptions):
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Any]:
         """Iterate the batches of ``epoch``, beginning with batch number ``start_batch``."""
-        if start_batch == 0:
-            self.bad.start_epoch(epoch)
-        self.bad.epoch = epoch  # a resumed epoch keeps the bad-sample count its checkpoint had
+        self.bad.start_epoch(epoch, resumed=start_batch > 0)
         order = self.indices(epoch)
         if self.options.drop_last:
             order = order[: len(self) * self.options.batch_size]
@@ -272,42 +270,35 @@ class EpochLoader(HasLoaderOptions):
         return mine
 
     def _iterate(self, expected: int) -> Iterator[Any]:
-        template, count = None, 0
+        template, count, met = None, 0, 0
         for batch, bad, kept in self._batches():
             if bad:
                 self.bad.record([(f"dataset index {b.index}", b.error) for b in bad])
+                met += len(bad)
             if batch is None and self.options.world_size > 1 and template is not None:
-                batch = template  # all bad: the other ranks still step, so this one does too
+                batch, kept = template, None  # all bad: the other ranks still step, so this one does too
             if batch is not None:
-                if batch is not template:
-                    remember(self._recent, batch, (kept, len(bad)))
+                self.bad.hand_out(Handout(met, kept))
                 template = template if template is not None else empty_like_batch(batch)
-                count += 1
+                count, met = count + 1, 0
                 yield batch
         if self.options.world_size > 1 and template is not None:
             for _ in range(expected - count):  # an empty share of the last batch
+                self.bad.hand_out(Handout(0))
                 yield template
 
-    def origin(self, batch: Any, index: int) -> str | None:
-        """Which dataset index sample ``index`` of a recent batch is (``None``: unknown batch)."""
-        indices = self._recent.get(id(batch), (None, 0))[0]
+    def origin(self, number: int, index: int) -> str | None:
+        """Which dataset index sample ``index`` of the epoch's batch ``number`` is (``None``:
+        unknown, or a batch no longer kept)."""
+        entry = self.bad.entry(number)
+        indices = entry.origins if entry is not None else None
         return f"dataset index {indices[index]}" if indices is not None and index < len(indices) else None
 
-    @property
-    def new_bad(self) -> list[tuple[str, str]]:
-        """Bad samples met since the caller last cleared this list, ``(where, error)``."""
-        return self.bad.new
-
-    def bad_in(self, batches: Sequence[Any]) -> int:
-        """How many of the bad samples met were in ``batches`` (recent ones this loader handed out)."""
-        return sum(self._recent.get(id(batch), (None, 0))[1] for batch in batches)
-
-    def state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
+    def state_dict(self, read_ahead: int = 0) -> dict[str, Any]:
         """The epoch's bad-sample count (the position itself is the caller's ``batch_in_epoch``);
-        ``unconsumed``: batches handed out but not trained on, whose bad samples are not counted."""
-        state = self.bad.state_dict()
-        state["num_bad"] -= self.bad_in(unconsumed)
-        return state
+        ``read_ahead``: the latest batches handed out but not trained on, whose bad samples are
+        not counted."""
+        return self.bad.state_dict(read_ahead)
 
     def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Continue the bad-sample count from this rank's state, or every rank's (a list)."""

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from torchkeel.data.bad import BadSamples, remember
+from torchkeel.data.bad import BadSampleLedger, Handout
 from torchkeel.data.collate import DefaultCollate
 from torchkeel.data.options import HasLoaderOptions, LoaderOptions
 from torchkeel.data.order import (
@@ -48,7 +48,7 @@ DEFAULT_STREAMS = 8
 
 class _Undo:
     """What handing out one batch changed in the position (and everything since the batch
-    before: stream ends), so that ``state_dict(unconsumed=...)`` can take it back."""
+    before: stream ends), so that ``state_dict(read_ahead=...)`` can take it back."""
 
     def __init__(self) -> None:
         self.consumed: dict[int, int] = {}
@@ -161,9 +161,7 @@ class StreamLoader(HasLoaderOptions):
         )
         self._loader: DataLoader | None = None
         self.position: Position | None = None
-        self.bad = BadSamples(max_bad_fraction, self.num_samples, world_size)
-        self._origins: dict[int, list[Any]] = {}
-        self._undo: dict[int, _Undo] = {}
+        self.bad = BadSampleLedger(max_bad_fraction, self.num_samples, world_size)
 
     def __len__(self) -> int:
         """This rank's batches in a fresh epoch 0 (other epochs differ by a batch or so per stream)."""
@@ -183,9 +181,7 @@ class StreamLoader(HasLoaderOptions):
         """The batches of ``epoch``; with ``start_batch > 0``, from the loaded position onwards."""
         saved = self.position if start_batch > 0 else None
         position = continue_position(saved, epoch, len(self.units), self.options.world_size, self.streams)
-        if saved is None or saved.epoch != epoch:
-            self.bad.start_epoch(epoch)
-        self.bad.epoch = epoch
+        self.bad.start_epoch(epoch, resumed=saved is not None and saved.epoch == epoch)
         self.position = position
         streams = self._local(plan_streams(self.units, self.options.seed, position, shuffle=self.options.shuffle))
         rows = [(s, w.unit, w.first) for s, stream in enumerate(streams) for w in stream]
@@ -222,8 +218,7 @@ class StreamLoader(HasLoaderOptions):
                     undo.bad += len(info.bad)
                     self.bad.record(info.bad)
                 if batch is not None:
-                    remember(self._origins, batch, info.origins)
-                    remember(self._undo, batch, undo)
+                    self.bad.hand_out(Handout(undo.bad, info.origins, undo))
                     undo = _Undo()
                     yield batch
         if not all(ended):
@@ -232,21 +227,13 @@ class StreamLoader(HasLoaderOptions):
                 "ended; a worker process died — see the messages above"
             )
 
-    @property
-    def new_bad(self) -> list[tuple[str, str]]:
-        """Bad samples met since the caller last cleared this list, ``(where, error)``."""
-        return self.bad.new
-
-    def bad_in(self, batches: Sequence[Any]) -> int:
-        """How many of the bad samples met came with ``batches`` (recent ones this loader handed out)."""
-        return sum(undo.bad for undo in map(self._undo.get, map(id, batches)) if undo is not None)
-
-    def origin(self, batch: Any, index: int) -> str | None:
-        """Where sample ``index`` of the batch last handed out came from (``None``: another batch)."""
-        origins = self._origins.get(id(batch))
-        if origins is None:
+    def origin(self, number: int, index: int) -> str | None:
+        """Where sample ``index`` of the epoch's batch ``number`` came from (``None``: a batch
+        no longer kept, or not this loader's)."""
+        entry = self.bad.entry(number)
+        if entry is None or entry.origins is None:
             return None
-        for item in origins:
+        for item in entry.origins:
             if isinstance(item, str):
                 if index == 0:
                     return item
@@ -258,21 +245,18 @@ class StreamLoader(HasLoaderOptions):
             index -= len(rows)
         return None
 
-    def state_dict(self, unconsumed: Sequence[Any] = ()) -> dict[str, Any]:
+    def state_dict(self, read_ahead: int = 0) -> dict[str, Any]:
         """This rank's position in the epoch (plain data), with the epoch's bad-sample count.
 
-        ``unconsumed``: the latest batches handed out that were not trained on (read ahead);
-        the position is the one before them, so that a resume reads them again.
+        ``read_ahead``: how many of the latest batches handed out were not trained on; the
+        position is the one before them, so that a resume reads them again.
         """
         if self.position is None:
             return {}
-        position, bad = copy.deepcopy(self.position), self.bad.state_dict()
-        for batch in reversed(list(unconsumed)):
-            undo = self._undo.get(id(batch))
-            if undo is not None:  # not one of this loader's (an empty stand-in of another rank's turn)
-                undo.apply(position, self.options.rank)
-                bad["num_bad"] -= undo.bad
-        return {**position.state_dict(), **bad}
+        position = copy.deepcopy(self.position)
+        for entry in reversed(self.bad.latest(read_ahead)):
+            entry.undo.apply(position, self.options.rank)
+        return {**position.state_dict(), **self.bad.state_dict(read_ahead)}
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         """Continue from a saved position: one rank's, or every rank's (a list), merged."""

@@ -121,10 +121,6 @@ class GradSync:
         self.model, self.batch_size, self.device = model, batch_size, device
         self.nominal = float(batch_size * accumulate)
         self.world_size = dist.get_world_size()
-        self.samples = 0
-        """The job's samples in the last step (set by ``train_step``)."""
-        self.tokens = 0
-        """The job's token positions in the last step (set by ``train_step``)."""
         self._fsdp = hasattr(model, "set_requires_gradient_sync")
         self._ddp = hasattr(model, "no_sync")
 

@@ -52,8 +52,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """The function each Ray worker runs: ``keel train CONFIG --resume auto`` in this process."""
     import ray.train
 
-    from torchkeel.testing import parse_step_faults
-    from torchkeel.train.trainer import Trainer
+    from torchkeel.integrations.command import command_trainer
 
     for path in reversed(loop_config.get("sys_path", [])):
         if path not in sys.path:
@@ -65,8 +64,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         os.chdir(loop_config["cwd"])
     os.environ.update(loop_config.get("env", {}))
     config = load_config(loop_config["config"], list(loop_config.get("overrides", [])))
-    faults = os.environ.get("TORCHKEEL_TEST_STEP_FAULTS")  # the test seam keel train reads too
-    trainer = Trainer(config, resume="auto", progress=False, oom_hook=parse_step_faults(faults) if faults else None)
+    trainer = command_trainer(config, resume="auto", progress=False)
     trainer.files.row_hooks.append(lambda row: _report(ray.train.report, row))
     try:
         summary = trainer.fit()

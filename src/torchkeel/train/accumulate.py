@@ -36,30 +36,44 @@ class Lookahead:
     """Iterates ``groups`` one ahead, so that each comes with whether it is the last.
 
     While the caller works on a group, ``held`` is the next one, already read from the loader
-    but not trained on (a checkpoint must not count it as consumed). ``take_wait()`` is the time
-    spent reading since it was last called: how long training waited for its data (the first
-    read, which fills the pipeline, is left out).
+    but not trained on (a checkpoint must not count it as consumed). ``handed`` counts the
+    batches the loader has handed out in the epoch (``loader.bad.handed``): then ``read_ahead``
+    is how many of the loader's batches ``held`` took (batches that stand in for a rank whose
+    data ran out are not the loader's), and ``first`` the number of the current group's first
+    batch in the epoch. ``take_wait()`` is the time spent reading since it was last called: how
+    long training waited for its data (the first read, which fills the pipeline, is left out).
 
     Example::
 
-        ahead = Lookahead(iter_groups(loader.epoch(epoch), accumulate))
+        ahead = Lookahead(iter_groups(loader.epoch(epoch), accumulate), lambda: loader.bad.handed)
         for group, is_last in ahead:
             ...
     """
 
-    def __init__(self, groups: Iterable[list[Any]]) -> None:
+    def __init__(self, groups: Iterable[list[Any]], handed: Callable[[], int] | None = None) -> None:
         self._groups = iter(groups)
+        self._handed = handed or (lambda: 0)
         self.held: list[Any] | None = None
         self.wait_s = 0.0
+        self.first = 0
+        self._after_current = 0  # the loader's count once the current group was read
 
     def __iter__(self) -> Iterator[tuple[list[Any], bool]]:
+        handed = self._handed
+        self.first = handed()
         current = next(self._groups, None)
         while current is not None:
+            self._after_current = handed()
             start = time.perf_counter()
             self.held = next(self._groups, None)
             self.wait_s += time.perf_counter() - start
             yield current, self.held is None
-            current, self.held = self.held, None
+            self.first, current, self.held = self._after_current, self.held, None
+
+    @property
+    def read_ahead(self) -> int:
+        """The loader's batches read for ``held`` and not trained on (0 between groups)."""
+        return self._handed() - self._after_current if self.held is not None else 0
 
     def take_wait(self) -> float:
         """Seconds spent reading groups since the last call."""

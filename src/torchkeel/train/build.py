@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from torchkeel.train.accumulate import total_steps
 from torchkeel.train.compile import CompiledOrEager, Reporter
 from torchkeel.train.ema import WeightAverage
 from torchkeel.train.hf import build_hf_model, check_tokens_fit
+from torchkeel.train.hooks import TrainerHooks
 from torchkeel.train.metricset import MetricSet
 from torchkeel.train.objective import Objective
 from torchkeel.train.optim import build_optimizer
@@ -29,6 +30,7 @@ from torchkeel.train.precision import Precision
 from torchkeel.train.profiling import StepProfiler
 from torchkeel.train.recompute import checkpoint_activations
 from torchkeel.train.schedule import build_scheduler
+from torchkeel.train.step import StepSettings
 
 
 @dataclass
@@ -127,13 +129,18 @@ def build_training(
     )
 
 
-def step_options(
-    cfg: KeelConfig, training: Training, precision: Precision, job: TrainingJob, **hooks: Any
-) -> dict[str, Any]:
-    """``train_step``'s keyword arguments that every step of the run shares: the config's, and
-    ``hooks`` (``before_forward``, ``agree``) as given."""
+def step_settings(
+    cfg: KeelConfig,
+    training: Training,
+    precision: Precision,
+    job: TrainingJob,
+    *,
+    agree: Callable[[], Sequence[bool]] | None = None,
+    hooks: TrainerHooks | None = None,
+) -> StepSettings:
+    """What every step of the run shares: the config's settings, ``agree`` and ``hooks``."""
     scores = training.train_scores
-    return dict(
+    return StepSettings(
         params=training.params,
         precision=precision,
         device=job.device,
@@ -143,7 +150,8 @@ def step_options(
         split_on_oom=cfg.oom.auto_split,
         sync=job.sync,
         on_outputs=scores.update if scores is not None else None,
-        **hooks,
+        agree=agree,
+        hooks=hooks,
     )
 
 

@@ -1,5 +1,7 @@
-"""When to checkpoint: often enough to bound the work a crash loses, rarely enough that saving
-stays a small share of the training time.
+"""When the loop saves, logs, validates and ends.
+
+``SaveCadence`` decides when to checkpoint: often enough to bound the work a crash loses, rarely
+enough that saving stays a small share of the training time.
 
 Beyond the saves the caller always makes (``checkpoint.every_steps``, the last step, a stop
 signal), a save is due
@@ -14,12 +16,18 @@ epoch end always saves: it is where the cost is first measured.
 
 The decision reads this process's clock; under torchrun only rank 0's counts (the trainer
 agrees it across ranks in the collective it already makes every step).
+
+``LoopCadence`` decides, from the ``train`` section, which steps log and validate and where the
+run ends.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
+
+from torchkeel.config.schema import TrainConfig
 
 
 class SaveCadence:
@@ -48,3 +56,47 @@ class SaveCadence:
         """A checkpoint was just written; ``cost_s`` is how long the training loop waited for it."""
         self.save_cost_s = cost_s
         self.last_saved_at = self.clock()
+
+
+class StepPlan(NamedTuple):
+    """What the loop does around one step, as ``LoopCadence.plan`` decided it."""
+
+    is_last: bool
+    """The run's last step (its last epoch's last step, or ``train.max_steps``)."""
+    log: bool
+    """A training row follows it (every ``train.log_every`` steps, and the last)."""
+    validate: bool
+    """A validation follows it (every ``train.val_every`` steps)."""
+    at_max_steps: bool
+    """``train.max_steps`` is reached with it: the run stops, mid-epoch or not."""
+
+
+class LoopCadence:
+    """When the training loop logs, validates and ends, from the config's ``train`` section.
+
+    With ``train.val_every`` 0 the run validates at each epoch's end (``validates_at_epoch_end``).
+    """
+
+    def __init__(self, train: TrainConfig) -> None:
+        self.max_epochs, self.max_steps = train.max_epochs, train.max_steps
+        self.log_every, self.val_every = train.log_every, train.val_every
+
+    @property
+    def validates_at_epoch_end(self) -> bool:
+        return not self.val_every
+
+    def at_max_steps(self, step: int) -> bool:
+        return self.max_steps is not None and step >= self.max_steps
+
+    def wants_epoch(self, step: int, epoch: int) -> bool:
+        """Whether the run goes on into epoch ``epoch`` (``step`` steps done)."""
+        return not self.at_max_steps(step) and (self.max_epochs is None or epoch < self.max_epochs)
+
+    def plan(self, step: int, epoch: int, last_of_epoch: bool) -> StepPlan:
+        """The plan of step ``step`` (counted from 1) of ``epoch``; ``last_of_epoch``: its data ends with it."""
+        at_max = self.max_steps is not None and step >= self.max_steps
+        is_last = (last_of_epoch and epoch + 1 == self.max_epochs) or (
+            self.max_steps is not None and step == self.max_steps
+        )
+        validate = bool(self.val_every) and step % self.val_every == 0
+        return StepPlan(is_last, step % self.log_every == 0 or is_last, validate, at_max)

@@ -2,7 +2,9 @@
 
 ``RunCheckpoints`` owns the store, the background saver and the cadence, and knows the job's
 layout: full weights written by rank 0 (with every rank's RNG and data position gathered to it),
-or each rank's shards under FSDP. ``save`` and ``restore`` are the only two ways in.
+or each rank's shards under FSDP. ``save`` and ``restore`` are the only two ways in; once the
+run is bound to it (``bind``), it decides when the run saves (``maybe_save`` after a step,
+``at_epoch_end``, ``save_now``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from torchkeel.checkpoint import (
 from torchkeel.checkpoint.format import PointHook
 from torchkeel.checkpoint.sharded import load_sharded, save_sharded
 from torchkeel.config.schema import CheckpointConfig
+from torchkeel.data.build import Loader
 from torchkeel.data.inputs import Inputs, fingerprint_inputs
+from torchkeel.distributed.agree import any_rank
 from torchkeel.distributed.job import TrainingJob
 from torchkeel.distributed.shared import check_shared_directory, spans_nodes
 from torchkeel.errors import CheckpointError
@@ -34,6 +38,7 @@ from torchkeel.train.early_stop import EarlyStopping
 from torchkeel.train.incidents import IncidentLog
 from torchkeel.train.protect import BadSampleReport, Protections
 from torchkeel.train.resume import check_resume_config, check_resume_inputs, find_checkpoint
+from torchkeel.train.rundir import RunFiles
 from torchkeel.train.schedule import set_lr_at
 
 
@@ -48,7 +53,7 @@ class RunState:
     bad_samples: BadSampleReport
     incidents: IncidentLog
     stopper: EarlyStopping | None
-    loader: Any
+    loader: Loader
 
     def progress(self) -> dict[str, Any]:
         return {
@@ -77,6 +82,15 @@ class RunState:
 
 
 @dataclass(frozen=True)
+class _Bound:
+    parts: TrainingParts
+    run: RunState
+    files: RunFiles
+    read_ahead: Callable[[], int]
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class ResumeChanges:
     """What a resume may continue over: a config that changes what the run computes
     (``--allow-config-change``), changed data files (``--allow-data-change``)."""
@@ -92,6 +106,7 @@ class RunCheckpoints:
         self, cfg: CheckpointConfig, directory: Path, job: TrainingJob, *, hook: PointHook | None = None
     ) -> None:
         self.cfg, self.job = cfg, job
+        self._bound: _Bound | None = None
         self.store = CheckpointStore(
             directory, keep_last=cfg.keep_last, save_top_k=cfg.save_top_k, monitor=cfg.monitor, mode=cfg.mode, hook=hook
         )
@@ -144,11 +159,55 @@ class RunCheckpoints:
     def is_every_steps(self, step: int) -> bool:
         return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
 
+    def bind(
+        self,
+        parts: TrainingParts,
+        run: RunState,
+        files: RunFiles,
+        *,
+        read_ahead: Callable[[], int],
+        meta: dict[str, Any],
+    ) -> None:
+        """What this run's saves hold (``parts``, ``run``, the data position less the
+        ``read_ahead()`` batches read ahead, ``meta`` in the manifest) and the files they keep in
+        step; set once the run's files are open."""
+        self._bound = _Bound(parts, run, files, read_ahead, meta)
+
+    def maybe_save(self, step: int, *, last_of_epoch: bool, due: bool = False) -> None:
+        """After step ``step``: save when ``checkpoint.every_steps`` says so or a save is ``due``
+        (agreed by every rank: a stop signal, rank 0's clock). At the epoch's last step
+        ``at_epoch_end`` decides instead."""
+        if not last_of_epoch and (due or self.is_every_steps(step)):
+            self.save_now()
+
+    def at_epoch_end(self, step: int, *, wanted: bool = False) -> None:
+        """The epoch ended at step ``step``: save when the time cadence allows an epoch-end save
+        (rank 0's clock, agreed here by every rank), ``checkpoint.every_steps`` says so, or a
+        save is ``wanted`` (the best state so far, early stopping's)."""
+        with self.job.watch("the agreement on saving", step):
+            due = any_rank(self.is_due(True), self.job.device)
+        if due or wanted or self.is_every_steps(step):
+            self.save_now()
+
+    def save_now(self) -> None:
+        """Checkpoint the bound run's current state, once per step at most (every rank takes part)."""
+        bound = self._bound
+        assert bound is not None, "RunCheckpoints.bind() first"
+        counters = bound.run.counters
+        if not self.enabled or counters.saved_at == counters.step:
+            return
+        counters.saved_at = counters.step
+        bound.files.flush()
+        # The first checkpoint must be on disk before the run --overwrite set aside goes.
+        wait = bound.files.holds_previous
+        self.save(bound.parts, bound.run, read_ahead=bound.read_ahead(), meta=bound.meta, wait=wait)
+        bound.files.first_checkpoint_written()
+
     def save(
-        self, parts: TrainingParts, run: RunState, *, held: list[Any], meta: dict[str, Any], wait: bool = False
+        self, parts: TrainingParts, run: RunState, *, read_ahead: int, meta: dict[str, Any], wait: bool = False
     ) -> None:
         """Checkpoint the run. Every rank takes part (its RNG, and its position in the data less
-        ``held``, the batches read ahead and not trained on); rank 0 writes, except each rank's
+        the latest ``read_ahead`` batches, read ahead and not trained on); rank 0 writes, except each rank's
         shards under FSDP. ``wait``: the checkpoint is on disk when this returns."""
         progress = run.progress()
         step, epoch = progress["step"], progress["epoch"]
@@ -156,7 +215,7 @@ class RunCheckpoints:
         with job.watch("saving a checkpoint", step):
             # Under torchrun every rank's RNG and position; in one process capture_training_state's suffice.
             ranks = job.gather(
-                {"rng": capture_rng() if job.active else None, "data": run.loader.state_dict(unconsumed=held)}
+                {"rng": capture_rng() if job.active else None, "data": run.loader.state_dict(read_ahead)}
             )
             state: dict[str, Any] = {}
             if is_main:

@@ -4,7 +4,7 @@ very next batch) and the objects that learn."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -55,3 +55,15 @@ class TrainingParts:
     scheduler: Any
     scaler: Any
     ema: Any = None
+
+
+class Agreed(NamedTuple):
+    """What every rank decides together after a step, agreed in the step's own all-gather
+    (``train_step(agree=)``): each flag is true when it was true on any rank."""
+
+    stop: bool = False
+    """A stop signal (SIGTERM, SIGINT, a Slurm warning) arrived."""
+    save_due: bool = False
+    """Rank 0's clock wants a save (``checkpoint.every_s``)."""
+    bad_samples: bool = False
+    """Some rank met bad samples since they were last shared."""

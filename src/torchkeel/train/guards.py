@@ -2,7 +2,8 @@
 
 ``NonFiniteGuard`` is a small state machine fed one verdict per step; it answers with an
 action. Every rank feeds it the same agreed verdict (``train_step`` agrees it), so every rank
-takes the same action. ``Snapshot`` is the in-memory last good state a rollback returns to.
+takes the same action. ``Snapshot`` is an in-memory good state a rollback returns to
+(``torchkeel.train.rollback.Rollback`` keeps them).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from torchkeel.checkpoint.format import snapshot
+from torchkeel.config.schema import GuardConfig
 from torchkeel.train.schedule import set_lr_at
 
 
@@ -44,6 +46,11 @@ class NonFiniteGuard:
     num_skipped: int = 0
     num_rollbacks: int = 0
     lr_scale: float = 1.0
+
+    @classmethod
+    def from_config(cls, guard: GuardConfig) -> NonFiniteGuard:
+        """The guard ``guard`` (the config's ``guard`` section) describes."""
+        return cls(guard.on_nonfinite, guard.max_consecutive, guard.lr_backoff, guard.max_rollbacks)
 
     def observe(self, is_finite: bool, can_roll_back: bool = True) -> Action:
         """Record one step's verdict and return what the loop must do now."""
@@ -115,6 +122,11 @@ class SpikeDetector:
     beta: float = 0.98
     average: float = 0.0
     count: int = 0
+
+    @classmethod
+    def from_config(cls, guard: GuardConfig) -> SpikeDetector | None:
+        """The detector ``guard.spike_factor`` asks for (``None``: off)."""
+        return cls(guard.spike_factor) if guard.spike_factor else None
 
     def observe(self, loss: float) -> float | None:
         """Feed a finite loss; return the running average it spiked above, else ``None``."""

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from torchkeel.config.schema import MemoryConfig
 from torchkeel.inspect.graph import graph_nodes
 from torchkeel.inspect.memory import rss_bytes
 
@@ -91,6 +92,11 @@ class MemoryMonitor:
         self.warn_cuda_fraction = warn_cuda_fraction
         self.probe = probe or SystemProbe()
         self._above: set[str] = set()  # thresholds crossed and not yet gone back below
+
+    @classmethod
+    def from_config(cls, memory: MemoryConfig, device: torch.device, probe: MemoryProbe | None = None) -> MemoryMonitor:
+        """The monitor the config's ``memory`` section describes."""
+        return cls(device, warn_rss_gb=memory.warn_rss_gb, warn_cuda_fraction=memory.warn_cuda_fraction, probe=probe)
 
     def sample(self) -> tuple[MemoryStats, list[str]]:
         """Current figures, and one warning line per threshold crossed since the last sample.
@@ -223,6 +229,22 @@ class LeakDetector:
         self._signal_at = -math.inf
         self._window_max = 0
         self._window_maxes: list[int] = []
+
+    @classmethod
+    def from_config(
+        cls, memory: MemoryConfig, device: torch.device, probe: MemoryProbe | None = None
+    ) -> LeakDetector | None:
+        """The detector the config's ``memory`` section describes (``None``: ``leak_check`` off)."""
+        if not memory.leak_check:
+            return None
+        return cls(
+            every_steps=memory.leak_every_steps,
+            warmup_steps=memory.leak_warmup_steps,
+            window=memory.leak_window,
+            max_overhead=memory.leak_max_overhead,
+            device=device,
+            probe=probe,
+        )
 
     def observe(self, step: int) -> dict[str, Any] | None:
         """Call once per step; returns a finding (plain data) the first time growth is sustained."""

@@ -15,22 +15,18 @@ from typing import Any
 
 import torch
 
-from torchkeel.config.schema import KeelConfig
+from torchkeel.config.schema import GuardConfig, KeelConfig, MemoryConfig
+from torchkeel.data.build import Loader
 from torchkeel.distributed.job import TrainingJob
 from torchkeel.errors import DataError, KeelError, TrainingDiverged
 from torchkeel.train.counters import TrainingParts
-from torchkeel.train.guards import (
-    Action,
-    NonFiniteGuard,
-    Snapshot,
-    SpikeDetector,
-    apply_lr_scale,
-)
+from torchkeel.train.guards import Action, NonFiniteGuard, SpikeDetector
 from torchkeel.train.inputbound import InputBoundDetector
 from torchkeel.train.memory import LeakDetector, MemoryMonitor, MemoryProbe
 from torchkeel.train.nonfinite import diagnose_nonfinite
 from torchkeel.train.objective import Objective
 from torchkeel.train.precision import Precision
+from torchkeel.train.rollback import Rollback
 from torchkeel.train.step import StepResult
 
 MAX_SHOWN_BAD = 10_000  # bad samples a checkpoint remembers as printed (beyond: printed again after a resume)
@@ -58,59 +54,52 @@ class Observed:
 
 
 class Protections:
-    """The run's protections, built from ``cfg.guard`` and ``cfg.memory``.
+    """The run's protections, each built from its own config section (``from_config``).
 
-    ``parts`` are what a rollback restores; ``objective`` and ``precision`` let the first
-    non-finite step be diagnosed (``guard.diagnose``); ``num_workers`` is named in the advice when
-    the run waits on its input.
+    ``rollback`` (``None``: none) restores ``parts`` when the guard answers ``ROLLBACK``;
+    ``objective`` and ``precision`` let the first non-finite step be diagnosed
+    (``guard.diagnose``); ``num_workers`` is named in the advice when the run waits on its input.
     """
 
     def __init__(
         self,
+        guard: GuardConfig,
+        memory: MemoryConfig,
+        parts: TrainingParts,
+        objective: Objective,
+        precision: Precision,
+        device: torch.device,
+        num_workers: int,
+        probe: MemoryProbe | None = None,
+    ) -> None:
+        self.objective, self.precision, self.device, self.num_workers = objective, precision, device, num_workers
+        self.parts, self.diagnose = parts, guard.diagnose
+        self.guard = NonFiniteGuard.from_config(guard)
+        self.rollback = Rollback.from_config(guard, parts)
+        self.spikes = SpikeDetector.from_config(guard)
+        self.memory, self.memory_every = MemoryMonitor.from_config(memory, device, probe), memory.every_steps
+        self.leaks = LeakDetector.from_config(memory, device, probe)
+        self.input_bound = InputBoundDetector()
+        self.diagnosis: dict[str, Any] | None = None  # of the first non-finite step
+
+    @classmethod
+    def from_config(
+        cls,
         cfg: KeelConfig,
         parts: TrainingParts,
         objective: Objective,
         precision: Precision,
         device: torch.device,
         num_workers: int,
-        memory_probe: MemoryProbe | None = None,
-    ) -> None:
-        g, mem = cfg.guard, cfg.memory
-        self.cfg, self.parts, self.objective, self.precision, self.device = cfg, parts, objective, precision, device
-        self.num_workers = num_workers
-        self.guard = NonFiniteGuard(g.on_nonfinite, g.max_consecutive, g.lr_backoff, g.max_rollbacks)
-        self.spikes = SpikeDetector(g.spike_factor) if g.spike_factor else None
-        self.memory = MemoryMonitor(
-            device, warn_rss_gb=mem.warn_rss_gb, warn_cuda_fraction=mem.warn_cuda_fraction, probe=memory_probe
-        )
-        self.leaks = (
-            LeakDetector(
-                every_steps=mem.leak_every_steps,
-                warmup_steps=mem.leak_warmup_steps,
-                window=mem.leak_window,
-                max_overhead=mem.leak_max_overhead,
-                device=device,
-                probe=memory_probe,
-            )
-            if mem.leak_check
-            else None
-        )
-        self.input_bound = InputBoundDetector()
-        self.diagnosis: dict[str, Any] | None = None  # of the first non-finite step
-        # The two latest good states: a rollback returns to the older one, since by the time a
-        # step goes non-finite the newer one may already be on the diverging path.
-        self.snapshots: list[Snapshot] = []
+        probe: MemoryProbe | None = None,
+    ) -> Protections:
+        """The protections ``cfg.guard`` and ``cfg.memory`` describe."""
+        return cls(cfg.guard, cfg.memory, parts, objective, precision, device, num_workers, probe)
 
     def take_snapshot(self, step: int) -> None:
-        """Keep the state of ``step`` for a rollback (only when the guard can roll back). The oldest
-        of the two kept goes, and its memory takes the copy."""
-        if self.cfg.guard.enabled and self.cfg.guard.snapshot_every:
-            p = self.parts
-            reuse = self.snapshots[0] if len(self.snapshots) == 2 else None
-            taken = Snapshot.take(
-                step, reuse, model=p.model, optimizer=p.optimizer, scheduler=p.scheduler, scaler=p.scaler
-            )
-            self.snapshots = [*self.snapshots[-1:], taken]
+        """Keep the state of ``step`` for a rollback (only when the guard can roll back)."""
+        if self.rollback is not None:
+            self.rollback.take(step)
 
     def after_step(self, result: StepResult, group: Sequence[Any], step: int, wait_s: float) -> Observed:
         """Act on one step's result (``step``: the steps done, this one included; ``wait_s``: the
@@ -144,9 +133,8 @@ class Protections:
             self._on_nonfinite(group, found)
         else:
             self.guard.observe(True)
-            every = self.cfg.guard.snapshot_every
-            if result.status == "ok" and every and step % every == 0:
-                self.take_snapshot(step)
+            if result.status == "ok" and self.rollback is not None:
+                self.rollback.after_step(step)
         if self.spikes is not None and result.loss_value is not None:
             average = self.spikes.observe(result.loss_value)
             if average is not None:
@@ -158,8 +146,7 @@ class Protections:
                         {"loss": result.loss_value, "average": average},
                     )
                 )
-        every = self.cfg.memory.every_steps
-        if every and step % every == 0:
+        if self.memory_every and step % self.memory_every == 0:
             stats, warnings = self.memory.sample()
             found.rows.append({"kind": "memory", "step": step, **stats.row()})
             found.incidents += [Incident("memory", warning, stats.row()) for warning in warnings]
@@ -170,12 +157,12 @@ class Protections:
 
     def _on_nonfinite(self, group: Sequence[Any], found: Observed) -> None:
         diagnosis = None
-        p = self.parts
-        if self.cfg.guard.diagnose and self.diagnosis is None:  # the first non-finite step only
+        if self.diagnose and self.diagnosis is None:  # the first non-finite step only
             diagnosis = self.diagnosis = diagnose_nonfinite(
-                p.model, group, self.objective, precision=self.precision, device=self.device
+                self.parts.model, group, self.objective, precision=self.precision, device=self.device
             )
-        action = self.guard.observe(False, can_roll_back=bool(self.snapshots))
+        rollback = self.rollback
+        action = self.guard.observe(False, can_roll_back=rollback is not None and rollback.can_restore)
         found.incidents.append(
             Incident(
                 "nonfinite",
@@ -185,15 +172,13 @@ class Protections:
             )
         )
         if action is Action.ROLLBACK:
-            del self.snapshots[1:]
-            good = self.snapshots[0]
-            good.restore(model=p.model, optimizer=p.optimizer, scheduler=p.scheduler, scaler=p.scaler)
-            apply_lr_scale(p.scheduler, p.optimizer, self.guard.lr_scale)
+            assert rollback is not None  # can_roll_back said so
+            to_step = rollback.restore(self.guard.lr_scale)
             found.incidents.append(
                 Incident(
                     "rollback",
-                    f"rolled back to the state of step {good.step}; learning rate scaled to {self.guard.lr_scale:g} x",
-                    {"to_step": good.step, "lr_scale": self.guard.lr_scale},
+                    f"rolled back to the state of step {to_step}; learning rate scaled to {self.guard.lr_scale:g} x",
+                    {"to_step": to_step, "lr_scale": self.guard.lr_scale},
                 )
             )
         elif action is Action.FAIL:
@@ -241,19 +226,18 @@ class BadSampleReport:
         self.job = job
         self.shown: set[str] = set()  # printed already: once per run, every occurrence in incidents
 
-    def collect(self, loader: Any, unconsumed: Sequence[Any] = ()) -> Observed:
-        """The incidents of ``loader.new_bad`` on every rank (taken from it); the result's
-        ``error`` is the ``DataError`` to raise once they are recorded, when the job's share of
-        bad samples passed ``data.max_bad_fraction``. Those of the ``unconsumed`` batches (read
-        ahead, not trained on) wait for the step that trains on them: a checkpoint taken before
-        it does not count them, so a run resumed from it meets them again."""
-        waiting = loader.bad_in(unconsumed) if unconsumed else 0
-        mine = loader.new_bad[: len(loader.new_bad) - waiting]
-        del loader.new_bad[: len(mine)]
+    def collect(self, loader: Loader, read_ahead: int = 0) -> Observed:
+        """The incidents of the loader's new bad samples on every rank (taken from its ledger);
+        the result's ``error`` is the ``DataError`` to raise once they are recorded, when the
+        job's share of bad samples passed ``data.max_bad_fraction``. Those of the latest
+        ``read_ahead`` batches (read ahead, not trained on) wait for the step that trains on
+        them: a checkpoint taken before it does not count them, so a run resumed from it meets
+        them again."""
+        ledger = loader.bad
         found = Observed()
-        for rank, bad in enumerate(self.job.all_gather_object(mine)):
+        for rank, bad in enumerate(self.job.all_gather_object(ledger.take_new(read_ahead))):
             if rank != self.job.rank.rank:
-                loader.bad.add_others(bad)
+                ledger.add_others(bad)
             for where, error in bad:
                 found.incidents.append(
                     Incident(
@@ -265,7 +249,7 @@ class BadSampleReport:
                 )
                 self.shown.add(where)
         try:
-            loader.bad.check(waiting)
+            ledger.check(read_ahead)
         except DataError as exc:
             found.error = exc
         return found

@@ -20,6 +20,7 @@ from torchkeel.distributed.agree import read_finite
 from torchkeel.distributed.parallel import GradSync, empty_like_batch
 from torchkeel.errors import SampleTooLarge
 from torchkeel.train.clipping import clip_grad_norm
+from torchkeel.train.hooks import TrainerHooks
 from torchkeel.train.objective import LabelOutOfRange, Objective
 from torchkeel.train.oom import free_memory, smaller_size
 from torchkeel.train.precision import Precision
@@ -68,8 +69,9 @@ class StepResult:
     num_oom_splits: int = 0
     metrics: dict[str, torch.Tensor] | None = None
     """The step function's metrics, averaged over the group like the loss."""
-    agreed: list[bool] = field(default_factory=list)
-    """``train_step``'s ``agree`` flags, each true when it was true on any rank."""
+    agreed: Any = field(default_factory=list)
+    """``train_step``'s ``agree`` flags, of the type ``agree()`` returned, each true when it was
+    true on any rank."""
 
 
 @dataclass
@@ -81,6 +83,22 @@ class _Sums:
     metrics: dict[str, torch.Tensor] | None
     count: torch.Tensor | None = None
     """This rank's count (``sync`` only: the global divisor is known after the all-gather)."""
+
+
+@dataclass
+class _Attempt:
+    """One data-parallel attempt at a step, as every rank agreed on it."""
+
+    sums: _Sums
+    micro_batch_size: int | None
+    """The micro-batch size every rank continues with."""
+    agreed: Any
+    redo: bool
+    """Some rank ran out of memory: every rank redoes the step."""
+    samples: int = 0
+    """The job's samples in the step."""
+    tokens: int = 0
+    """The job's token positions in the step."""
 
 
 @dataclass
@@ -114,10 +132,10 @@ def train_step(
     check_finite: bool = False,
     split_on_oom: bool = False,
     micro_batch_size: int | None = None,
-    before_forward: Callable[[int], None] | None = None,
     sync: GradSync | None = None,
     on_outputs: Callable[[Any, Any], None] | None = None,
     agree: Callable[[], Sequence[bool]] | None = None,
+    hooks: TrainerHooks | None = None,
 ) -> StepResult:
     """One optimizer step over ``group``, a list of micro-batches.
 
@@ -129,7 +147,7 @@ def train_step(
     gradients are NaN/Inf is not applied: parameters, optimizer state and step counts stay as
     they were and the scheduler does not advance. With ``split_on_oom``, an out-of-memory error
     redoes the step in pieces of half the size (``micro_batch_size`` caps them from the start);
-    ``before_forward(num_samples)`` runs before each piece (fault injection in tests).
+    ``hooks.before_forward(num_samples)`` runs before each piece (fault injection in tests).
 
     Under torchrun, ``sync`` (a ``GradSync``) makes the step one of the whole job: the loss is
     weighted by global counts, gradients are reduced on the last micro-batch only, the returned
@@ -140,31 +158,34 @@ def train_step(
     (training metrics): an attempt redone after an out-of-memory error is not counted twice.
 
     ``agree()`` gives decisions every rank must take together (a stop signal, a save rank 0's
-    clock wants). It is read once the forward and backward are done, and its flags ride along in
-    the step's all-gather instead of a collective of their own; they come back OR-ed over the
-    ranks in ``StepResult.agreed`` (as read, in one process).
+    clock wants), as a sequence of booleans (a ``NamedTuple`` names them). It is read once the
+    forward and backward are done, and its flags ride along in the step's all-gather instead of
+    a collective of their own; they come back OR-ed over the ranks in ``StepResult.agreed``, of
+    the type ``agree()`` returned (as read, in one process).
     """
     if not group:
         raise ValueError("train_step needs at least one micro-batch")
     objective = loss_fn if isinstance(loss_fn, Objective) else Objective(loss_fn)
     sizes = list(map(num_samples, group))
     weights = list(map(objective.weight, group)) if objective.count_key else list(map(float, sizes))
-    num_splits, agreed = 0, []
+    num_splits, agreed, job = 0, [], None
     seen: list[tuple[Any, Any]] | None = [] if on_outputs is not None else None
+    before_forward = hooks.before_forward if hooks is not None else None
     work = _Work(model, group, sizes, weights, objective, precision, device, params, before_forward, seen)
     while True:
         if seen is not None:
             seen.clear()
         if sync is not None:  # every rank tries; all redo the step if any ran out of memory
-            sums, micro_batch_size, agreed, redo = _synced(work, micro_batch_size, sync, split_on_oom, agree)
-            if not redo:
+            job = _synced(work, micro_batch_size, sync, split_on_oom, agree)
+            sums, micro_batch_size, agreed = job.sums, job.micro_batch_size, job.agreed
+            if not job.redo:
                 break
             clear_grads(optimizer)
             num_splits += 1
             continue
         try:
             sums = _forward_backward(work, micro_batch_size)
-            agreed = list(agree()) if agree is not None else []
+            agreed = agree() if agree is not None else []
             break
         except torch.OutOfMemoryError:
             if not split_on_oom:
@@ -196,8 +217,8 @@ def train_step(
     return StepResult(
         loss=loss_sum,
         grad_norm=grad_norm,
-        num_samples=sum(sizes) if sync is None else sync.samples,
-        num_tokens=sum(map(num_tokens, group)) if sync is None else sync.tokens,
+        num_samples=sum(sizes) if job is None else job.samples,
+        num_tokens=sum(map(num_tokens, group)) if job is None else job.tokens,
         num_micro_batches=len(group),
         status=status,
         loss_value=loss_value,
@@ -207,6 +228,51 @@ def train_step(
         metrics=sums.metrics,
         agreed=agreed,
     )
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What every step of a run shares: ``train_step``'s settings, typed. ``run`` takes a step."""
+
+    params: Sequence[torch.nn.Parameter]
+    precision: Precision
+    device: torch.device
+    clip_grad_norm_max: float | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    check_finite: bool = False
+    split_on_oom: bool = False
+    sync: GradSync | None = None
+    on_outputs: Callable[[Any, Any], None] | None = None
+    agree: Callable[[], Sequence[bool]] | None = None
+    hooks: TrainerHooks | None = None
+
+    def run(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        group: Sequence[Any],
+        loss_fn: Callable[[Any, Any], torch.Tensor] | Objective,
+        micro_batch_size: int | None = None,
+    ) -> StepResult:
+        """``train_step`` of ``group`` with these settings."""
+        return train_step(
+            model,
+            optimizer,
+            group,
+            loss_fn,
+            params=self.params,
+            precision=self.precision,
+            device=self.device,
+            clip_grad_norm_max=self.clip_grad_norm_max,
+            scheduler=self.scheduler,
+            check_finite=self.check_finite,
+            split_on_oom=self.split_on_oom,
+            micro_batch_size=micro_batch_size,
+            sync=self.sync,
+            on_outputs=self.on_outputs,
+            agree=self.agree,
+            hooks=self.hooks,
+        )
 
 
 def _pieces(batch: Any, size: int, micro_batch_size: int | None, count: int | None) -> list[Any]:
@@ -224,10 +290,10 @@ def _synced(
     sync: GradSync,
     split_on_oom: bool,
     agree: Callable[[], Sequence[bool]] | None,
-) -> tuple[_Sums, int | None, list[bool], bool]:
-    """One data-parallel attempt at the step; returns the job's mean loss with this rank's
-    metrics, the micro-batch size every rank continues with, the agreed flags, and whether every
-    rank must redo the step."""
+) -> _Attempt:
+    """One data-parallel attempt at the step: the job's mean loss with this rank's metrics, the
+    micro-batch size every rank continues with, the agreed flags, whether every rank must redo
+    the step, and the job's samples and tokens."""
     per_batch = None if micro_batch_size is None else -(-sync.batch_size // micro_batch_size)
     group, sizes, device = work.group, work.sizes, work.device
     oom = False
@@ -249,12 +315,12 @@ def _synced(
     else:
         proposal = sync.batch_size if micro_batch_size is None else micro_batch_size
     # Host sync, the one per step (the guard reads the values it gives without another).
-    flags = list(agree()) if agree is not None else []
+    flags = agree() if agree is not None else []
     tokens = sum(map(num_tokens, group))
     rows = sync.gather([sums.loss, sums.count, float(oom), proposal, sum(sizes), tokens, *map(float, flags)]).tolist()
     losses, counts, ooms, proposals, samples, job_tokens, *per_flag = zip(*rows)
-    sync.samples, sync.tokens = int(sum(samples)), int(sum(job_tokens))
-    agreed = [any(values) for values in per_flag]
+    agreed = _or_flags(flags, per_flag)
+    counted = {"samples": int(sum(samples)), "tokens": int(sum(job_tokens))}
     if any(ooms):
         failed = [rank for rank, flag in enumerate(ooms) if flag]
         if not split_on_oom:
@@ -264,14 +330,21 @@ def _synced(
                 f"out of memory with a micro-batch of one sample on rank {failed[0]}; use a smaller "
                 "model, lower precision (bf16) or train.activation_checkpointing"
             )
-        return sums, int(min(proposals)), agreed, True
+        return _Attempt(sums, int(min(proposals)), agreed, True, **counted)
     factor = sync.world_size * sync.nominal / max(sum(counts), 1e-12)
     if factor != 1.0:
         grads = [p.grad for p in work.params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, factor)
     loss = torch.tensor(sum(losses) * factor / sync.world_size, device=device)
-    return _Sums(loss, sums.metrics), micro_batch_size, agreed, False
+    return _Attempt(_Sums(loss, sums.metrics), micro_batch_size, agreed, False, **counted)
+
+
+def _or_flags(flags: Sequence[bool], per_flag: Sequence[Sequence[float]]) -> Any:
+    """Each flag OR-ed over the ranks, in the type of ``flags`` (a ``NamedTuple`` or a list)."""
+    values = [any(rank_values) for rank_values in per_flag]
+    make = getattr(type(flags), "_make", None)
+    return make(values) if make is not None else values
 
 
 def _forward_backward(

@@ -2,8 +2,8 @@
 
 The order of a training step is in ``torchkeel.train.step.train_step``; the components own the
 rest: ``RunCounters`` (where the run stands), ``RunFiles`` (the run directory, rank 0),
-``RunCheckpoints`` (save and restore), ``Protections`` (what acts after a step). This file only
-decides when to step, validate, save and stop.
+``RunCheckpoints`` (save and restore, and when to save), ``LoopCadence`` (when to log, validate
+and end), ``Protections`` (what acts after a step). This file composes them into the loop.
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ from typing import Any
 import torch
 
 from torchkeel.checkpoint import Checkpoint
-from torchkeel.checkpoint.format import PointHook
 from torchkeel.config.load import config_hash, to_dict
 from torchkeel.config.schema import KeelConfig
-from torchkeel.distributed import RankInfo, any_rank
+from torchkeel.distributed import RankInfo
 from torchkeel.distributed.job import TrainingJob
 from torchkeel.errors import TrainingDiverged
 from torchkeel.provenance import provenance
 from torchkeel.train.accumulate import Lookahead, iter_groups
-from torchkeel.train.build import build_training, resolve_device, step_options
+from torchkeel.train.build import build_training, resolve_device, step_settings
+from torchkeel.train.cadence import LoopCadence
 from torchkeel.train.checkpointing import ResumeChanges, RunCheckpoints, RunState
-from torchkeel.train.counters import RunCounters, TrainingParts
+from torchkeel.train.counters import Agreed, RunCounters, TrainingParts
 from torchkeel.train.early_stop import EarlyStopping
-from torchkeel.train.memory import MemoryProbe
+from torchkeel.train.hooks import TrainerHooks
 from torchkeel.train.objective import LabelOutOfRange
 from torchkeel.train.precision import make_precision
 from torchkeel.train.preempt import StopSignals
@@ -35,7 +35,7 @@ from torchkeel.train.protect import BadSampleReport, Protections
 from torchkeel.train.rundir import RunFiles
 from torchkeel.train.runlog import Progress, Throughput, train_row
 from torchkeel.train.schedule import end_at_floor
-from torchkeel.train.step import StepResult, train_step
+from torchkeel.train.step import StepResult
 from torchkeel.train.validate import evaluate
 
 
@@ -69,11 +69,10 @@ class Trainer:
         allow_data_change: bool = False,
         overwrite: bool = False,
         progress: bool = True,
-        checkpoint_hook: PointHook | None = None,
-        oom_hook: Callable[[int], None] | None = None,
-        memory_probe: MemoryProbe | None = None,
+        hooks: TrainerHooks | None = None,
     ) -> None:
         self.config, self.rank = (cfg := config.validate()), RankInfo.from_env()
+        hooks = hooks or TrainerHooks()
         self.device = resolve_device(cfg.device, self.rank)
         self.precision = make_precision(cfg.precision, self.device)
         self.job = TrainingJob(cfg.dist, self.rank, self.device)  # joins the job under torchrun
@@ -88,12 +87,15 @@ class Trainer:
         self.model, self.forward_model, self.objective, self.params = t.model, t.forward_model, t.objective, t.params
         self.val_scores, self.train_scores, self.ema, self.profiler = t.val_scores, t.train_scores, t.ema, t.profiler
         self.optimizer, self.scheduler, self.total_steps = t.optimizer, t.scheduler, t.total_steps
-        self.step_options = step_options(cfg, t, self.precision, self.job, before_forward=oom_hook, agree=self._agree)
+        self.steps = step_settings(cfg, t, self.precision, self.job, agree=self._agree, hooks=hooks)
+        self.cadence = LoopCadence(cfg.train)
         self.parts = TrainingParts(self.model, self.optimizer, self.scheduler, self.precision.scaler, self.ema)
-        self.checkpoints = RunCheckpoints(cfg.checkpoint, self.run_dir / "checkpoints", self.job, hook=checkpoint_hook)
+        self.checkpoints = RunCheckpoints(cfg.checkpoint, self.run_dir / "checkpoints", self.job, hook=hooks.checkpoint)
         self.store = self.checkpoints.store
         workers = self.train_loader.num_workers
-        self.protections = Protections(cfg, self.parts, t.objective, self.precision, self.device, workers, memory_probe)
+        self.protections = Protections.from_config(
+            cfg, self.parts, t.objective, self.precision, self.device, workers, hooks.memory
+        )
         self.guard, self.stopper = self.protections.guard, EarlyStopping.from_config(cfg)
         self.bad_samples = BadSampleReport(self.job)
         self.resume, self.overwrite, self.show_progress = resume, overwrite, progress
@@ -128,7 +130,8 @@ class Trainer:
         self.files.console = Progress(self.total_steps, enabled=self.show_progress and is_main, initial=start or 0)
         resumed = self.resume is not None
         self.files.open(plain, resume=resumed, resume_step=start, overwrite=self.overwrite, logging=cfg.logging)
-        self._provenance = {**provenance(config_hash(cfg)), "config": plain, "inputs": inputs}
+        meta = {**provenance(config_hash(cfg)), "config": plain, "inputs": inputs}
+        self.checkpoints.bind(self.parts, self.state, self.files, read_ahead=lambda: self._ahead.read_ahead, meta=meta)
         if self.job.active:
             self.files.log({"kind": "dist", "step": 0, **self.job.row(cfg.train.batch_size)})
             self.files.say(self.job.describe(cfg.train.batch_size))
@@ -153,89 +156,99 @@ class Trainer:
         return {**self.counters.totals(), **self.files.totals()}
 
     def _train(self) -> None:
-        train, c = self.config.train, self.counters
-        throughput = Throughput(c)
+        """Epochs until a limit, a stop signal or early stopping; then a last validation and save."""
+        c = self.counters
+        self._throughput = Throughput(c)
         self.protections.take_snapshot(c.step)
         if self.stopper is not None and self.stopper.stop_reason:
             return  # resumed from the checkpoint where it stopped early: nothing left to do
         # An epoch ends when its data does (on every rank together); only max_steps stops mid-epoch.
-        while not self._is_at_max_steps() and (train.max_epochs is None or c.epoch < train.max_epochs):
-            batches = self.data.checked(self.train_loader.epoch(c.epoch, start_batch=c.batch_in_epoch))
-            self.protections.input_bound.start()
-            # One group is read ahead, so that the epoch's last step is known when it is taken.
-            groups = iter_groups(self.job.batches(batches, self.train_loader.streaming), train.accumulate)
-            self._ahead = Lookahead(groups)
-            for group, at_epoch_end in self._ahead:
-                is_last = (at_epoch_end and c.epoch + 1 == train.max_epochs) or (
-                    train.max_steps is not None and c.step + 1 == train.max_steps
-                )
-                if is_last and c.step + 1 < self.total_steps:
-                    end_at_floor(self.scheduler, self.optimizer)  # fewer steps than planned (bad samples)
-                is_log = (c.step + 1) % train.log_every == 0 or is_last
-                lr = self.optimizer.param_groups[0]["lr"] if is_log else 0.0
-                self.profiler.before_step(c.step + 1)
-                with self.job.watch_step(c.step + 1):
-                    result = self._step(group)
-                c.step, c.batch_in_epoch = c.step + 1, c.batch_in_epoch + len(group)
-                c.samples, c.tokens = c.samples + result.num_samples, c.tokens + result.num_tokens
-                if self.ema is not None and result.status == "ok":  # a skipped step is not averaged in
-                    self.ema.update(c.step)
-                self.files.console.advance(1)
-                stop, due, any_bad = result.agreed
-                if any_bad:
-                    self.files.record(c.step, self.bad_samples.collect(self.train_loader, self._ahead.held or []))
-                found = self.protections.after_step(result, group, c.step, self._ahead.take_wait())
-                if found.incidents or found.rows or found.error:  # most steps find nothing
-                    self.files.record(c.step, found)
-                c.micro_batch_size = result.micro_batch_size  # under torchrun the smallest that fit on any rank
-                if is_log:
-                    self.files.log(train_row(result, c, lr, throughput.rates(c), self.train_scores))
-                if train.val_every and c.step % train.val_every == 0:
-                    self._validate()
-                    if self._after_validation(at_epoch_end=at_epoch_end):
-                        return
-                if stop or ((due or self.checkpoints.is_every_steps(c.step)) and not at_epoch_end):
-                    self._save()  # at an epoch's last batch the epoch-end save decides instead
-                if stop:
-                    return
-                if self._is_at_max_steps() and not at_epoch_end:
-                    break  # mid-epoch: the group read ahead is not trained on, nor counted as read
-            else:
-                self._ahead = Lookahead(())
-                if not train.val_every:
-                    self._validate()
-                c.epoch, c.batch_in_epoch = c.epoch + 1, 0
-                if not train.val_every and self._after_validation(at_epoch_end=True):
-                    return
-                with self.job.watch("the agreement on saving", c.step):
-                    due = any_rank(self.checkpoints.is_due(True), self.device)
-                if due or self.checkpoints.is_every_steps(c.step) or self._best_unsaved:
-                    self._save()
-            self._ahead = Lookahead(())
+        while self.cadence.wants_epoch(c.step, c.epoch):
+            if self._train_epoch():
+                return
         if c.validated_at != c.step:
             self._validate()
         if self.config.guard.enabled and not all(bool(torch.isfinite(_local(p)).all()) for p in self.params):
             raise TrainingDiverged("the weights are non-finite at the end of training; see incidents.jsonl")
-        self._save()
+        self.checkpoints.save_now()
 
-    def _is_at_max_steps(self) -> bool:
-        return self.config.train.max_steps is not None and self.counters.step >= self.config.train.max_steps
+    def _train_epoch(self) -> bool:
+        """The current epoch from where the run stands; True when the run ends in it."""
+        c = self.counters
+        batches = self.data.checked(self.train_loader.epoch(c.epoch, start_batch=c.batch_in_epoch))
+        self.protections.input_bound.start()
+        # One group is read ahead, so that the epoch's last step is known when it is taken.
+        groups = iter_groups(self.job.batches(batches, self.train_loader.streaming), self.config.train.accumulate)
+        self._ahead = Lookahead(groups, lambda: self.train_loader.bad.handed)
+        for group, last_of_epoch in self._ahead:
+            plan = self.cadence.plan(c.step + 1, c.epoch, last_of_epoch)
+            if plan.is_last and c.step + 1 < self.total_steps:
+                end_at_floor(self.scheduler, self.optimizer)  # fewer steps than planned (bad samples)
+            lr = self.optimizer.param_groups[0]["lr"] if plan.log else 0.0
+            result = self._step(group)
+            agreed: Agreed = result.agreed
+            self._after_step(result, group, agreed)
+            if plan.log:
+                self.files.log(train_row(result, c, lr, self._throughput.rates(c), self.train_scores))
+            if plan.validate:
+                self._validate()
+                if self._after_validation(at_epoch_end=last_of_epoch):
+                    return True
+            if agreed.stop:
+                self.checkpoints.save_now()
+                return True
+            self.checkpoints.maybe_save(c.step, last_of_epoch=last_of_epoch, due=agreed.save_due)
+            if plan.at_max_steps and not last_of_epoch:
+                return False  # mid-epoch: the group read ahead is not trained on, nor counted as read
+        return self._end_epoch()
+
+    def _after_step(self, result: StepResult, group: list[Any], agreed: Agreed) -> None:
+        """Count the step, and record what the bad-sample report and the protections found."""
+        c = self.counters
+        c.step, c.batch_in_epoch = c.step + 1, c.batch_in_epoch + len(group)
+        c.samples, c.tokens = c.samples + result.num_samples, c.tokens + result.num_tokens
+        c.micro_batch_size = result.micro_batch_size  # under torchrun the smallest that fit on any rank
+        if self.ema is not None and result.status == "ok":  # a skipped step is not averaged in
+            self.ema.update(c.step)
+        self.files.console.advance(1)
+        if agreed.bad_samples:
+            self.files.record(c.step, self.bad_samples.collect(self.train_loader, self._ahead.read_ahead))
+        found = self.protections.after_step(result, group, c.step, self._ahead.take_wait())
+        if found.incidents or found.rows or found.error:  # most steps find nothing
+            self.files.record(c.step, found)
+
+    def _end_epoch(self) -> bool:
+        """The epoch's data ended: validate (without ``train.val_every``), count it, save as
+        the cadence says; True when early stopping ends the run."""
+        c = self.counters
+        self._ahead = Lookahead(())
+        if self.cadence.validates_at_epoch_end:
+            self._validate()
+        c.epoch, c.batch_in_epoch = c.epoch + 1, 0
+        if self.cadence.validates_at_epoch_end and self._after_validation(at_epoch_end=True):
+            return True
+        self.checkpoints.at_epoch_end(c.step, wanted=self._best_unsaved)
+        return False
 
     def _step(self, group: list[Any]) -> StepResult:
         """``train_step`` with the run's settings; a label out of range is named with its sample."""
-        fitted = self.counters.micro_batch_size
+        step = self.counters.step + 1
+        self.profiler.before_step(step)
         try:
-            return train_step(
-                self.forward_model, self.optimizer, group, self.objective, micro_batch_size=fitted, **self.step_options
-            )
+            with self.job.watch_step(step):
+                return self.steps.run(
+                    self.forward_model, self.optimizer, group, self.objective, self.counters.micro_batch_size
+                )
         except LabelOutOfRange as exc:
-            origin = self.train_loader.origin(group[exc.micro_batch], exc.sample)
-            exc.add_note(f"step {self.counters.step + 1}, micro-batch {exc.micro_batch}: {origin or 'origin unknown'}")
+            origin = self.train_loader.origin(self._ahead.first + exc.micro_batch, exc.sample)
+            exc.add_note(f"step {step}, micro-batch {exc.micro_batch}: {origin or 'origin unknown'}")
             raise
 
-    def _agree(self) -> list[bool]:
+    def _agree(self) -> Agreed:
         """Agreed in the step's own all-gather: a stop signal, a save rank 0's clock wants, bad samples."""
-        return [self._signals.requested is not None, self.checkpoints.is_due(False), bool(self.train_loader.new_bad)]
+        return Agreed(
+            self._signals.requested is not None, self.checkpoints.is_due(False), self.train_loader.bad.has_new
+        )
 
     def _validate(self) -> None:
         c = self.counters
@@ -269,22 +282,10 @@ class Trainer:
             self.counters.val_metrics, self.counters.step, defer=at_epoch_end and bool(self.config.train.val_every)
         )
         if save:
-            self._save()
+            self.checkpoints.save_now()
         if self.stopper.stop_reason:
             self.files.note(f"stopping early at step {self.counters.step}: {self.stopper.stop_reason}")
         return self.stopper.stop_reason is not None
-
-    def _save(self) -> None:
-        """Checkpoint the current state, once per step at most (every rank takes part)."""
-        c = self.counters
-        if not self.checkpoints.enabled or c.saved_at == c.step:
-            return
-        c.saved_at = c.step
-        self.files.flush()
-        held = self._ahead.held or []  # read ahead, not trained on
-        # The first checkpoint must be on disk before the run --overwrite set aside goes.
-        self.checkpoints.save(self.parts, self.state, held=held, meta=self._provenance, wait=self.files.holds_previous)
-        self.files.first_checkpoint_written()
 
     def _restore(self, found: Checkpoint, changes: list[str]) -> None:
         with self.job.watch("loading the checkpoint", found.step):

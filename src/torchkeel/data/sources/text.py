@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,10 @@ from torchkeel.data.sources.tokenizer import (
     tokenizer_identity,
     tokenizer_spec,
 )
+from torchkeel.data.stream import worker_context
+from torchkeel.data.tune import default_cache_dir
 from torchkeel.errors import ConfigError, DataError, first_line
+from torchkeel.io import write_json_atomic
 
 SUFFIXES = (".txt", ".jsonl")
 INLINE_BYTES = 32 << 20
@@ -297,8 +302,6 @@ def _pool_tokenizer(spec: TokenizerSpec) -> ByteTokenizer | FileTokenizer:
 
 def _counts(source: TextSource, cache_dir: str | Path | None) -> list[tuple[int, int]]:
     """Every chunk's ``(samples, lines)``, from the cache or counted (and cached)."""
-    from torchkeel.data.tune import default_cache_dir
-    from torchkeel.io import write_json_atomic
 
     digest = hashlib.sha256(source.fingerprint().encode()).hexdigest()[:32]
     path = Path(cache_dir if cache_dir is not None else default_cache_dir()) / "text" / f"{digest}.json"
@@ -325,11 +328,6 @@ def _counts(source: TextSource, cache_dir: str | Path | None) -> list[tuple[int,
 def _count_in_pool(jobs: list[tuple[Chunk, str, TokenizerSpec, int, bool]]) -> list[tuple[int, int]]:
     """Count in worker processes started as the DataLoader starts its own, sharing the machine
     with the other ranks on it."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from torchkeel.data.stream import worker_context
-
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     workers = max(1, min(len(jobs), usable // max(1, ranks_here)))
