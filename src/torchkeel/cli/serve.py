@@ -35,6 +35,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="gRPC port, 0: none (default 8001; 8081 under KServe)",
     )
+    _batching_arguments(parser)
+    _input_arguments(parser)
+    parser.add_argument(
+        "--warmup-batch-sizes",
+        type=_sizes,
+        default=None,
+        metavar="N,N,...|none",
+        help="batch sizes each model runs once before it is ready (default 1, 2, 4, ... up to --max-batch-size)",
+    )
+    parser.add_argument("--model_name", "--model-name", dest="model_name", help="serve the one export under this name")
+
+
+def _batching_arguments(parser: argparse.ArgumentParser) -> None:
+    """How requests are batched, queued and run."""
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument(
         "--max-queue-delay-ms",
@@ -50,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-queue", type=int, default=1024, help="queued requests per model before 503")
     parser.add_argument("--queue-timeout-ms", type=float, default=10_000.0, help="queue wait before 503")
+
+
+def _input_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a request may hold, and how images in it are read."""
     parser.add_argument("--max-body-mb", type=float, default=16.0)
     parser.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf inputs")
     parser.add_argument(
@@ -65,14 +83,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"refuse images with more pixels than this (default {MAX_PIXELS:,})",
     )
     parser.add_argument("--image-threads", type=int, default=2, help="threads decoding and preprocessing images")
-    parser.add_argument(
-        "--warmup-batch-sizes",
-        type=_sizes,
-        default=None,
-        metavar="N,N,...|none",
-        help="batch sizes each model runs once before it is ready (default 1, 2, 4, ... up to --max-batch-size)",
-    )
-    parser.add_argument("--model_name", "--model-name", dest="model_name", help="serve the one export under this name")
 
 
 def run(args: argparse.Namespace) -> int:

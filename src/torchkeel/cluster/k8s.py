@@ -316,7 +316,15 @@ def plain(spec: ServeSpec) -> list[Manifest]:
             },
         },
     }
-    service = {
+    service = _service(spec, labels)
+    if spec.keda_queue_us:
+        return [deployment, service, _scaled_object(spec, spec.name)]
+    return [deployment, service, _cpu_autoscaler(spec, labels)]
+
+
+def _service(spec: ServeSpec, labels: dict[str, str]) -> Manifest:
+    """The ``Service`` in front of the Deployment's pods: HTTP and gRPC (h2c)."""
+    return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(spec.name, spec.namespace, labels=labels, annotations=_scrape()),
@@ -334,9 +342,11 @@ def plain(spec: ServeSpec) -> list[Manifest]:
             ],
         },
     }
-    if spec.keda_queue_us:
-        return [deployment, service, _scaled_object(spec, spec.name)]
-    autoscaler = {
+
+
+def _cpu_autoscaler(spec: ServeSpec, labels: dict[str, str]) -> Manifest:
+    """A ``HorizontalPodAutoscaler`` of the Deployment on its pods' CPU use."""
+    return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
         "metadata": _metadata(spec.name, spec.namespace, labels=labels),
@@ -355,7 +365,6 @@ def plain(spec: ServeSpec) -> list[Manifest]:
             ],
         },
     }
-    return [deployment, service, autoscaler]
 
 
 def _scaled_object(spec: ServeSpec, target: str) -> Manifest:

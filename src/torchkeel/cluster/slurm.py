@@ -83,50 +83,8 @@ def sbatch_script(job: SlurmJob) -> str:
     """The text of the sbatch script for ``job``."""
     job.validate()
     q = shlex.quote
-    head = [
-        "#!/bin/bash",
-        f"# Written by keel slurm for {job.config}: {job.nodes} node(s) x {job.workers_per_node} worker(s).",
-        "# Submit it with sbatch; a requeued job continues from its newest checkpoint (--resume auto).",
-        f"#SBATCH --job-name={job.name}",
-        f"#SBATCH --nodes={job.nodes}",
-        "#SBATCH --ntasks-per-node=1",
-    ]
-    if job.gpus_per_node:
-        head.append(f"#SBATCH --gpus-per-node={job.gpus_per_node}")
-    # Slurm >= 22.05 does not pass --cpus-per-task from sbatch on to srun: the srun line says it again.
-    if job.cpus_per_node:
-        head.append(f"#SBATCH --cpus-per-task={job.cpus_per_node}")
-        cpus = '--cpus-per-task="$SLURM_CPUS_PER_TASK"'
-    else:
-        head.append("#SBATCH --exclusive")
-        cpus = '--cpus-per-task="$SLURM_CPUS_ON_NODE"'
-    head += [f"#SBATCH --chdir={q(job.chdir)}", f"#SBATCH --time={job.time}"]
-    head += [f"#SBATCH --partition={job.partition}"] if job.partition else []
-    head += [f"#SBATCH --account={job.account}"] if job.account else []
-    head += [
-        f"#SBATCH --signal=B:USR1@{job.warn_s}",
-        "#SBATCH --requeue",
-        "#SBATCH --open-mode=append",
-        f"#SBATCH --output={job.name}-%j.out",
-    ]
-    torchrun = [
-        # torchrun itself, ending with one line and exit 0 when it stopped the workers for a signal.
-        '"$KEEL_BIN/python3" -m torchkeel.cluster.torchrun',
-        '--nnodes "$SLURM_NNODES"',
-        f"--nproc-per-node {job.workers_per_node}",
-        "--rdzv-backend c10d",
-        '--rdzv-endpoint "$head_node:$port"',
-        '--rdzv-id "$SLURM_JOB_ID"',
-        f"--rdzv-conf join_timeout={job.join_timeout_s}",
-        f"--max-restarts {job.max_restarts}",
-        "--signals-to-handle SIGTERM,SIGINT,SIGUSR1",
-        # torchrun kills workers this long after passing on the signal: they need the time to save.
-        f"--shutdown-timeout {max(job.warn_s - 10, 10)}",
-        '--no-python "$KEEL_BIN/keel" train',
-        q(job.config),
-        "--resume auto --no-progress",
-        *(q(o) for o in job.overrides),
-    ]
+    head, cpus = _directives(job)
+    torchrun = _torchrun(job)
     continued = " \\\n    ".join(torchrun)
     body = f"""
 set -uo pipefail
@@ -167,6 +125,61 @@ fi
 exit "$status"
 """
     return "\n".join(head) + "\n" + body
+
+
+def _directives(job: SlurmJob) -> tuple[list[str], str]:
+    """The script's ``#SBATCH`` lines, and the ``--cpus-per-task`` its srun line repeats."""
+    q = shlex.quote
+    head = [
+        "#!/bin/bash",
+        f"# Written by keel slurm for {job.config}: {job.nodes} node(s) x {job.workers_per_node} worker(s).",
+        "# Submit it with sbatch; a requeued job continues from its newest checkpoint (--resume auto).",
+        f"#SBATCH --job-name={job.name}",
+        f"#SBATCH --nodes={job.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+    ]
+    if job.gpus_per_node:
+        head.append(f"#SBATCH --gpus-per-node={job.gpus_per_node}")
+    # Slurm >= 22.05 does not pass --cpus-per-task from sbatch on to srun: the srun line says it again.
+    if job.cpus_per_node:
+        head.append(f"#SBATCH --cpus-per-task={job.cpus_per_node}")
+        cpus = '--cpus-per-task="$SLURM_CPUS_PER_TASK"'
+    else:
+        head.append("#SBATCH --exclusive")
+        cpus = '--cpus-per-task="$SLURM_CPUS_ON_NODE"'
+    head += [f"#SBATCH --chdir={q(job.chdir)}", f"#SBATCH --time={job.time}"]
+    head += [f"#SBATCH --partition={job.partition}"] if job.partition else []
+    head += [f"#SBATCH --account={job.account}"] if job.account else []
+    head += [
+        f"#SBATCH --signal=B:USR1@{job.warn_s}",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --output={job.name}-%j.out",
+    ]
+    return head, cpus
+
+
+def _torchrun(job: SlurmJob) -> list[str]:
+    """The torchrun command each node's task runs, one argument group a line."""
+    q = shlex.quote
+    return [
+        # torchrun itself, ending with one line and exit 0 when it stopped the workers for a signal.
+        '"$KEEL_BIN/python3" -m torchkeel.cluster.torchrun',
+        '--nnodes "$SLURM_NNODES"',
+        f"--nproc-per-node {job.workers_per_node}",
+        "--rdzv-backend c10d",
+        '--rdzv-endpoint "$head_node:$port"',
+        '--rdzv-id "$SLURM_JOB_ID"',
+        f"--rdzv-conf join_timeout={job.join_timeout_s}",
+        f"--max-restarts {job.max_restarts}",
+        "--signals-to-handle SIGTERM,SIGINT,SIGUSR1",
+        # torchrun kills workers this long after passing on the signal: they need the time to save.
+        f"--shutdown-timeout {max(job.warn_s - 10, 10)}",
+        '--no-python "$KEEL_BIN/keel" train',
+        q(job.config),
+        "--resume auto --no-progress",
+        *(q(o) for o in job.overrides),
+    ]
 
 
 def _seconds(limit: str) -> int:

@@ -187,20 +187,7 @@ class EpochLoader(HasLoaderOptions):
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise DataError(f"dataset {type(dataset).__name__} must be map-style (define __len__ and __getitem__)")
         self.dataset = dataset
-        self.options = LoaderOptions(
-            batch_size,
-            seed=seed,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            num_workers=num_workers,
-            collate_fn=collate_fn or DefaultCollate(),
-            pin_memory=pin_memory,
-            prefetch_factor=prefetch_factor,
-            start_method=start_method,
-            max_bad_fraction=max_bad_fraction,
-            rank=rank,
-            world_size=world_size,
-        )
+        self.options = LoaderOptions.of(locals(), collate_fn=collate_fn or DefaultCollate())
         self.bucket_by, self.bucket_window = bucket_by, bucket_window
         self.num_samples = len(dataset)  # type: ignore[arg-type]
         if self.num_samples == 0:

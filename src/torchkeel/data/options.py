@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,12 @@ class LoaderOptions:
             raise ValueError(f"max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
         per_rank(self.batch_size, self.world_size)
 
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any], **given: Any) -> LoaderOptions:
+        """The options among a loader's ``arguments`` (its ``__init__``'s ``locals()``, read
+        first thing), with ``given`` in place of what the loader settles itself."""
+        return cls(**{**{name: arguments[name] for name in _FIELDS if name in arguments}, **given})
+
     @property
     def rank_batch_size(self) -> int:
         """The samples this rank collates of each batch."""
@@ -65,4 +71,5 @@ class HasLoaderOptions:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
-_NAMES = frozenset(LoaderOptions.__dataclass_fields__) | {"rank_batch_size"}
+_FIELDS = tuple(LoaderOptions.__dataclass_fields__)
+_NAMES = frozenset(_FIELDS) | {"rank_batch_size"}

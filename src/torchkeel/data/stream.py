@@ -115,22 +115,12 @@ class StreamLoader(HasLoaderOptions):
         max_bad_fraction: float = 0.001,
         as_samples: bool | None = None,
     ) -> None:
+        arguments = {k: v for k, v in locals().items() if k != "self"}
         if streams < 1:
             raise ValueError(f"streams must be >= 1, got {streams}")
         self.source = source
-        self.options = o = LoaderOptions(
-            batch_size,
-            seed=seed,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            num_workers=min(num_workers, streams),
-            collate_fn=collate_fn or DefaultCollate(),
-            pin_memory=pin_memory,
-            prefetch_factor=prefetch_factor,
-            start_method=start_method,
-            max_bad_fraction=max_bad_fraction,
-            rank=rank,
-            world_size=world_size,
+        self.options = o = LoaderOptions.of(
+            arguments, num_workers=min(num_workers, streams), collate_fn=collate_fn or DefaultCollate()
         )
         self.streams = streams
         self.units = source.units()

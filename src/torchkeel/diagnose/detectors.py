@@ -8,6 +8,7 @@ zeroed) and orders the rest most likely root cause first.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from torchkeel.diagnose.events import (
     CarriedState,
@@ -99,54 +100,61 @@ def inplace_modified(f: Facts, o: ScriptOutcome) -> list[Finding]:
 
 
 def leaked_graph(f: Facts, o: ScriptOutcome) -> list[Finding]:
+    """A backward into an earlier step's freed graph, graphs held across steps, or graphs that grow."""
     reused = f.first(GraphReused)
-    carried = f.first(CarriedState)
     if reused is not None:
-        holder = reused.get("holder")
-        if carried is not None:
-            holder = (
-                f"'{carried['variable']}', " if carried.get("variable") else ""
-            ) + f"argument {carried['argument']} of {carried['module']}, an output of step {carried['made_at_step']}"
-        held = f"; it hangs on {holder}" if holder else ""
-        return [
-            Finding(
-                "leaked-graph",
-                "error",
-                f"backward() at step {reused['step']} reaches into the graph of an earlier step, which that "
-                f"step's backward already freed{held}",
-                {
-                    "step": reused["step"],
-                    "holder": holder,
-                    "error": reused["error"],
-                    "variable": (carried or {}).get("variable"),
-                    "module": (carried or {}).get("module"),
-                    **site_fields(carried or reused),
-                },
-                "Detach the state carried from one step to the next (hidden = hidden.detach()) so each "
-                "step's graph ends at the step; retain_graph=True only hides this and grows memory.",
-            )
-        ]
-    c = f.censuses
-    spanning = next((x for x in c if x.get("backward_graphs_held", 0) >= 1), None)
+        return [_graph_reused(reused, f.first(CarriedState))]
+    spanning = next((x for x in f.censuses if x.get("backward_graphs_held", 0) >= 1), None)
     if spanning is not None:
-        holder = spanning["holder"]
-        return [
-            Finding(
-                "leaked-graph",
-                "error",
-                f"autograd graphs are kept across steps: after step {spanning['step']}, tensors still alive hold the "
-                f"graphs of {spanning['backward_graphs_held']} backward pass(es) already run"
-                + (f"; held by {holder}" if holder else ""),
-                {
-                    "steps": [x["step"] for x in c],
-                    "backward_graphs_held": [x.get("backward_graphs_held", 0) for x in c],
-                    "largest_graph_nodes": [x["max_graph_nodes"] for x in c],
-                    "holder": holder,
-                },
-                "Keep loss.item() (or tensor.detach()) for logging and running sums instead of the tensor itself; a "
-                "tensor that requires grad keeps every step's graph alive.",
-            )
-        ]
+        return [_graphs_held(spanning, f.censuses)]
+    return _graphs_growing(f.censuses)
+
+
+def _graph_reused(reused: dict[str, Any], carried: dict[str, Any] | None) -> Finding:
+    holder = reused.get("holder")
+    if carried is not None:
+        holder = (
+            f"'{carried['variable']}', " if carried.get("variable") else ""
+        ) + f"argument {carried['argument']} of {carried['module']}, an output of step {carried['made_at_step']}"
+    held = f"; it hangs on {holder}" if holder else ""
+    return Finding(
+        "leaked-graph",
+        "error",
+        f"backward() at step {reused['step']} reaches into the graph of an earlier step, which that "
+        f"step's backward already freed{held}",
+        {
+            "step": reused["step"],
+            "holder": holder,
+            "error": reused["error"],
+            "variable": (carried or {}).get("variable"),
+            "module": (carried or {}).get("module"),
+            **site_fields(carried or reused),
+        },
+        "Detach the state carried from one step to the next (hidden = hidden.detach()) so each "
+        "step's graph ends at the step; retain_graph=True only hides this and grows memory.",
+    )
+
+
+def _graphs_held(spanning: dict[str, Any], c: list[dict[str, Any]]) -> Finding:
+    holder = spanning["holder"]
+    return Finding(
+        "leaked-graph",
+        "error",
+        f"autograd graphs are kept across steps: after step {spanning['step']}, tensors still alive hold the "
+        f"graphs of {spanning['backward_graphs_held']} backward pass(es) already run"
+        + (f"; held by {holder}" if holder else ""),
+        {
+            "steps": [x["step"] for x in c],
+            "backward_graphs_held": [x.get("backward_graphs_held", 0) for x in c],
+            "largest_graph_nodes": [x["max_graph_nodes"] for x in c],
+            "holder": holder,
+        },
+        "Keep loss.item() (or tensor.detach()) for logging and running sums instead of the tensor itself; a "
+        "tensor that requires grad keeps every step's graph alive.",
+    )
+
+
+def _graphs_growing(c: list[dict[str, Any]]) -> list[Finding]:
     if len(c) < 4:
         return []
     last = c[-4:]

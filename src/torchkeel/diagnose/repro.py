@@ -86,28 +86,8 @@ def check_reproducible(
         return None, summary
     calls = facts.seeds.get("calls", [])
     seeded = sorted({c["function"] for c in calls if c["seeded"]})
-    suspects = []
-    values_1 = [(c["function"], c["value"]) for c in calls]
-    values_2 = [(c["function"], c["value"]) for c in run["seeds"]]
-    changed = [f"{a[0]}({a[1]!r}) in run 1 but {a[0]}({b[1]!r}) in run 2" for a, b in zip(values_1, values_2) if a != b]
     nothing_seeded = not seeded
-    if nothing_seeded:
-        suspects.append(
-            "nothing is seeded: torch's global generator (weight initialisation, shuffling, dropout) and every other "
-            "generator start from a different state in each run"
-        )
-    elif "torch.manual_seed" not in seeded:
-        suspects.append("torch's global generator is never seeded (torch.manual_seed)")
-    if changed:
-        suspects.append(f"the seed itself changes between runs (time- or PID-based?): {changed[0]}")
-    if facts.seeds.get("random_used") and "random.seed" not in seeded:
-        suspects.append("python's random module is used but never seeded (random.seed)")
-    if facts.seeds.get("numpy_used") and "numpy.random.seed" not in seeded:
-        suspects.append("numpy's global random state is used but never seeded (np.random.seed)")
-    unseeded_rng = [c for c in calls if c["function"] == "numpy.random.default_rng" and not c["seeded"]]
-    if unseeded_rng:
-        site = unseeded_rng[0]["site"] or {}
-        suspects.append(f"np.random.default_rng() without a seed at {site.get('file')}:{site.get('line')}")
+    suspects = _unseeded(facts, calls, run["seeds"], seeded)
     if not suspects:
         third_run = record_run(script, args, steps=steps, hash_seed="1", timeout_s=timeout_s)
         third = third_run["losses"] if third_run else None
@@ -168,3 +148,30 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _unseeded(facts: Facts, calls: list[dict[str, Any]], second: list[dict[str, Any]], seeded: list[str]) -> list[str]:
+    """What the seed calls of the two runs say could make them differ: generators never seeded,
+    seeds that change between runs."""
+    suspects = []
+    values_1 = [(c["function"], c["value"]) for c in calls]
+    values_2 = [(c["function"], c["value"]) for c in second]
+    changed = [f"{a[0]}({a[1]!r}) in run 1 but {a[0]}({b[1]!r}) in run 2" for a, b in zip(values_1, values_2) if a != b]
+    if not seeded:
+        suspects.append(
+            "nothing is seeded: torch's global generator (weight initialisation, shuffling, dropout) and every other "
+            "generator start from a different state in each run"
+        )
+    elif "torch.manual_seed" not in seeded:
+        suspects.append("torch's global generator is never seeded (torch.manual_seed)")
+    if changed:
+        suspects.append(f"the seed itself changes between runs (time- or PID-based?): {changed[0]}")
+    if facts.seeds.get("random_used") and "random.seed" not in seeded:
+        suspects.append("python's random module is used but never seeded (random.seed)")
+    if facts.seeds.get("numpy_used") and "numpy.random.seed" not in seeded:
+        suspects.append("numpy's global random state is used but never seeded (np.random.seed)")
+    unseeded_rng = [c for c in calls if c["function"] == "numpy.random.default_rng" and not c["seeded"]]
+    if unseeded_rng:
+        site = unseeded_rng[0]["site"] or {}
+        suspects.append(f"np.random.default_rng() without a seed at {site.get('file')}:{site.get('line')}")
+    return suspects

@@ -90,80 +90,84 @@ def missing_zero_grad(f: Facts, o: ScriptOutcome) -> list[Finding]:
 
 
 def grad_none(f: Facts, o: ScriptOutcome) -> list[Finding]:
-    out = []
-    detached = f.first(LossWithoutGraph)
-    if detached is not None:
-        why = (
-            "no parameter requires grad"
-            if detached["num_params"] and not detached["num_trainable"]
-            else "gradients were disabled when it was computed (torch.no_grad / inference_mode)"
-            if not detached["grad_enabled"]
-            else "its graph was cut (.detach(), .item(), .data, a numpy round trip, or torch.no_grad around the forward)"
-        )
-        out.append(
-            Finding(
-                "grad-none",
-                "error",
-                f"backward() at step {detached['step']}{where_text(detached)} was called "
-                f"on a loss that does not require grad: {why}",
-                {
-                    "step": detached["step"],
-                    "num_params": detached["num_params"],
-                    "num_trainable": detached["num_trainable"],
-                    "reason": why,
-                    **site_fields(detached),
-                },
-                "Compute the loss from the model's output with gradients enabled and nothing detached on "
-                "the way; unfreeze the parameters you train (requires_grad_(True)).",
-            )
-        )
+    detached = _loss_without_graph(f)
+    out = [detached] if detached is not None else []
     for opt in f.optimizers:
         missing = opt["grad_none"]
-        if not missing or (opt["num_params"] and opt["num_model_params"] == 0 and f.layer_order):
-            continue
-        everything = len(missing) == opt["num_trainable"]
-        if f.backward_calls == 0:
-            why = "backward() is never called on the loss"
-        elif everything:
-            why = "backward() runs on a tensor that does not depend on these parameters"
-        else:
-            unused = [m["parameter"] for m in missing if not m["module_used"]]
-            why = (
-                f"{len(unused)} of them belong to modules that never run in forward"
-                if unused
-                else "their modules run, but their output does not reach the loss (detached with .detach()/.item()/"
-                ".data/.numpy(), or computed and not used)"
-            )
-        modules = sorted({m["module"] for m in missing if m["module"]})
-        severity = "error" if opt["grad_none_steps"] >= 2 or f.backward_calls == 0 else "warning"
-        message = (
-            f"{len(missing)} trainable parameter(s) in {opt['class']} have no gradient at optimizer.step() "
-            f"(modules {', '.join(modules[:5]) or '?'}): {why}"
-        )
-        out.append(
-            Finding(
-                "grad-none",
-                severity,
-                message,
-                {
-                    "optimizer": opt["class"],
-                    "parameters": [m["parameter"] for m in missing][:20],
-                    "num_parameters": len(missing),
-                    "modules": modules[:20],
-                    "modules_never_used": sorted(
-                        {m["module"] for m in missing if m["module"] and not m["module_used"]}
-                    ),
-                    "steps_checked": opt["grad_none_steps"],
-                    "backward_calls": f.backward_calls,
-                    "reason": why,
-                },
-                "Call loss.backward() before optimizer.step()."
-                if f.backward_calls == 0
-                else "Make the loss depend on these modules (remove the .detach()/.item()/.data on their path, or use their "
-                "output), or freeze them with requires_grad_(False) and leave them out of the optimizer.",
-            )
-        )
+        if missing and not (opt["num_params"] and opt["num_model_params"] == 0 and f.layer_order):
+            out.append(_params_without_grad(f, opt, missing))
     return out
+
+
+def _loss_without_graph(f: Facts) -> Finding | None:
+    """``backward()`` on a loss that does not require grad, and why it does not."""
+    detached = f.first(LossWithoutGraph)
+    if detached is None:
+        return None
+    why = (
+        "no parameter requires grad"
+        if detached["num_params"] and not detached["num_trainable"]
+        else "gradients were disabled when it was computed (torch.no_grad / inference_mode)"
+        if not detached["grad_enabled"]
+        else "its graph was cut (.detach(), .item(), .data, a numpy round trip, or torch.no_grad around the forward)"
+    )
+    return Finding(
+        "grad-none",
+        "error",
+        f"backward() at step {detached['step']}{where_text(detached)} was called "
+        f"on a loss that does not require grad: {why}",
+        {
+            "step": detached["step"],
+            "num_params": detached["num_params"],
+            "num_trainable": detached["num_trainable"],
+            "reason": why,
+            **site_fields(detached),
+        },
+        "Compute the loss from the model's output with gradients enabled and nothing detached on "
+        "the way; unfreeze the parameters you train (requires_grad_(True)).",
+    )
+
+
+def _params_without_grad(f: Facts, opt: dict[str, Any], missing: list[dict[str, Any]]) -> Finding:
+    """Trainable parameters of an optimizer with no gradient at its ``step()``, and why."""
+    everything = len(missing) == opt["num_trainable"]
+    if f.backward_calls == 0:
+        why = "backward() is never called on the loss"
+    elif everything:
+        why = "backward() runs on a tensor that does not depend on these parameters"
+    else:
+        unused = [m["parameter"] for m in missing if not m["module_used"]]
+        why = (
+            f"{len(unused)} of them belong to modules that never run in forward"
+            if unused
+            else "their modules run, but their output does not reach the loss (detached with .detach()/.item()/"
+            ".data/.numpy(), or computed and not used)"
+        )
+    modules = sorted({m["module"] for m in missing if m["module"]})
+    severity = "error" if opt["grad_none_steps"] >= 2 or f.backward_calls == 0 else "warning"
+    message = (
+        f"{len(missing)} trainable parameter(s) in {opt['class']} have no gradient at optimizer.step() "
+        f"(modules {', '.join(modules[:5]) or '?'}): {why}"
+    )
+    return Finding(
+        "grad-none",
+        severity,
+        message,
+        {
+            "optimizer": opt["class"],
+            "parameters": [m["parameter"] for m in missing][:20],
+            "num_parameters": len(missing),
+            "modules": modules[:20],
+            "modules_never_used": sorted({m["module"] for m in missing if m["module"] and not m["module_used"]}),
+            "steps_checked": opt["grad_none_steps"],
+            "backward_calls": f.backward_calls,
+            "reason": why,
+        },
+        "Call loss.backward() before optimizer.step()."
+        if f.backward_calls == 0
+        else "Make the loss depend on these modules (remove the .detach()/.item()/.data on their path, or use their "
+        "output), or freeze them with requires_grad_(False) and leave them out of the optimizer.",
+    )
 
 
 def _trend(records: list[dict[str, Any]], key: str = "total") -> list[dict[str, Any]]:
@@ -235,48 +239,47 @@ def nonfinite_forward(f: Facts, o: ScriptOutcome) -> list[Finding]:
                 _NONFINITE_FIX,
             )
         ]
-    if ev is None:
-        return []
+    return [] if ev is None else [_nonfinite_module(ev)]
+
+
+def _nonfinite_module(ev: dict[str, Any]) -> Finding:
+    """The first module whose output went NaN/Inf: from non-finite parameters, or from finite inputs."""
     if ev["params_nonfinite"]:
         message = (
             f"{ev['module']} ({ev['module_class']}) output NaN/Inf at step {ev['step']} because its "
             f"parameters already are ({', '.join(ev['params_nonfinite'][:3])})"
         )
-        return [
-            Finding(
-                "nonfinite-forward",
-                "warning",
-                message,
-                {
-                    "module": ev["module"],
-                    "module_class": ev["module_class"],
-                    "step": ev["step"],
-                    "parameters_nonfinite": ev["params_nonfinite"],
-                },
-                "The parameters went non-finite in an earlier update: clip gradients, lower the learning rate, "
-                "and look for the first non-finite gradient.",
-            )
-        ]
-    found = ev.get("op") or {}
-    where = f" in {found['op']} at {found['file']}:{found['line']}" if found.get("file") else ""
-    message = f"{ev['module']} ({ev['module_class']}) produced NaN/Inf from finite inputs at step {ev['step']}{where}"
-    return [
-        Finding(
+        return Finding(
             "nonfinite-forward",
-            "error",
+            "warning",
             message,
             {
                 "module": ev["module"],
                 "module_class": ev["module_class"],
                 "step": ev["step"],
-                "op": found.get("op"),
-                "training": ev["training"],
-                "output": ev["output"],
-                **site_fields(found),
+                "parameters_nonfinite": ev["params_nonfinite"],
             },
-            _NONFINITE_FIX,
+            "The parameters went non-finite in an earlier update: clip gradients, lower the learning rate, "
+            "and look for the first non-finite gradient.",
         )
-    ]
+    found = ev.get("op") or {}
+    where = f" in {found['op']} at {found['file']}:{found['line']}" if found.get("file") else ""
+    message = f"{ev['module']} ({ev['module_class']}) produced NaN/Inf from finite inputs at step {ev['step']}{where}"
+    return Finding(
+        "nonfinite-forward",
+        "error",
+        message,
+        {
+            "module": ev["module"],
+            "module_class": ev["module_class"],
+            "step": ev["step"],
+            "op": found.get("op"),
+            "training": ev["training"],
+            "output": ev["output"],
+            **site_fields(found),
+        },
+        _NONFINITE_FIX,
+    )
 
 
 _NONFINITE_FIX = (

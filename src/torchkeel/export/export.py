@@ -90,12 +90,6 @@ def export_run(
     )
     with torch.inference_mode():
         output = module(*(t[:1] for t in first.values()))
-    spec = (
-        _preprocess(preprocess, config.data, list(first[names[0]].shape[1:]))
-        if len(names) == 1
-        else _no_preprocess(preprocess, config.data, names)
-    )
-    names_of_labels = _labels(inputs.train_data, output) if labels is None else _given_labels(labels, output)
     meta = {
         "name": config.name,
         "format": fmt,
@@ -104,8 +98,7 @@ def export_run(
         "outputs": [
             {"name": output_name, "datatype": DATATYPES[output.dtype], "shape": inputs.output_shape(module, output)}
         ],
-        "labels": names_of_labels,
-        **({"preprocess": spec} if spec is not None else {}),
+        **_serving(inputs, config, output, preprocess, labels),
         "max_batch_size": max(batch_sizes),
         **({"max_length": inputs.max_length} if inputs.max_length is not None else {}),
         "reference": inputs.reference(),
@@ -123,6 +116,20 @@ def export_run(
     if not parity["passed"]:
         raise ParityError(f"{describe(parity)}; nothing was shipped as good (see {out / 'model.json'})")
     return meta
+
+
+def _serving(
+    inputs: Any, config: Any, output: torch.Tensor, preprocess: Mapping[str, Any] | None, labels: Sequence[str] | None
+) -> dict[str, Any]:
+    """``model.json``'s ``labels`` and, for one image input, ``preprocess``: what the server applies."""
+    names, first = inputs.signature.names, inputs.feeds[0]
+    spec = (
+        _preprocess(preprocess, config.data, list(first[names[0]].shape[1:]))
+        if len(names) == 1
+        else _no_preprocess(preprocess, config.data, names)
+    )
+    names_of_labels = _labels(inputs.train_data, output) if labels is None else _given_labels(labels, output)
+    return {"labels": names_of_labels, **({"preprocess": spec} if spec is not None else {})}
 
 
 class TrainedModel(NamedTuple):

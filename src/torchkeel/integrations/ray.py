@@ -128,10 +128,7 @@ def fit(
     cfg = load_config(str(config), overrides)  # a config error is said here, once, not by every worker
     out_dir = Path(cfg.out_dir).resolve()
     overrides.append(f"out_dir={out_dir}")
-    # The workers import the config's targets as this process does: its working directory and the
-    # import paths it added (not the interpreter's own).
-    own = (sys.prefix, sys.base_prefix)
-    python_path = list(dict.fromkeys([os.getcwd(), *(p for p in sys.path if p and not p.startswith(own))]))
+    python_path = _import_paths()
     if not ray.is_initialized():
         ray.init(
             address=address,
@@ -156,6 +153,19 @@ def fit(
             failure_config=FailureConfig(max_failures=max_failures),
         ),
     )
+    return _run(trainer, out_dir / cfg.name)
+
+
+def _import_paths() -> list[str]:
+    """What the workers import the config's targets from, as this process does: its working
+    directory and the import paths it added (not the interpreter's own)."""
+    own = (sys.prefix, sys.base_prefix)
+    return list(dict.fromkeys([os.getcwd(), *(p for p in sys.path if p and not p.startswith(own))]))
+
+
+def _run(trainer: Any, run_dir: Path) -> Any:
+    """``trainer.fit()``; a failure Ray names a worker for becomes ``RayJobFailed`` and the
+    run's ``summary.json`` (when rank 0 wrote none)."""
     # Ray installs a SIGINT handler of its own for the fit and leaves it: the caller's comes back.
     previous, started = signal.getsignal(signal.SIGINT), time.time()
     try:
@@ -164,7 +174,7 @@ def fit(
         line = ended_first(error)
         if line is None:
             raise
-        _summarize_failure(out_dir / cfg.name, line, started)
+        _summarize_failure(run_dir, line, started)
         raise RayJobFailed(line) from error
     finally:
         if threading.current_thread() is threading.main_thread():

@@ -96,20 +96,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
         report.missing.append("training rows in metrics.jsonl (the file is empty or unreadable)")
     if summary is None:
         report.missing.append("summary.json (the run is still going, or was killed)")
-    marks = [(r["step"], r["kind"]) for r in incidents if "step" in r]
-    marks += [(r["step"], "resume") for r in rows if r.get("kind") == "resume"]
-    if summary and summary.get("status") == "preempted":
-        marks.append((summary.get("steps", 0), "preempted"))
-    report.marks = sorted(marks)
-    val_keys = sorted(
-        {
-            k
-            for r in rows
-            if r.get("kind") == "val"
-            for k in r
-            if k.startswith("val_") and k != "val_loss" and isinstance(r[k], (int, float))
-        }
-    )
+    report.marks = marks = _marks(rows, incidents, summary)
+    val_keys = _val_keys(rows)
     for name, title, series, log_scale in CHARTS:
         if name == "val_metrics":
             series = [("val", key, key[len("val_") :]) for key in val_keys]
@@ -128,33 +116,61 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
                 continue  # batches that are not token ids
             report.missing.append(f"{title.lower()} (no rows with it)")
             continue
-        fig = Figure(figsize=FIGSIZE, dpi=DPI)
-        ax = fig.subplots()
-        scale = 2**30 if name == "memory" else 1
-        for label, points in lines:
-            ax.plot(
-                [p[0] for p in points],
-                [p[1] / scale for p in points],
-                label=label,
-                marker="." if len(points) < 30 else None,
-            )
         report.drawn[name] = chart_kinds(name, {k for _, k in marks})
-        draw_marks(ax, marks, report.drawn[name])
-        values = [p[1] for _, points in lines for p in points]
-        if log_scale or (min(values) > 0 and max(values) / min(values) > 1e3):
-            ax.set_yscale("log")  # a diverging run spans many orders of magnitude
-        elif name == "memory":
-            ax.set_ylim(*memory_ylim([v / scale for v in values]))
-        ax.set_title(title)
-        ax.set_xlabel("optimizer step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        path = out / f"{name}.png"
-        fig.savefig(path)
-        report.images.append(path)
+        report.images.append(_draw(Figure(figsize=FIGSIZE, dpi=DPI), name, title, lines, log_scale, report, out))
     report.path.write_text(_html(run, summary, incidents, report), encoding="utf-8")
     return report
+
+
+def _marks(rows: list[dict], incidents: list[dict], summary: dict | None) -> list[tuple[int, str]]:
+    """The steps to mark on the charts: incidents, resumes and a preemption, in step order."""
+    marks = [(r["step"], r["kind"]) for r in incidents if "step" in r]
+    marks += [(r["step"], "resume") for r in rows if r.get("kind") == "resume"]
+    if summary and summary.get("status") == "preempted":
+        marks.append((summary.get("steps", 0), "preempted"))
+    return sorted(marks)
+
+
+def _val_keys(rows: list[dict]) -> list[str]:
+    """The validation metrics besides ``val_loss`` that some row holds a number for."""
+    return sorted(
+        {
+            k
+            for r in rows
+            if r.get("kind") == "val"
+            for k in r
+            if k.startswith("val_") and k != "val_loss" and isinstance(r[k], (int, float))
+        }
+    )
+
+
+def _draw(
+    fig: Any, name: str, title: str, lines: list[tuple[str, list]], log_scale: bool, report: Report, out: Path
+) -> Path:
+    """Draw one chart's ``lines`` and the run's marks on ``fig``; save it as ``out/<name>.png``."""
+    ax = fig.subplots()
+    scale = 2**30 if name == "memory" else 1
+    for label, points in lines:
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] / scale for p in points],
+            label=label,
+            marker="." if len(points) < 30 else None,
+        )
+    draw_marks(ax, report.marks, report.drawn[name])
+    values = [p[1] for _, points in lines for p in points]
+    if log_scale or (min(values) > 0 and max(values) / min(values) > 1e3):
+        ax.set_yscale("log")  # a diverging run spans many orders of magnitude
+    elif name == "memory":
+        ax.set_ylim(*memory_ylim([v / scale for v in values]))
+    ax.set_title(title)
+    ax.set_xlabel("optimizer step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path = out / f"{name}.png"
+    fig.savefig(path)
+    return path
 
 
 def chart_kinds(chart: str, kinds: set[str]) -> list[str]:

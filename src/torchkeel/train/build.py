@@ -78,24 +78,8 @@ def build_training(
         rank=rank.rank,
         world_size=rank.world_size,
     )
-    model = (model if model is not None else build_model(cfg.model)).to(device)
-    check_tokens_fit(model, getattr(data.train, "source", None))
-    if cfg.model.init_from:
-        path = cfg.model.init_from
-        skipped = load_model_weights(
-            model, load_weights(path), strict=cfg.model.init_strict, source=f"weights in '{path}'"
-        )
-        if skipped:
-            print(f"keel: warning: model.init_from '{path}': not loaded: {', '.join(skipped)}", file=sys.stderr)
-    checkpoint_activations(model, cfg.train.activation_checkpointing)
-    wrapped = job.wrap(model, precision=cfg.precision, batch_size=cfg.train.batch_size, accumulate=cfg.train.accumulate)
-    job.seed_rank(cfg.seed)
-    c = cfg.compile
-    forward_model = (
-        CompiledOrEager(wrapped, c.backend, mode=c.mode, fullgraph=c.fullgraph, dynamic=c.dynamic, report=report)
-        if c.enabled
-        else wrapped
-    )
+    model = _model(cfg, model, data, device)
+    forward_model = _forward_model(cfg, job, model, report)
     objective = build_objective(cfg.loss, loss_fn, model)
     val_scores = MetricSet.from_config(cfg.metrics, device)
     train_scores = MetricSet.from_config(cfg.metrics, device, on="train")
@@ -127,6 +111,34 @@ def build_training(
         scheduler,
         profiler,
     )
+
+
+def _model(cfg: KeelConfig, model: torch.nn.Module | None, data: Loaders, device: torch.device) -> torch.nn.Module:
+    """The run's model on ``device``: given or built, checked against the data's tokens, with
+    ``model.init_from``'s weights and ``train.activation_checkpointing``."""
+    model = (model if model is not None else build_model(cfg.model)).to(device)
+    check_tokens_fit(model, getattr(data.train, "source", None))
+    if cfg.model.init_from:
+        path = cfg.model.init_from
+        skipped = load_model_weights(
+            model, load_weights(path), strict=cfg.model.init_strict, source=f"weights in '{path}'"
+        )
+        if skipped:
+            print(f"keel: warning: model.init_from '{path}': not loaded: {', '.join(skipped)}", file=sys.stderr)
+    checkpoint_activations(model, cfg.train.activation_checkpointing)
+    return model
+
+
+def _forward_model(
+    cfg: KeelConfig, job: TrainingJob, model: torch.nn.Module, report: Reporter | None
+) -> torch.nn.Module:
+    """What the step calls: ``model`` wrapped for the job, then each rank seeded, then compiled if asked."""
+    wrapped = job.wrap(model, precision=cfg.precision, batch_size=cfg.train.batch_size, accumulate=cfg.train.accumulate)
+    job.seed_rank(cfg.seed)
+    c = cfg.compile
+    if not c.enabled:
+        return wrapped
+    return CompiledOrEager(wrapped, c.backend, mode=c.mode, fullgraph=c.fullgraph, dynamic=c.dynamic, report=report)
 
 
 def step_settings(

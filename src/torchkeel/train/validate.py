@@ -46,51 +46,17 @@ def evaluate(
     objective = Objective.of(loss_fn)
     was_training = model.training
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    metric_sums: dict[str, torch.Tensor] = {}
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    count: torch.Tensor | float = 0.0
-    samples = 0
-    is_classification = True
+    totals = _Totals(device)
     try:
         with torch.inference_mode():
             for batch in batches:
                 with (precision or Precision(device.type)).autocast():
                     out = objective(model, batch, device)
-                if not num_samples(batch):  # an empty share: only there to keep the ranks in step
-                    continue
-                weight = torch.as_tensor(out.count, device=device).double() if out.is_sum else objective.weight(batch)
-                scale = 1.0 if out.is_sum else weight
-                loss_sum += out.loss.double() * scale
-                for name, value in out.metrics.items():
-                    value = torch.as_tensor(value, device=device).double() * scale
-                    metric_sums[name] = metric_sums[name] + value if name in metric_sums else value
-                count = count + weight
-                if metrics is not None:
-                    metrics.update(out.outputs, out.targets)
-                elif is_classification and _is_class_index(out.outputs, out.targets):
-                    correct += (out.outputs.argmax(dim=1) == out.targets).sum()
-                    samples += out.targets.shape[0]
-                else:
-                    is_classification = False
+                if num_samples(batch):  # an empty share is only there to keep the ranks in step
+                    totals.add(out, objective, batch, metrics)
     finally:
         model.train(was_training)
-    if metrics is not None:
-        is_classification = False
-    names = sorted(metric_sums)
-    sums = torch.stack(
-        [
-            loss_sum,
-            torch.as_tensor(count, device=device).double(),
-            correct.double(),
-            torch.tensor(float(samples), device=device, dtype=torch.float64),
-            torch.tensor(float(not is_classification), device=device, dtype=torch.float64),
-            *[metric_sums[name].double() for name in names],
-        ]
-    )
-    if across_ranks and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(sums)
-    values = sums.tolist()  # host sync, once per validation
+    values, names = totals.read(across_ranks)  # host sync, once per validation
     total, samples = values[1], int(values[3])
     computed = metrics.compute() if metrics is not None else {}  # every rank: torchmetrics syncs here
     if total == 0:
@@ -99,10 +65,59 @@ def evaluate(
     if objective.token_loss:  # a causal or masked LM: its loss is a mean negative log-likelihood per token
         result["val_perplexity"] = math.exp(min(result["val_loss"], MAX_LOG_PERPLEXITY))
     result.update({f"val_{name}": value / total for name, value in zip(names, values[5:])})
-    if values[4] == 0 and samples:
+    if values[4] == 0 and samples and metrics is None:
         result["val_accuracy"] = values[2] / samples
     result.update(computed)
     return result
+
+
+class _Totals:
+    """What a validation adds up over its batches, on the device until ``read``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.metrics: dict[str, torch.Tensor] = {}
+        self.correct = torch.zeros((), dtype=torch.int64, device=device)
+        self.count: torch.Tensor | float = 0.0
+        self.samples = 0
+        self.is_classification = True
+
+    def add(self, out: Any, objective: Objective, batch: Any, metrics: MetricSet | None) -> None:
+        """One batch's loss, weighted by its count; its outputs to ``metrics`` or to the accuracy."""
+        device = self.device
+        weight = torch.as_tensor(out.count, device=device).double() if out.is_sum else objective.weight(batch)
+        scale = 1.0 if out.is_sum else weight
+        self.loss += out.loss.double() * scale
+        for name, value in out.metrics.items():
+            value = torch.as_tensor(value, device=device).double() * scale
+            self.metrics[name] = self.metrics[name] + value if name in self.metrics else value
+        self.count = self.count + weight
+        if metrics is not None:
+            metrics.update(out.outputs, out.targets)
+        elif self.is_classification and _is_class_index(out.outputs, out.targets):
+            self.correct += (out.outputs.argmax(dim=1) == out.targets).sum()
+            self.samples += out.targets.shape[0]
+        else:
+            self.is_classification = False
+
+    def read(self, across_ranks: bool) -> tuple[list[float], list[str]]:
+        """``[loss, count, correct, samples, not classification, *metrics]`` (summed over the
+        ranks with ``across_ranks``), and the metrics' names."""
+        device, names = self.device, sorted(self.metrics)
+        sums = torch.stack(
+            [
+                self.loss,
+                torch.as_tensor(self.count, device=device).double(),
+                self.correct.double(),
+                torch.tensor(float(self.samples), device=device, dtype=torch.float64),
+                torch.tensor(float(not self.is_classification), device=device, dtype=torch.float64),
+                *[self.metrics[name].double() for name in names],
+            ]
+        )
+        if across_ranks and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(sums)
+        return sums.tolist(), names
 
 
 def _is_class_index(outputs: Any, targets: Any) -> bool:
