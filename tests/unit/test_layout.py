@@ -41,3 +41,22 @@ def test_no_module_outgrows_its_budget():
     assert not over, f"modules over 450 lines: {over}"
     over = {str(p.relative_to(SRC)): lines(p) for p in (SRC / "diagnose").rglob("*.py") if lines(p) > 400}
     assert not over, f"diagnose modules over 400 lines: {over}"
+
+
+def test_the_probes_listeners_tell_each_other_through_events_not_calls():
+    """A listener reads the shared ``ProbeState`` and emits events; it never reaches into another."""
+    probe_dir = SRC / "diagnose" / "probe"
+    listeners = {"modules", "backward", "optim", "data", "seeds", "habits", "loop", "scale", "losses"}
+    reached = []
+    for path in probe_dir.glob("*.py"):
+        if path.name == "core.py":
+            continue  # the probe itself installs and finishes them
+        for node in ast.walk(ast.parse(path.read_text())):
+            inner = node.value if isinstance(node, ast.Attribute) else None
+            if (
+                isinstance(inner, ast.Attribute)
+                and inner.attr in listeners
+                and (getattr(inner.value, "id", None) == "probe" or getattr(inner.value, "attr", None) == "probe")
+            ):
+                reached.append(f"{path.name}:{node.lineno} probe.{inner.attr}.{node.attr}")
+    assert not reached, f"listeners reaching into each other: {reached}"

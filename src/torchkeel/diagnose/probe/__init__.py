@@ -5,7 +5,10 @@ This is the one place in torchkeel that patches torch, and only while a script r
 ``keel diagnose``. Everything here observes: values are read (host syncs are fine, this is a
 diagnosis) but never changed, every original function is still called with the same
 arguments, and the script's own exceptions pass through untouched. One listener per concern,
-each owning its state (``core.Probe`` installs them and holds what they share):
+each owning its state. ``core.Probe`` installs them; what several of them read or write is one
+``state.ProbeState``, and what one tells the others is an event the probe dispatches
+(``Probe.emit``, ``state.EVENTS``: a step begins or ends, a backward pass ran, a batch was
+fetched...), so that no listener calls another's methods:
 
 - ``modules``: global module forward pre/post hooks (names, call order, non-finite outputs,
   inputs of the top-level call, BatchNorm batch sizes, no_grad calls in train mode), and a

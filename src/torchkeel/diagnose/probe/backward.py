@@ -4,7 +4,6 @@ twice, a loss without a graph)."""
 
 from __future__ import annotations
 
-import collections
 import inspect
 import re
 from typing import TYPE_CHECKING, Any
@@ -44,7 +43,7 @@ class BackwardListener:
         self.roots_step = 0
         # Root nodes of the last backward passes that freed their graph (for censuses: a live
         # tensor that reaches several of them keeps graphs across steps).
-        self.recent_roots: collections.deque = collections.deque(maxlen=32)
+        self.recent_roots = probe.state.recent_roots
 
     def install(self) -> None:
         self.probe.patch(torch.autograd, "backward", self._backward)
@@ -55,7 +54,7 @@ class BackwardListener:
         try:
             return _ORIGINAL_GRAD(outputs, *args, **kwargs)
         except RuntimeError as exc:
-            if not self.probe.light and not self.probe.busy and "modified by an inplace operation" in str(exc):
+            if not self.probe.light and not self.probe.state.busy and "modified by an inplace operation" in str(exc):
                 self.probe.guarded(self._inplace_error, tensors_in(outputs), exc)
             raise
 
@@ -82,7 +81,7 @@ class BackwardListener:
     def _backward(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
         probe, facts = self.probe, self.probe.facts
         original = _ORIGINAL_BACKWARD
-        if probe.busy:
+        if probe.state.busy:
             return original(tensors, *args, **kwargs)
         light = probe.light
         roots = tensors_in(tensors)
@@ -127,12 +126,12 @@ class BackwardListener:
             if hooks is not None:
                 hooks.remove()
         facts.backward_calls += 1
-        facts.closure_backward_calls += probe.in_step
+        facts.closure_backward_calls += probe.state.in_step
         if facts.backward_calls == 4 * probe.anomaly_steps and not light:
             torch.autograd.set_detect_anomaly(False)  # a script that rarely steps: stop recording stacks
-        probe.optim.backward_done()
+        probe.emit("backward_counted")
         if not light:
-            probe.guarded(probe.loop.backward_done, roots)
+            probe.guarded(probe.emit, "backward_done", roots)
         if not light and loss_finite and not facts.events.get("nonfinite-grad"):
             probe.guarded(self._check_grads, hooks)
         return result
@@ -140,11 +139,12 @@ class BackwardListener:
     def _before_backward(self, loss_finite: bool) -> None:
         probe = self.probe
         if not loss_finite:
-            probe.modules.scan_calls()
+            probe.emit("loss_nonfinite")
             probe.record(
-                "nonfinite-loss", NonfiniteLoss(step=probe.next_step, op=probe.step_nonfinite_op, site=user_site())
+                "nonfinite-loss",
+                NonfiniteLoss(step=probe.next_step, op=probe.state.step_nonfinite_op, site=user_site()),
             )
-            probe.watch_ops = False
+            probe.state.watch_ops = False
 
     def _check_grads(self, tracer: GradTracer | None) -> None:
         probe = self.probe
@@ -217,7 +217,7 @@ class BackwardListener:
         """backward() reached a graph an earlier backward already freed: find the tensor from an
         earlier step that this step's graph still hangs on (a hidden state carried across steps)."""
         probe = self.probe
-        found, _ = census(probe.next_step, probe.tracked, probe.last_census, want_holder=True)
+        found, _ = census(probe.next_step, probe.state.tracked, probe.state.last_census, want_holder=True)
         probe.record(
             "graph-reused",
             GraphReused(
@@ -228,7 +228,7 @@ class BackwardListener:
     def _module_at(self, site: dict[str, Any]) -> str | None:
         """The module whose ``forward`` holds ``file:line``."""
         probe = self.probe
-        for root, _ in probe.roots.values():
+        for root, _ in probe.state.roots.values():
             for sub in root.modules():
                 try:
                     lines, start = inspect.getsourcelines(type(sub).forward)

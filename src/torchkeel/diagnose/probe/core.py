@@ -1,10 +1,11 @@
-"""The probe's shared room: the facts, the names of what the script holds, and the install order.
+"""The probe: installs the listeners, holds what they share, and dispatches their events.
 
-Each concern is a listener of its own (``modules``, ``backward``, ``optim``, ``data``, ``seeds``)
-that owns its state and writes its part of ``Facts`` when the script ends. What they share lives
-here: the facts and ``record`` (typed events, ``diagnose.events``), ``guarded`` (an observation
-never breaks the script), the script's models and their names, the tensors with a graph the
-probe saw made (for censuses), and the flags of where the script is (in a step, in a fetch).
+Each concern is a listener of its own (``modules``, ``backward``, ``optim``, ``data``, ``seeds``,
+``habits``, ``loop``, ``scale``, ``losses``) that owns its state and writes its part of ``Facts``
+when the script ends. What they share is ``state`` (a ``ProbeState``: where the script is, the
+models and their names, the tensors with a graph for censuses), ``record`` (typed events,
+``diagnose.events``), ``guarded`` (an observation never breaks the script) and ``emit``: an
+event (``state.EVENTS``) goes to every listener with an ``on_<event>`` method.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torchkeel.diagnose.probe.modules import ModuleListener
 from torchkeel.diagnose.probe.optim import OptimizerListener
 from torchkeel.diagnose.probe.scale import ScaleListener
 from torchkeel.diagnose.probe.seeds import SeedListener
+from torchkeel.diagnose.probe.state import EVENTS, ProbeState
 from torchkeel.inspect.sites import has_graph, tensors_in
 
 
@@ -48,22 +50,17 @@ class Probe:
     ) -> None:
         self.max_steps, self.anomaly_steps, self.light, self.compiling = max_steps, anomaly_steps, light, compiling
         self.facts = Facts()
-        self.busy = False  # inside an observation: the probe's own torch calls are not observed
-        self.in_step = False  # inside optimizer.step()
-        self.in_fetch = False  # inside a DataLoader's next()
-        self.watch_ops = True  # look at ops outside modules (off once the loss went non-finite)
-        self.step_nonfinite_op: dict[str, Any] | None = None  # this step's first op that went non-finite
-        self.roots: dict[int, tuple[torch.nn.Module, str]] = {}  # models the script called, by variable name
-        self.used: set[int] = set()  # modules called at least once
-        self.optimizers: list[torch.optim.Optimizer] = []
-        self.tracked: list[weakref.ref] = []  # tensors with a graph the probe saw made (for censuses)
-        self.last_census: list[weakref.ref] = []
-        self.overhead_s = 0.0  # time the probe itself spent in the loop (censuses), not the script's
+        self.state = ProbeState()
         self.started_at = 0.0
         self._undo: list[Callable[[], None]] = []
         self.modules, self.backward, self.optim = ModuleListener(self), BackwardListener(self), OptimizerListener(self)
         self.data, self.seeds, self.habits = LoaderListener(self), SeedListener(self), HabitListener(self)
         self.loop, self.scale, self.losses = LoopListener(self), ScaleListener(self), LossListener(self)
+        listeners = (self.modules, self.backward, self.optim, self.data, self.seeds, self.habits)
+        listeners += (self.loop, self.scale, self.losses)
+        self._handlers: dict[str, list[Callable[..., None]]] = {
+            event: [getattr(x, f"on_{event}") for x in listeners if hasattr(x, f"on_{event}")] for event in EVENTS
+        }
         self.modules.loss_checks.update(self.losses.checks())
         for dropout in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout):
             self.modules.loss_checks[dropout] = self.habits.check_dropout
@@ -110,13 +107,14 @@ class Probe:
         self.facts.wall_s = time.perf_counter() - self.started_at
         self.step_aside()
         if not self.light:
-            if self.step_nonfinite_op is not None and not self.facts.events.get("nonfinite-loss"):
+            if self.state.step_nonfinite_op is not None and not self.facts.events.get("nonfinite-loss"):
                 # The step went non-finite outside modules and the script ended before a backward
                 # (it crashed on the NaN): what was found is kept as the loss computation's op.
-                op = self.step_nonfinite_op
+                op = self.state.step_nonfinite_op
                 self.record("nonfinite-loss", {"step": op["step"], "op": op, "site": None, "before_backward": True})
             self.seeds.finish()
             self.facts.events["graph-reused"] = self.facts.events.get("graph-reused", [])
+            self.modules.finish()
             self.optim.finish()
             self.habits.finish()
             self.loop.finish()
@@ -134,12 +132,18 @@ class Probe:
         setattr(owner, name, replacement)
         self._undo.append(lambda: setattr(owner, name, original))
 
+    def emit(self, event: str, *args: Any) -> None:
+        """Tell every listener that handles ``event`` (one of ``state.EVENTS``), in install order.
+        Not guarded: a caller inside an observation is guarded already."""
+        for handler in self._handlers[event]:
+            handler(*args)
+
     def on_exit(self, undo: Callable[[], None]) -> None:
         self._undo.append(undo)
 
     def guarded(self, fn: Callable, *args: Any) -> None:
         """Run an observation; a bug in it must never break the script."""
-        self.busy = True
+        self.state.busy = True
         try:
             fn(*args)
         except StopScript:
@@ -147,7 +151,7 @@ class Probe:
         except Exception as exc:  # noqa: BLE001
             self.record("probe-error", ProbeError(error=f"{type(exc).__name__}: {exc}"[:300]))
         finally:
-            self.busy = False
+            self.state.busy = False
 
     def record(self, kind: str, event: Any, limit: int = 5) -> None:
         """Keep ``event`` (of ``diagnose.events.KINDS[kind]``) if fewer than ``limit`` of its kind are kept."""
@@ -162,10 +166,10 @@ class Probe:
 
     # ---------------------------------------------------------------- names
     def name_of(self, module: torch.nn.Module) -> str:
-        for root, label in self.roots.values():
+        for root, label in self.state.roots.values():
             if root is module:
                 return label
-        for root, label in self.roots.values():
+        for root, label in self.state.roots.values():
             for name, sub in root.named_modules():
                 if sub is module and name:
                     return f"{label}.{name}"
@@ -173,7 +177,7 @@ class Probe:
 
     def param_names(self) -> dict[int, str]:
         names: dict[int, str] = {}
-        for root, label in self.roots.values():
+        for root, label in self.state.roots.values():
             for name, p in root.named_parameters():
                 names.setdefault(id(p), f"{label}.{name}")
         return names
@@ -181,7 +185,7 @@ class Probe:
     def owner_of(self) -> dict[int, torch.nn.Module]:
         """Parameter id → the module that holds it directly."""
         owners: dict[int, torch.nn.Module] = {}
-        for root, _ in self.roots.values():
+        for root, _ in self.state.roots.values():
             for sub in root.modules():
                 for p in sub.parameters(recurse=False):
                     owners.setdefault(id(p), sub)
@@ -189,13 +193,13 @@ class Probe:
 
     def all_params(self) -> list[torch.nn.Parameter]:
         """The optimizers' parameters, else the models'."""
-        return [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]] or [
-            p for root, _ in self.roots.values() for p in root.parameters()
+        return [p for opt in self.state.optimizers for g in opt.param_groups for p in g["params"]] or [
+            p for root, _ in self.state.roots.values() for p in root.parameters()
         ]
 
     def track(self, obj: Any) -> None:
         for t in tensors_in(obj):
             if has_graph(t):
-                self.tracked.append(weakref.ref(t))
-        if len(self.tracked) > 50000:  # a loop without optimizer steps: keep the live ones only
-            self.tracked = [r for r in self.tracked if r() is not None]
+                self.state.tracked.append(weakref.ref(t))
+        if len(self.state.tracked) > 50000:  # a loop without optimizer steps: keep the live ones only
+            self.state.tracked = [r for r in self.state.tracked if r() is not None]

@@ -27,7 +27,6 @@ class LoaderListener:
         self.loaders: dict[int, dict[str, Any]] = {}
         self.loader_of: dict[int, dict[str, Any]] = {}
         self.started_iters: weakref.WeakSet = weakref.WeakSet()
-        self.last_loader: dict[str, Any] | None = None
         self.startup_s = 0.0
         self.wait_s = 0.0
         self.first_batch_at: float | None = None
@@ -43,22 +42,22 @@ class LoaderListener:
 
         def __next__(it: Any) -> Any:
             start = time.perf_counter()
-            probe.in_fetch = True
+            probe.state.in_fetch = True
             try:
                 batch = original(it)
                 if not probe.light:
-                    probe.loop.fetched()
+                    probe.emit("fetched")
                     info = listener.loader_of.get(id(it))
                     if info is not None and not info.get("checked"):
                         info["checked"] = True
                         probe.guarded(listener._check_augmentation, it, info)
                 return batch
             finally:
-                probe.in_fetch = False
+                probe.state.in_fetch = False
                 waited = time.perf_counter() - start
                 listener.wait_s += waited
                 if listener.first_batch_at is None:
-                    listener.first_batch_at, probe.overhead_s = start, 0.0
+                    listener.first_batch_at, probe.state.overhead_s = start, 0.0
                 listener.last_batch_at = time.perf_counter()
                 listener._note_loader(it, waited)
 
@@ -96,7 +95,7 @@ class LoaderListener:
         info = self.loader_of.get(id(it))
         if info is None:
             return
-        self.last_loader = info
+        self.probe.state.last_loader = info
         if info["num_workers"] and it not in self.started_iters:
             # The first batch of an iterator includes starting its workers: counted apart, as
             # startup, not as the Dataset's speed.
@@ -112,7 +111,7 @@ class LoaderListener:
         gradients, or with every model in eval mode), and a generator of the dataset's own copied
         into several workers."""
         probe, dataset = self.probe, it._dataset
-        models = [m for m, _ in probe.roots.values()]
+        models = [m for m, _ in probe.state.roots.values()]
         evaluating = not torch.is_grad_enabled() or (models and not any(m.training for m in models))
         site = user_site() or {}
         if evaluating and random_per_read(dataset):
@@ -133,17 +132,12 @@ class LoaderListener:
                     ),
                 )
 
-    def current_loader(self) -> dict[str, Any] | None:
-        """The loader the last batch came from (for events that name the data)."""
-        if self.last_loader is None:
-            return None
-        keys = ("dataset_class", "dataset_size", "batch_size", "drop_last", "shuffle")
-        return {k: self.last_loader[k] for k in keys}
-
     def finish(self) -> None:
         probe = self.probe
         loop = (
-            self.last_batch_at - self.first_batch_at - probe.overhead_s - self.startup_s if self.first_batch_at else 0.0
+            self.last_batch_at - self.first_batch_at - probe.state.overhead_s - self.startup_s
+            if self.first_batch_at
+            else 0.0
         )
         probe.facts.data = {
             "wait_s": self.wait_s - self.startup_s,

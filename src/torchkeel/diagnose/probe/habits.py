@@ -74,7 +74,7 @@ class HabitListener:
         """``F.dropout(x, p)`` inside a module in eval mode: ``training`` defaults to True, so the
         dropout stays on when the model evaluates (``training=self.training`` was left out)."""
         probe = self.probe
-        stack = probe.modules.stack
+        stack = probe.state.module_stack
         if not stack or stack[-1].training or probe.facts.events.get("dropout-always-on"):
             return
         names = ("input", "p", "training", "inplace")
@@ -93,9 +93,11 @@ class HabitListener:
                 ),
             )
 
-    def observe_labels(self, target: torch.Tensor) -> None:
+    def on_loss_targets(self, target: torch.Tensor) -> None:
         """The distinct classes of a training batch (losses computed with gradients on)."""
         probe = self.probe
+        if target.is_floating_point() or not target.numel():
+            return
         if len(self.labels) >= _LABEL_STEPS or not torch.is_grad_enabled() or target.dim() != 1:
             return
         if self.labels and self.labels[-1]["step"] == probe.next_step:
@@ -114,17 +116,17 @@ class HabitListener:
         names, owners = probe.param_names(), probe.owner_of()
         loaded = {
             id(p)
-            for root, _ in probe.roots.values()
+            for root, _ in probe.state.roots.values()
             for m in root.modules()
             if m in self.loaded or _library_model(m)
             for p in m.parameters()
         }
         frozen, trainable = [], 0
-        for opt in probe.optimizers:
+        for opt in probe.state.optimizers:
             for p in (p for g in opt.param_groups for p in g["params"]):
                 owner = owners.get(id(p))
                 if p.requires_grad:
                     trainable += 1
-                elif owner is not None and id(owner) in probe.used and id(p) not in loaded | probe.optim.trained:
+                elif owner is not None and id(owner) in probe.state.used and id(p) not in loaded | probe.state.trained:
                     frozen.append({"parameter": names.get(id(p), "?"), "module": probe.name_of(owner)})
         facts.frozen = {"parameters": frozen, "trainable_in_optimizers": trainable}

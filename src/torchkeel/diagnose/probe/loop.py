@@ -58,8 +58,8 @@ class LoopListener:
         probe.patch(torch.nn.Module, "train", self._moding(torch.nn.Module.train))
 
     # ---------------------------------------------------------------- fed by the other listeners
-    def backward_done(self, roots: list[torch.Tensor]) -> None:
-        if self.probe.in_step:
+    def on_backward_done(self, roots: list[torch.Tensor]) -> None:
+        if self.probe.state.in_step:
             return  # a closure's backward (LBFGS) runs inside the step: not part of the loop's order
         self.backward_at = user_site()
         self.zeroed = []
@@ -67,9 +67,9 @@ class LoopListener:
         grad_fn = roots[0].grad_fn if roots else None
         self.roots_scaled.append(grad_fn is not None and type(grad_fn).__name__.startswith(_SCALED))
 
-    def zero_grad(self, owner: Any) -> None:
+    def on_zero_grad(self, owner: Any) -> None:
         """A ``zero_grad()`` after a backward and before any step: which gradients it cleared."""
-        if self.backwards == 0 or self.probe.in_step:
+        if self.backwards == 0 or self.probe.state.in_step:
             return
         if isinstance(owner, torch.optim.Optimizer):
             params = {id(p) for g in owner.param_groups for p in g["params"]}
@@ -77,15 +77,15 @@ class LoopListener:
             params = {id(p) for p in owner.parameters()}
         self.zeroed.append((params, user_site()))
 
-    def fetched(self) -> None:
+    def on_fetched(self) -> None:
         self.batches += 1
 
-    def model_called(self, module: torch.nn.Module) -> None:
+    def on_model_called(self, module: torch.nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():
             self.grad_roots[id(module)] = module
             self.calls += 1
 
-    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         probe, step = self.probe, self.probe.next_step
         site = user_site()
         cleared = None
@@ -154,7 +154,7 @@ class LoopListener:
         listener = self
 
         def clip(*args: Any, **kwargs: Any) -> Any:
-            if not listener.probe.busy:
+            if not listener.probe.state.busy:
                 listener.clips.append((original.__name__, user_site(), listener.backwards))
             return original(*args, **kwargs)
 
@@ -166,7 +166,7 @@ class LoopListener:
         listener = self
 
         def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-            user = getattr(scheduler, "_step_count", 0) > 0 and not listener.probe.busy  # not __init__'s step
+            user = getattr(scheduler, "_step_count", 0) > 0 and not listener.probe.state.busy  # not __init__'s step
             result = original(scheduler, *args, **kwargs)
             if user:
                 listener.probe.guarded(listener._scheduled, scheduler)
@@ -177,7 +177,7 @@ class LoopListener:
     def _scheduled(self, scheduler: Any) -> None:
         probe = self.probe
         record = self.schedulers.get(id(scheduler))
-        loader = probe.data.last_loader
+        loader = probe.state.last_loader
         lrs = [float(g["lr"]) for g in scheduler.optimizer.param_groups]
         if record is None:
             record = self.schedulers[id(scheduler)] = {
@@ -195,7 +195,7 @@ class LoopListener:
             }
         record["calls"] += 1
         record["lr_reached"] = lrs[0]
-        stepped = any(o is scheduler.optimizer for o in probe.optimizers)
+        stepped = any(o is scheduler.optimizer for o in probe.state.optimizers)
         if (record["calls"] == 1 and not stepped) or self.backwards:
             record["calls_before_step"] += 1  # before the optimizer's first step, or between a backward and its step
         if loader and record["loader"] == (id(loader), loader["epochs"]):
@@ -211,7 +211,7 @@ class LoopListener:
                 return original(module, mode)
             finally:
                 listener.mode_calls -= 1
-                if listener.mode_calls == 0 and not listener.probe.busy and not mode:
+                if listener.mode_calls == 0 and not listener.probe.state.busy and not mode:
                     # eval() under no_grad is an evaluation's (nanoGPT's estimate_loss), not a setup's; one a
                     # library makes (transformers' from_pretrained returns models in eval mode) is nobody's choice
                     caller = sys._getframe(1)

@@ -43,15 +43,13 @@ class LossListener:
         probe = self.probe
         site, loss, step = user_site() or {}, func.__name__, probe.next_step
         num_classes = logits.shape[1] if logits.dim() >= 2 else logits.shape[0]
-        if target.dim() >= 1:
-            probe.scale.loss_rows.add(int(target.shape[0]))
+        probe.emit("loss_targets", target)
         if num_classes == 1 and func is F.cross_entropy and not probe.facts.events.get("one-unit-cross-entropy"):
             probe.record(
                 "one-unit-cross-entropy",
                 OneUnitCrossEntropy(step=step, loss=loss, shape=list(logits.shape), **site),
             )
         if not target.is_floating_point() and target.numel():
-            probe.habits.observe_labels(target)
             valid = target[target != bound.get("ignore_index", -100)]
             if valid.numel():
                 low, high = int(valid.min()), int(valid.max())

@@ -54,16 +54,16 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         probe = self.probe
-        if probe.busy:
+        if probe.state.busy:
             return func(*args, **kwargs)
         check = self.listener.loss_checks.get(func)
         if check is not None:
             probe.guarded(check, func, args, kwargs)
         out = func(*args, **kwargs)
-        if not self.listener.stack and not probe.in_step and not probe.in_fetch:
+        if not self.listener.stack and not probe.state.in_step and not probe.state.in_fetch:
             if isinstance(out, (torch.Tensor, tuple)):
                 probe.track(out)
-            if probe.watch_ops:
+            if probe.state.watch_ops:
                 probe.guarded(self.listener.check_op, func, args, kwargs, out)
         return out
 
@@ -74,8 +74,8 @@ class ModuleListener:
     def __init__(self, probe: Probe) -> None:
         self.probe = probe
         self.calls: list[tuple[torch.nn.Module, Any, Any]] = []  # this step's module calls, inner first
-        self.stack: list[torch.nn.Module] = []
-        self.leaf_order: dict[int, torch.nn.Module] = {}
+        self.stack = probe.state.module_stack
+        self.leaf_order = probe.state.leaf_order
         # Outputs of top-level module calls → the step that made them: an input that is one of
         # them from an earlier step is state carried across steps with its graph (an RNN's hidden).
         self.root_outputs: dict[int, tuple[weakref.ref, int]] = {}
@@ -102,6 +102,17 @@ class ModuleListener:
                 pass
         self.stack.clear()
 
+    def on_step_begins(self) -> None:
+        self.mode_off()
+
+    def on_step_ends(self) -> None:
+        self.calls.clear()
+        if not self.probe.light:
+            self.mode_back()
+
+    def on_loss_nonfinite(self) -> None:
+        self.scan_calls()
+
     def mode_off(self) -> None:
         """Pop the function mode if it is on top (the optimizer's many small ops need no looking at)."""
         if self._mode is not None and self._mode_on and _get_current_function_mode() is self._mode:
@@ -113,26 +124,23 @@ class ModuleListener:
             self._mode.__enter__()
             self._mode_on = True
 
-    def new_step(self) -> None:
-        self.calls.clear()
-
     # ---------------------------------------------------------------- hooks
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         probe = self.probe
-        if probe.busy:
+        if probe.state.busy:
             return
         if not self.stack:
             probe.guarded(self._root_call, module, args)
-        if not probe.scale.first_layer_seen and next(module.children(), None) is None:
-            probe.guarded(probe.scale.check_first_layer, module, args)
+        if not probe.state.first_layer_seen and next(module.children(), None) is None:
+            probe.guarded(probe.emit, "leaf_forward", module, args)
         if isinstance(module, _BN) and module.training:
             probe.guarded(self._batchnorm_input, module, args)
-        probe.used.add(id(module))
+        probe.state.used.add(id(module))
         self.stack.append(module)
 
     def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         probe = self.probe
-        if probe.busy:
+        if probe.state.busy:
             return
         if self.stack and self.stack[-1] is module:
             self.stack.pop()
@@ -160,11 +168,10 @@ class ModuleListener:
     def _root_call(self, module: torch.nn.Module, args: Any) -> None:
         probe = self.probe
         events, step = probe.facts.events, probe.next_step
-        if id(module) not in probe.roots:
+        if id(module) not in probe.state.roots:
             label = variable_name(module, user_frame()) or type(module).__name__
-            probe.roots[id(module)] = (module, label)
-        probe.loop.model_called(module)
-        probe.scale.model_called(args)
+            probe.state.roots[id(module)] = (module, label)
+        probe.emit("model_called", module, args)
         if not torch.is_grad_enabled() and module.training and len(events.get("eval-in-train-mode", [])) < 5:
             active = [
                 probe.name_of(m)
@@ -230,7 +237,7 @@ class ModuleListener:
                 step=probe.next_step,
                 input_shape=list(x.shape),
                 values_per_channel=x.numel() // max(x.shape[1], 1),
-                loader=probe.data.current_loader(),
+                loader=probe.state.current_loader(),
                 **(user_site() or {}),
             ),
         )
@@ -280,7 +287,7 @@ class ModuleListener:
     def check_op(self, func: Callable, args: Any, kwargs: dict, out: Any) -> None:
         """An op outside modules (the loss computation): the first whose output goes non-finite."""
         probe = self.probe
-        if probe.step_nonfinite_op is not None or allocates_uninitialized(func):
+        if probe.state.step_nonfinite_op is not None or allocates_uninitialized(func):
             return
         outs = [t for t in tensors_in(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if not outs or not any(is_nonfinite(t) for t in outs):
@@ -294,11 +301,11 @@ class ModuleListener:
             return
         step = probe.next_step
         if not bad_inputs:
-            probe.step_nonfinite_op = {"op": op_name(func), "step": step, **site}
+            probe.state.step_nonfinite_op = {"op": op_name(func), "step": step, **site}
         elif all(t.grad_fn is None and not t.requires_grad for t in bad_inputs) and not probe.facts.events.get(
             "nonfinite-input"
         ):
-            probe.step_nonfinite_op = {"op": op_name(func), "step": step, "from_data": True, **site}
+            probe.state.step_nonfinite_op = {"op": op_name(func), "step": step, "from_data": True, **site}
             probe.record(
                 "nonfinite-input",
                 NonfiniteInput(op=op_name(func), step=step, **nonfinite_layout(bad_inputs[0]), **site),

@@ -40,7 +40,7 @@ class OptimizerListener:
         self.consumed: dict[int, set[int]] = {}  # optimizer → params whose gradient it stepped with
         self.stale_params: dict[int, set[int]] = {}  # optimizer → params whose gradient adds onto a stepped one
         self.num_steps_of: dict[int, int] = {}
-        self.trained: set[int] = set()  # params some optimizer stepped with a gradient (they were trained)
+        self.trained = probe.state.trained  # params some optimizer stepped with a gradient (they were trained)
         self.backward_since_step = 0
 
     def install(self) -> None:
@@ -51,7 +51,7 @@ class OptimizerListener:
         self.probe.patch(torch.optim.Optimizer, "zero_grad", self._counting(torch.optim.Optimizer.zero_grad))
         self.probe.patch(torch.nn.Module, "zero_grad", self._counting(torch.nn.Module.zero_grad))
 
-    def backward_done(self) -> None:
+    def on_backward_counted(self) -> None:
         self.backward_since_step += 1
         for key in self.since_backward:
             self.since_backward[key] = []
@@ -61,23 +61,23 @@ class OptimizerListener:
 
         def zero_grad(self_: Any, *args: Any, **kwargs: Any) -> Any:
             facts.zero_grad_calls += 1
-            facts.closure_zero_grad_calls += probe.in_step
-            if not probe.busy:
-                probe.guarded(probe.loop.zero_grad, self_)
+            facts.closure_zero_grad_calls += probe.state.in_step
+            if not probe.state.busy:
+                probe.guarded(probe.emit, "zero_grad", self_)
             return original(self_, *args, **kwargs)
 
         return zero_grad
 
     def _step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         probe = self.probe
-        if probe.busy:
+        if probe.state.busy:
             return
-        probe.in_step = True
-        if all(o is not optimizer for o in probe.optimizers):
-            probe.optimizers.append(optimizer)
+        probe.state.in_step = True
+        if all(o is not optimizer for o in probe.state.optimizers):
+            probe.state.optimizers.append(optimizer)
         if probe.light:
             return
-        probe.modules.mode_off()
+        probe.emit("step_begins")
         probe.guarded(self._inspect_step, optimizer)
 
     def _inspect_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -95,12 +95,12 @@ class OptimizerListener:
                 ZeroGradCheck(
                     step=step,
                     optimizer=type(optimizer).__name__,
-                    optimizer_index=next(i for i, o in enumerate(probe.optimizers) if o is optimizer),
+                    optimizer_index=next(i for i, o in enumerate(probe.state.optimizers) if o is optimizer),
                     param=probe.param_names().get(id(stale[0]), f"<tensor {tuple(stale[0].shape)}>") if stale else None,
                 )
             )
         self.stale_params[key] = set()
-        probe.loop.before_step(optimizer)
+        probe.emit("optimizer_step", optimizer)
         site = user_site()
         sites = self.since_backward.setdefault(key, [])
         sites.append(site)
@@ -127,7 +127,7 @@ class OptimizerListener:
                     {
                         "step": step,
                         "lrs": [float(g["lr"]) for g in optimizer.param_groups],
-                        "optimizer": next(i for i, o in enumerate(probe.optimizers) if o is optimizer),
+                        "optimizer": next(i for i, o in enumerate(probe.state.optimizers) if o is optimizer),
                         "norms": dict(zip([id(p) for p in with_grad], norms)),
                     }
                 )
@@ -135,14 +135,13 @@ class OptimizerListener:
 
     def _step_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         probe = self.probe
-        if probe.busy:
+        if probe.state.busy:
             return
-        probe.in_step = False
+        probe.state.in_step = False
         probe.facts.steps += 1
-        probe.step_nonfinite_op = None
-        probe.modules.new_step()
+        probe.state.step_nonfinite_op = None
+        probe.emit("step_ends")
         if not probe.light:
-            probe.modules.mode_back()
             probe.guarded(self._after_step, optimizer)
         if probe.facts.steps == probe.anomaly_steps and not probe.light:
             torch.autograd.set_detect_anomaly(False)
@@ -185,20 +184,22 @@ class OptimizerListener:
                 or len(before) == 2
                 and before[0]["max_graph_nodes"] < before[1]["max_graph_nodes"]
             )
-            roots = {id(node): made for node, made in probe.backward.recent_roots}
-            found, probe.tracked = census(
-                facts.steps, probe.tracked, probe.last_census, want_holder=growing, roots=roots
+            roots = {id(node): made for node, made in probe.state.recent_roots}
+            found, probe.state.tracked = census(
+                facts.steps, probe.state.tracked, probe.state.last_census, want_holder=growing, roots=roots
             )
-            probe.last_census = list(probe.tracked)
+            probe.state.last_census = list(probe.state.tracked)
             facts.censuses.append(found)
-            probe.overhead_s += time.perf_counter() - start
+            probe.state.overhead_s += time.perf_counter() - start
 
     def finish(self) -> None:
         """Each optimizer's facts, and the gradient norms summed per layer."""
         probe, f = self.probe, self.probe.facts
         names, owners = probe.param_names(), probe.owner_of()
-        used_params = {id(p) for root, _ in probe.roots.values() if id(root) in probe.used for p in root.parameters()}
-        for i, opt in enumerate(probe.optimizers):
+        used_params = {
+            id(p) for root, _ in probe.state.roots.values() if id(root) in probe.state.used for p in root.parameters()
+        }
+        for i, opt in enumerate(probe.state.optimizers):
             params = [p for g in opt.param_groups for p in g["params"]]
             history = self.grad_none.get(id(opt), [])
             never = set.intersection(*history) if history else set()
@@ -210,7 +211,7 @@ class OptimizerListener:
                         {
                             "parameter": names.get(id(p), f"<tensor {tuple(p.shape)}>"),
                             "module": probe.name_of(owner) if owner is not None else None,
-                            "module_used": owner is not None and id(owner) in probe.used,
+                            "module_used": owner is not None and id(owner) in probe.state.used,
                         }
                     )
             f.optimizers.append(
@@ -226,8 +227,7 @@ class OptimizerListener:
                     "moved": self.moved.get(id(opt), []),
                 }
             )
-        probe.modules.finish()
-        leaves = probe.modules.leaf_order.values()
+        leaves = probe.state.leaf_order.values()
         layer_of = {id(p): probe.name_of(m) for m in leaves for p in m.parameters(recurse=False)}
         for record in f.grad_norms:
             layers: dict[str, float] = {}

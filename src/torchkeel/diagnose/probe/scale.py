@@ -29,7 +29,6 @@ class ScaleListener:
     def __init__(self, probe: Probe) -> None:
         self.probe = probe
         self.batch_rows: int | None = None  # rows of the current model call's first input
-        self.first_layer_seen = False  # within the current model call
         self.loss_rows: set[int] = set()  # the batch sizes classification losses were given (their targets)
         self.candidates: dict[int, dict[str, Any]] = {}  # rows → a softmax over dim 0 of that many rows
 
@@ -44,10 +43,14 @@ class ScaleListener:
         )
         return dict.fromkeys(functions, self.check_softmax)
 
-    def model_called(self, args: Any) -> None:
+    def on_model_called(self, module: torch.nn.Module, args: Any) -> None:
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         self.batch_rows = int(first.shape[0]) if first is not None and first.dim() >= 1 else None
-        self.first_layer_seen = False
+        self.probe.state.first_layer_seen = False
+
+    def on_loss_targets(self, target: torch.Tensor) -> None:
+        if target.dim() >= 1:
+            self.loss_rows.add(int(target.shape[0]))
 
     def check_softmax(self, func: Callable, args: Any, kwargs: dict) -> None:
         probe = self.probe
@@ -64,7 +67,7 @@ class ScaleListener:
                 call=getattr(func, "__name__", str(func)),
                 shape=[int(rows), int(classes)],
                 dim=int(dim),
-                module=probe.name_of(probe.modules.stack[-1]) if probe.modules.stack else None,
+                module=probe.name_of(probe.state.module_stack[-1]) if probe.state.module_stack else None,
                 **(user_site() or {}),
             )
 
@@ -76,12 +79,12 @@ class ScaleListener:
                 self.probe.record("softmax-over-batch", event)
                 return
 
-    def check_first_layer(self, module: torch.nn.Module, args: Any) -> None:
+    def on_leaf_forward(self, module: torch.nn.Module, args: Any) -> None:
         """The model call's first Linear/Conv layer: its input, when it is data far from unit scale."""
         probe = self.probe
-        if self.first_layer_seen or next(module.parameters(recurse=False), None) is None:
+        if probe.state.first_layer_seen or next(module.parameters(recurse=False), None) is None:
             return
-        self.first_layer_seen = True
+        probe.state.first_layer_seen = True
         if not isinstance(module, _FIRST_LAYERS) or probe.next_step > _SCALE_STEPS:
             return
         if probe.facts.events.get("input-scale") or not args or not isinstance(args[0], torch.Tensor):
