@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from torchkeel.checkpoint.format import PointHook
-from torchkeel.inspect.memory import rss_bytes
+from torchkeel.introspect.memory import rss_bytes
 from torchkeel.train.hooks import TrainerHooks
 
 CHECKPOINT_FAULTS = "TORCHKEEL_TEST_FAULTS"

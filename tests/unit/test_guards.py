@@ -322,7 +322,7 @@ def test_memory_monitor_on_a_fake_cuda_machine():
         rss=3 * GiB,
         cuda={"allocated": 6 * GiB, "reserved": 19 * GiB // 2, "peak_allocated": 9 * GiB, "total": 10 * GiB},
     )
-    monitor = MemoryMonitor(torch.device("cuda"), warn_rss_gb=2.0, probe=probe)
+    monitor = MemoryMonitor(torch.device("cuda"), warn_rss_gb=2.0, reader=probe)
     stats, warnings = monitor.sample()
     assert stats.row() == {
         "rss_bytes": 3 * GiB,
@@ -340,7 +340,7 @@ def test_memory_monitor_on_a_fake_cuda_machine():
     assert monitor.sample()[1] == []
     probe.rss = 3 * GiB
     assert len(monitor.sample()[1]) == 1  # crossed again
-    assert MemoryMonitor(CPU, probe=FakeProbe()).sample()[1] == []
+    assert MemoryMonitor(CPU, reader=FakeProbe()).sample()[1] == []
 
 
 def run_loop(leaky, steps=60):
@@ -377,7 +377,7 @@ def test_leak_detector_catches_accumulated_loss_tensors_and_is_quiet_otherwise()
 def test_leak_detector_uses_cuda_allocated_bytes_when_on_cuda():
     probe = FakeProbe(cuda={"allocated": 0, "reserved": 0, "peak_allocated": 0, "total": 1})
     detector = LeakDetector(
-        every_steps=1, warmup_steps=0, window=3, max_overhead=float("inf"), device=torch.device("cuda"), probe=probe
+        every_steps=1, warmup_steps=0, window=3, max_overhead=float("inf"), device=torch.device("cuda"), reader=probe
     )
     found = []
     for step in range(6):
@@ -402,7 +402,7 @@ def test_censuses_are_spaced_to_cost_at_most_their_share_of_time():
         max_overhead=0.1,
         first_cost_s=5.0,
         signal_every_steps=0,
-        probe=SlowCensus(),
+        reader=SlowCensus(),
         clock=lambda: now[0],
     )
     census_steps = []
@@ -471,7 +471,7 @@ def test_the_cheap_leak_signal_is_read_at_most_once_per_signal_min_s():
         signal_every_steps=10,
         signal_min_s=0.045,
         max_overhead=0.0,
-        probe=CountingProbe(),
+        reader=CountingProbe(),
         clock=lambda: now[0],
     )
     for step in range(1, 1001):  # 1,000 steps of 1 ms: 100 due by step count, 20 of them 45 ms apart
@@ -489,7 +489,7 @@ def test_read_finite_takes_scalar_tensors_without_stacking_them():
 
 
 def test_rss_is_this_process_own_also_in_a_forked_child():
-    from torchkeel.inspect.memory import rss_bytes
+    from torchkeel.introspect.memory import rss_bytes
 
     rss_bytes()  # the parent's /proc/self/statm is now open
     read, write = os.pipe()

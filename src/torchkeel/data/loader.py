@@ -39,7 +39,7 @@ class _BadItem:
     error: str
 
 
-class _Guarded(Dataset):
+class _SeededReads(Dataset):
     """The user's dataset, with an item that raises turned into a record of it (never a stand-in),
     and each batch's sample draws made on generators seeded by ``(seed, rank, epoch, its first
     index)`` — a batch's own key, whichever worker makes it. ``epoch`` is shared memory the
@@ -197,7 +197,7 @@ class EpochLoader(HasLoaderOptions):
         self._sampler = _EpochSampler()
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._loader: DataLoader | None = None
-        self._guarded, self._collate = _Guarded(dataset, seed, rank, self._epoch), _Collate(self.options.collate_fn)
+        self._reads, self._collate = _SeededReads(dataset, seed, rank, self._epoch), _Collate(self.options.collate_fn)
 
     def __len__(self) -> int:
         """Batches per epoch (the last one may be short, unless ``drop_last``)."""
@@ -307,7 +307,7 @@ class EpochLoader(HasLoaderOptions):
         o = self.options
         if o.num_workers or o.pin_memory:
             return self._data_loader()
-        order, size, fetch, collate = self._sampler.order, o.rank_batch_size, self._guarded.__getitems__, self._collate
+        order, size, fetch, collate = self._sampler.order, o.rank_batch_size, self._reads.__getitems__, self._collate
         return (collate(fetch(order[start : start + size])) for start in range(0, len(order), size))
 
     def _data_loader(self) -> DataLoader:
@@ -315,7 +315,7 @@ class EpochLoader(HasLoaderOptions):
             o = self.options
             workers = o.num_workers
             self._loader = DataLoader(
-                self._guarded,
+                self._reads,
                 batch_size=o.rank_batch_size,
                 sampler=self._sampler,
                 num_workers=workers,

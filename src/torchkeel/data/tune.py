@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from torchkeel.batch import num_samples
-from torchkeel.inspect.memory import rss_bytes
+from torchkeel.introspect.memory import rss_bytes
 from torchkeel.io import write_json_atomic
 
 TOLERANCE = 0.95

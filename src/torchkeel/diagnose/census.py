@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from torchkeel.inspect.graph import graph_nodes
-from torchkeel.inspect.sites import has_graph, site_text, user_frame, user_site
+from torchkeel.introspect.graph import graph_nodes
+from torchkeel.introspect.sites import has_graph, site_text, user_frame, user_site
 
 
 def census(

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from torchkeel.diagnose.findings import Finding
-from torchkeel.inspect.sites import display_path, is_user_file
+from torchkeel.introspect.sites import display_path, is_user_file
 from torchkeel.train.compile import break_reason, explain_breaks
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from torchkeel.diagnose.probe import Probe, StopScript
 from torchkeel.errors import ConfigError
-from torchkeel.inspect.sites import display_path, is_user_file
+from torchkeel.introspect.sites import display_path, is_user_file
 
 
 @dataclasses.dataclass

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from torchkeel.inspect.graph import graph_nodes
-from torchkeel.inspect.sites import (
+from torchkeel.introspect.graph import graph_nodes
+from torchkeel.introspect.sites import (
     display_path,
     is_nonfinite,
     is_user_file,

@@ -70,7 +70,7 @@ def generation_routes(repository: ModelRepository, read_body: Callable[[Request]
                 return JSONResponse({**head, "text_output": row.text, "finish_reason": row.finish_reason})
 
             async def events() -> AsyncIterator[str]:
-                async for updates in _guarded(submitted):
+                async for updates in _failures_as_messages(submitted):
                     if isinstance(updates, str):
                         yield _sse({"error": updates})
                         return
@@ -121,7 +121,7 @@ def generation_routes(repository: ModelRepository, read_body: Callable[[Request]
                     if echo[p]:
                         for r in range(n):
                             yield _sse({**head, "choices": [_choice(p * n + r, echo[p], None)]})
-                    async for updates in _guarded(submitted):
+                    async for updates in _failures_as_messages(submitted):
                         if isinstance(updates, str):
                             yield _sse(
                                 {"error": {"message": updates, "type": "server_error", "param": None, "code": None}}
@@ -286,7 +286,7 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _guarded(request: GenerationRequest) -> AsyncIterator[Any]:
+async def _failures_as_messages(request: GenerationRequest) -> AsyncIterator[Any]:
     """The request's updates; the model's failure mid-stream as its message (the status is sent)."""
     try:
         async for updates in request.updates():

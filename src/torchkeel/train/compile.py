@@ -14,7 +14,7 @@ import torch
 
 from torchkeel.checkpoint.state import leaving_no_trace
 from torchkeel.errors import KeelError
-from torchkeel.inspect.sites import display_path, is_user_file
+from torchkeel.introspect.sites import display_path, is_user_file
 
 # What a compile event is handed to: (kind, message, details) — the Trainer records incidents.
 Reporter = Callable[[str, str, dict[str, Any]], None]

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from torchkeel.checkpoint.format import PointHook
-from torchkeel.train.memory import MemoryProbe
+from torchkeel.train.memory import MemoryReader
 
 
 @dataclass(frozen=True)
@@ -25,4 +25,4 @@ class TrainerHooks:
 
     checkpoint: PointHook | None = None
     before_forward: Callable[[int], None] | None = None
-    memory: MemoryProbe | None = None
+    memory: MemoryReader | None = None

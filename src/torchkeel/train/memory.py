@@ -21,18 +21,18 @@ from typing import Any, Protocol
 import torch
 
 from torchkeel.config.schema import MemoryConfig
-from torchkeel.inspect.graph import graph_nodes
-from torchkeel.inspect.memory import rss_bytes
+from torchkeel.introspect.graph import graph_nodes
+from torchkeel.introspect.memory import rss_bytes
 
 
-class MemoryProbe(Protocol):
+class MemoryReader(Protocol):
     """Where the figures come from; tests pass a fake to play a CUDA machine on a CPU."""
 
     def rss_bytes(self) -> int: ...
     def cuda(self, device: torch.device) -> dict[str, int] | None: ...
 
 
-class SystemProbe:
+class SystemReader:
     """The real figures: /proc for RSS, ``torch.cuda`` memory statistics on CUDA devices."""
 
     def rss_bytes(self) -> int:
@@ -85,26 +85,28 @@ class MemoryMonitor:
         *,
         warn_rss_gb: float | None = None,
         warn_cuda_fraction: float = 0.9,
-        probe: MemoryProbe | None = None,
+        reader: MemoryReader | None = None,
     ) -> None:
         self.device = device
         self.warn_rss_gb = warn_rss_gb
         self.warn_cuda_fraction = warn_cuda_fraction
-        self.probe = probe or SystemProbe()
+        self.reader = reader or SystemReader()
         self._above: set[str] = set()  # thresholds crossed and not yet gone back below
 
     @classmethod
-    def from_config(cls, memory: MemoryConfig, device: torch.device, probe: MemoryProbe | None = None) -> MemoryMonitor:
+    def from_config(
+        cls, memory: MemoryConfig, device: torch.device, reader: MemoryReader | None = None
+    ) -> MemoryMonitor:
         """The monitor the config's ``memory`` section describes."""
-        return cls(device, warn_rss_gb=memory.warn_rss_gb, warn_cuda_fraction=memory.warn_cuda_fraction, probe=probe)
+        return cls(device, warn_rss_gb=memory.warn_rss_gb, warn_cuda_fraction=memory.warn_cuda_fraction, reader=reader)
 
     def sample(self) -> tuple[MemoryStats, list[str]]:
         """Current figures, and one warning line per threshold crossed since the last sample.
 
         A threshold warns once when crossed, and again only after the figure went back below it.
         """
-        cuda = self.probe.cuda(self.device)
-        stats = MemoryStats(self.probe.rss_bytes())
+        cuda = self.reader.cuda(self.device)
+        stats = MemoryStats(self.reader.rss_bytes())
         if cuda is not None:
             stats = MemoryStats(
                 stats.rss_bytes, cuda["allocated"], cuda["reserved"], cuda["peak_allocated"], cuda["total"]
@@ -204,7 +206,7 @@ class LeakDetector:
         min_growth_bytes: int = 256 * 2**10,
         suspect_overhead: float = 0.1,
         device: torch.device | None = None,
-        probe: MemoryProbe | None = None,
+        reader: MemoryReader | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.every_steps = every_steps
@@ -216,7 +218,7 @@ class LeakDetector:
         self.min_growth_bytes = min_growth_bytes
         self.suspect_overhead = suspect_overhead
         self.device = device or torch.device("cpu")
-        self.probe = probe or SystemProbe()
+        self.reader = reader or SystemReader()
         self.clock = clock
         self.history: list[Census] = []
         self.reported = False
@@ -232,7 +234,7 @@ class LeakDetector:
 
     @classmethod
     def from_config(
-        cls, memory: MemoryConfig, device: torch.device, probe: MemoryProbe | None = None
+        cls, memory: MemoryConfig, device: torch.device, reader: MemoryReader | None = None
     ) -> LeakDetector | None:
         """The detector the config's ``memory`` section describes (``None``: ``leak_check`` off)."""
         if not memory.leak_check:
@@ -243,7 +245,7 @@ class LeakDetector:
             window=memory.leak_window,
             max_overhead=memory.leak_max_overhead,
             device=device,
-            probe=probe,
+            reader=reader,
         )
 
     def observe(self, step: int) -> dict[str, Any] | None:
@@ -263,7 +265,7 @@ class LeakDetector:
                 return None
         elif step < self._next_step or self._cost > self.max_overhead * elapsed:
             return None  # not yet: the census would cost more than its share of the time
-        cuda = self.probe.cuda(self.device)
+        cuda = self.reader.cuda(self.device)
         self.history = (self.history + [tensor_census(step, cuda["allocated"] if cuda else None)])[-self.window :]
         self._last_end = self.clock()
         self._cost = self._last_end - start
@@ -275,8 +277,8 @@ class LeakDetector:
 
     def _watch(self, now: float, step: int) -> None:
         """Feed the cheap signal into windows of ``window_s``; suspect a leak if it keeps rising."""
-        cuda = self.probe.cuda(self.device)
-        value = cuda["allocated"] if cuda else self.probe.rss_bytes()
+        cuda = self.reader.cuda(self.device)
+        value = cuda["allocated"] if cuda else self.reader.rss_bytes()
         if self._window_start is None or now - self._window_start >= self.window_s:
             if self._window_start is not None:
                 self._window_maxes = (self._window_maxes + [self._window_max])[-(self.rising_windows + 1) :]

@@ -13,7 +13,7 @@ import gc
 import torch
 
 from torchkeel.errors import SampleTooLarge
-from torchkeel.inspect.memory import rss_bytes
+from torchkeel.introspect.memory import rss_bytes
 
 
 def smaller_size(failed_size: int, device: torch.device) -> int:

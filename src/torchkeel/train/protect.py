@@ -22,7 +22,7 @@ from torchkeel.errors import DataError, KeelError, TrainingDiverged
 from torchkeel.train.counters import TrainingParts
 from torchkeel.train.guards import Action, NonFiniteGuard, SpikeDetector
 from torchkeel.train.inputbound import InputBoundDetector
-from torchkeel.train.memory import LeakDetector, MemoryMonitor, MemoryProbe
+from torchkeel.train.memory import LeakDetector, MemoryMonitor, MemoryReader
 from torchkeel.train.nonfinite import diagnose_nonfinite
 from torchkeel.train.objective import Objective
 from torchkeel.train.precision import Precision
@@ -70,15 +70,15 @@ class Protections:
         precision: Precision,
         device: torch.device,
         num_workers: int,
-        probe: MemoryProbe | None = None,
+        reader: MemoryReader | None = None,
     ) -> None:
         self.objective, self.precision, self.device, self.num_workers = objective, precision, device, num_workers
         self.parts, self.diagnose = parts, guard.diagnose
         self.guard = NonFiniteGuard.from_config(guard)
         self.rollback = Rollback.from_config(guard, parts)
         self.spikes = SpikeDetector.from_config(guard)
-        self.memory, self.memory_every = MemoryMonitor.from_config(memory, device, probe), memory.every_steps
-        self.leaks = LeakDetector.from_config(memory, device, probe)
+        self.memory, self.memory_every = MemoryMonitor.from_config(memory, device, reader), memory.every_steps
+        self.leaks = LeakDetector.from_config(memory, device, reader)
         self.input_bound = InputBoundDetector()
         self.diagnosis: dict[str, Any] | None = None  # of the first non-finite step
 
@@ -91,10 +91,10 @@ class Protections:
         precision: Precision,
         device: torch.device,
         num_workers: int,
-        probe: MemoryProbe | None = None,
+        reader: MemoryReader | None = None,
     ) -> Protections:
         """The protections ``cfg.guard`` and ``cfg.memory`` describe."""
-        return cls(cfg.guard, cfg.memory, parts, objective, precision, device, num_workers, probe)
+        return cls(cfg.guard, cfg.memory, parts, objective, precision, device, num_workers, reader)
 
     def take_snapshot(self, step: int) -> None:
         """Keep the state of ``step`` for a rollback (only when the guard can roll back)."""

@@ -21,8 +21,8 @@ from torchkeel.diagnose.events import (
     RepeatedBackward,
 )
 from torchkeel.diagnose.tracing import GradTracer, forward_site
-from torchkeel.inspect.graph import graph_nodes
-from torchkeel.inspect.sites import display_path, is_nonfinite, site_text, tensors_in, user_site
+from torchkeel.introspect.graph import graph_nodes
+from torchkeel.introspect.sites import display_path, is_nonfinite, site_text, tensors_in, user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
@@ -55,7 +55,7 @@ class BackwardListener:
             return _ORIGINAL_GRAD(outputs, *args, **kwargs)
         except RuntimeError as exc:
             if not self.probe.light and not self.probe.state.busy and "modified by an inplace operation" in str(exc):
-                self.probe.guarded(self._inplace_error, tensors_in(outputs), exc)
+                self.probe.safely(self._inplace_error, tensors_in(outputs), exc)
             raise
 
     def _repeated(self, roots: list[torch.Tensor], args: tuple, kwargs: dict) -> None:
@@ -93,8 +93,8 @@ class BackwardListener:
             loss_finite = bool(np.isfinite(value))
             facts.losses.append({"step": probe.next_step, "value": value})
         if not light:
-            probe.guarded(self._before_backward, loss_finite)
-            probe.guarded(self._repeated, roots, args, kwargs)
+            probe.safely(self._before_backward, loss_finite)
+            probe.safely(self._repeated, roots, args, kwargs)
         traced = facts.backward_calls < 50 or facts.backward_calls % 20 == 0
         hooks = (
             GradTracer(roots)
@@ -106,9 +106,9 @@ class BackwardListener:
         except RuntimeError as exc:
             text = str(exc)
             if not light and "modified by an inplace operation" in text:
-                probe.guarded(self._inplace_error, roots, exc)
+                probe.safely(self._inplace_error, roots, exc)
             elif not light and "backward through the graph a second time" in text:
-                probe.guarded(self._graph_reused, exc)
+                probe.safely(self._graph_reused, exc)
             elif not light and "does not require grad and does not have a grad_fn" in text:
                 params = probe.all_params()
                 probe.record(
@@ -131,9 +131,9 @@ class BackwardListener:
             torch.autograd.set_detect_anomaly(False)  # a script that rarely steps: stop recording stacks
         probe.emit("backward_counted")
         if not light:
-            probe.guarded(probe.emit, "backward_done", roots)
+            probe.safely(probe.emit, "backward_done", roots)
         if not light and loss_finite and not facts.events.get("nonfinite-grad"):
-            probe.guarded(self._check_grads, hooks)
+            probe.safely(self._check_grads, hooks)
         return result
 
     def _before_backward(self, loss_finite: bool) -> None:

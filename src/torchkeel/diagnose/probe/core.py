@@ -4,7 +4,7 @@ Each concern is a listener of its own (``modules``, ``backward``, ``optim``, ``d
 ``habits``, ``loop``, ``scale``, ``losses``) that owns its state and writes its part of ``Facts``
 when the script ends. What they share is ``state`` (a ``ProbeState``: where the script is, the
 models and their names, the tensors with a graph for censuses), ``record`` (typed events,
-``diagnose.events``), ``guarded`` (an observation never breaks the script) and ``emit``: an
+``diagnose.events``), ``safely`` (an observation never breaks the script) and ``emit``: an
 event (``state.EVENTS``) goes to every listener with an ``on_<event>`` method.
 """
 
@@ -31,7 +31,7 @@ from torchkeel.diagnose.probe.optim import OptimizerListener
 from torchkeel.diagnose.probe.scale import ScaleListener
 from torchkeel.diagnose.probe.seeds import SeedListener
 from torchkeel.diagnose.probe.state import EVENTS, ProbeState
-from torchkeel.inspect.sites import has_graph, tensors_in
+from torchkeel.introspect.sites import has_graph, tensors_in
 
 
 class Probe:
@@ -134,14 +134,14 @@ class Probe:
 
     def emit(self, event: str, *args: Any) -> None:
         """Tell every listener that handles ``event`` (one of ``state.EVENTS``), in install order.
-        Not guarded: a caller inside an observation is guarded already."""
+        Not run ``safely``: a caller inside an observation is already."""
         for handler in self._handlers[event]:
             handler(*args)
 
     def on_exit(self, undo: Callable[[], None]) -> None:
         self._undo.append(undo)
 
-    def guarded(self, fn: Callable, *args: Any) -> None:
+    def safely(self, fn: Callable, *args: Any) -> None:
         """Run an observation; a bug in it must never break the script."""
         self.state.busy = True
         try:

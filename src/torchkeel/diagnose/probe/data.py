@@ -13,7 +13,7 @@ from torch.utils.data import RandomSampler, SequentialSampler, dataloader
 
 from torchkeel.diagnose.events import AugmentationInEvaluation, GeneratorInWorkers
 from torchkeel.diagnose.probe.augment import own_generators, random_per_read
-from torchkeel.inspect.sites import user_site
+from torchkeel.introspect.sites import user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
@@ -50,7 +50,7 @@ class LoaderListener:
                     info = listener.loader_of.get(id(it))
                     if info is not None and not info.get("checked"):
                         info["checked"] = True
-                        probe.guarded(listener._check_augmentation, it, info)
+                        probe.safely(listener._check_augmentation, it, info)
                 return batch
             finally:
                 probe.state.in_fetch = False

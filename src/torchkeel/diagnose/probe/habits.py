@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchkeel.diagnose.events import BatchLabels, DropoutAlwaysOn
-from torchkeel.inspect.sites import is_user_file, user_site
+from torchkeel.introspect.sites import is_user_file, user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchkeel.diagnose.events import ClipBeforeBackward, SchedulerCall, StepGroup, TrainedInEval, ZeroGradBeforeStep
-from torchkeel.inspect.sites import is_user_file, site_text, user_site
+from torchkeel.introspect.sites import is_user_file, site_text, user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
@@ -169,7 +169,7 @@ class LoopListener:
             user = getattr(scheduler, "_step_count", 0) > 0 and not listener.probe.state.busy  # not __init__'s step
             result = original(scheduler, *args, **kwargs)
             if user:
-                listener.probe.guarded(listener._scheduled, scheduler)
+                listener.probe.safely(listener._scheduled, scheduler)
             return result
 
         return step

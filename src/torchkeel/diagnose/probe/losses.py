@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from torchkeel.diagnose.events import LabelOutOfRange, OneUnitCrossEntropy, ProbabilitiesIntoCrossEntropy
 from torchkeel.diagnose.tracing import forward_site
-from torchkeel.inspect.sites import site_text, user_site
+from torchkeel.introspect.sites import site_text, user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe

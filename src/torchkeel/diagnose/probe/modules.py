@@ -27,7 +27,7 @@ from torchkeel.diagnose.tracing import (
     nonfinite_scalar,
     op_name,
 )
-from torchkeel.inspect.sites import (
+from torchkeel.introspect.sites import (
     has_graph,
     is_nonfinite,
     nonfinite_layout,
@@ -58,13 +58,13 @@ class _Mode(TorchFunctionMode):
             return func(*args, **kwargs)
         check = self.listener.loss_checks.get(func)
         if check is not None:
-            probe.guarded(check, func, args, kwargs)
+            probe.safely(check, func, args, kwargs)
         out = func(*args, **kwargs)
         if not self.listener.stack and not probe.state.in_step and not probe.state.in_fetch:
             if isinstance(out, (torch.Tensor, tuple)):
                 probe.track(out)
             if probe.state.watch_ops:
-                probe.guarded(self.listener.check_op, func, args, kwargs, out)
+                probe.safely(self.listener.check_op, func, args, kwargs, out)
         return out
 
 
@@ -130,11 +130,11 @@ class ModuleListener:
         if probe.state.busy:
             return
         if not self.stack:
-            probe.guarded(self._root_call, module, args)
+            probe.safely(self._root_call, module, args)
         if not probe.state.first_layer_seen and next(module.children(), None) is None:
-            probe.guarded(probe.emit, "leaf_forward", module, args)
+            probe.safely(probe.emit, "leaf_forward", module, args)
         if isinstance(module, _BN) and module.training:
-            probe.guarded(self._batchnorm_input, module, args)
+            probe.safely(self._batchnorm_input, module, args)
         probe.state.used.add(id(module))
         self.stack.append(module)
 
@@ -158,7 +158,7 @@ class ModuleListener:
         probe.track(output)
         if not self.stack:
             if not events.get("nonfinite-forward") and any(is_nonfinite(t) for t in tensors_in(output)):
-                probe.guarded(self.scan_calls)
+                probe.safely(self.scan_calls)
             if len(self.root_outputs) > 5000:
                 self.root_outputs = {k: v for k, v in self.root_outputs.items() if v[0]() is not None}
             for t in tensors_in(output):

@@ -18,7 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torchkeel.diagnose.census import census
 from torchkeel.diagnose.events import DoubleStep, ZeroGradCheck
 from torchkeel.diagnose.probe.facts import StopScript
-from torchkeel.inspect.sites import site_text, user_site
+from torchkeel.introspect.sites import site_text, user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
@@ -63,7 +63,7 @@ class OptimizerListener:
             facts.zero_grad_calls += 1
             facts.closure_zero_grad_calls += probe.state.in_step
             if not probe.state.busy:
-                probe.guarded(probe.emit, "zero_grad", self_)
+                probe.safely(probe.emit, "zero_grad", self_)
             return original(self_, *args, **kwargs)
 
         return zero_grad
@@ -78,7 +78,7 @@ class OptimizerListener:
         if probe.light:
             return
         probe.emit("step_begins")
-        probe.guarded(self._inspect_step, optimizer)
+        probe.safely(self._inspect_step, optimizer)
 
     def _inspect_step(self, optimizer: torch.optim.Optimizer) -> None:
         probe = self.probe
@@ -142,7 +142,7 @@ class OptimizerListener:
         probe.state.step_nonfinite_op = None
         probe.emit("step_ends")
         if not probe.light:
-            probe.guarded(self._after_step, optimizer)
+            probe.safely(self._after_step, optimizer)
         if probe.facts.steps == probe.anomaly_steps and not probe.light:
             torch.autograd.set_detect_anomaly(False)
         if probe.max_steps is not None and probe.facts.steps >= probe.max_steps:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchkeel.diagnose.events import InputScale, SoftmaxOverBatch
-from torchkeel.inspect.sites import user_site
+from torchkeel.introspect.sites import user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe

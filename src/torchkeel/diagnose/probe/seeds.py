@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from torchkeel.inspect.sites import user_site
+from torchkeel.introspect.sites import user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
