@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from torchkeel.cli.jobflags import add_job_arguments, job_fields
 from torchkeel.cluster.k8s import ServeSpec, TrainSpec, kserve, plain, pytorch_job, to_yaml, train_job
 from torchkeel.config.load import load_config
 from torchkeel.distributed.rank import per_rank
@@ -16,18 +17,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.required = True
     train = what.add_parser("train", help="a Kubeflow TrainJob (or PyTorchJob) that runs keel train with torchrun")
     train.add_argument("config", help="YAML config; --config-path says where it is inside the container")
-    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
-    train.add_argument("--nodes", type=int, required=True)
-    train.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per pod (0: CPU)")
+    add_job_arguments(train, "pod", "CPUs each pod requests (default: 4 per worker)")
     train.add_argument("--image", required=True, help="container image with torchkeel and the training code")
     train.add_argument("--pvc", help="PersistentVolumeClaim (ReadWriteMany) for the run directory, at /mnt/keel")
     train.add_argument("--kind", choices=["trainjob", "pytorchjob"], default="trainjob")
-    train.add_argument("--nproc-per-node", type=int, help="workers per pod (default: the GPUs, or 1)")
-    train.add_argument("--cpus-per-node", type=int, help="CPUs each pod requests (default: 4 per worker)")
     train.add_argument(
         "--memory-per-node", help="memory each pod requests and is limited to, e.g. 64Gi (default: 8Gi per worker)"
     )
-    train.add_argument("--max-restarts", type=int, default=3, help="worker failures torchrun recovers from")
     train.add_argument("--config-path", help="the config's path inside the container (default: as given)")
     train.add_argument("--runtime", default="torch-distributed", help="TrainJob runtime (ClusterTrainingRuntime)")
     train.add_argument("--namespace")
@@ -68,17 +64,12 @@ def _train(args: argparse.Namespace) -> list:
     spec = TrainSpec(
         config=args.config_path or args.config,
         name=config.name.replace("_", "-").lower(),
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
         image=args.image,
         pvc=args.pvc,
-        overrides=list(args.overrides),
-        nproc_per_node=args.nproc_per_node,
         namespace=args.namespace,
         runtime=args.runtime,
-        cpus_per_node=args.cpus_per_node,
         memory_per_node=args.memory_per_node,
-        max_restarts=args.max_restarts,
+        **job_fields(args),
     )
     # The pods' files (code in the image, data on the volume) need not be here: the batch's split is.
     per_rank(config.train.batch_size, spec.nodes * spec.workers_per_node)

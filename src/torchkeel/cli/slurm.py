@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torchkeel.cli.jobflags import add_job_arguments, job_fields
 from torchkeel.cli.train import check_job
 from torchkeel.cluster.slurm import SlurmJob, sbatch_script
 from torchkeel.config.load import load_config
@@ -16,19 +17,14 @@ from torchkeel.errors import ConfigError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config file (on a filesystem every node mounts)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
-    parser.add_argument("--nodes", type=int, required=True, help="machines to train on")
-    parser.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per machine (0: CPU nodes)")
+    add_job_arguments(parser, "node", "CPUs to ask for per node")
     parser.add_argument("--time", required=True, metavar="HH:MM:SS", help="the job's time limit")
     parser.add_argument("--partition", help="Slurm partition")
     parser.add_argument("--account", help="Slurm account")
-    parser.add_argument("--nproc-per-node", type=int, help="workers per node (default: the GPUs, or 1)")
-    parser.add_argument("--cpus-per-node", type=int, help="CPUs to ask for per node")
     parser.add_argument(
         "--warn-s", type=int, default=120, help="seconds before the time limit to save and requeue (default 120)"
     )
     parser.add_argument("--join-timeout-s", type=int, default=600, help="rendezvous wait for all nodes (default 600)")
-    parser.add_argument("--max-restarts", type=int, default=3, help="worker failures torchrun recovers from")
     parser.add_argument("--bin-dir", help="where torchrun and keel are on the nodes (default: this environment's)")
     parser.add_argument("-o", "--output", help="script path (default: slurm-<name>.sbatch)")
     parser.add_argument("--submit", action="store_true", help="submit the script with sbatch")
@@ -38,18 +34,13 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, list(args.overrides))  # a config error is said here, not on the nodes
     job = SlurmJob(
         config=str(Path(args.config).resolve()),
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
         time=args.time,
         name=config.name,
         partition=args.partition,
         account=args.account,
-        overrides=list(args.overrides),
-        nproc_per_node=args.nproc_per_node,
         warn_s=args.warn_s,
         join_timeout_s=args.join_timeout_s,
-        max_restarts=args.max_restarts,
-        cpus_per_node=args.cpus_per_node,
+        **job_fields(args),
         **({"bin_dir": args.bin_dir} if args.bin_dir else {}),
     )
     script = sbatch_script(job)  # the flags' own checks first

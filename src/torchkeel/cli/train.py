@@ -13,7 +13,7 @@ import torch
 from torchkeel.config.imports import check_target, resolve_target
 from torchkeel.config.load import load_config
 from torchkeel.config.schema import KeelConfig
-from torchkeel.data.build import build_sources
+from torchkeel.data.build import STREAMING_FORMATS, build_sources
 from torchkeel.distributed.rank import RankInfo, per_rank
 from torchkeel.env.cpus import choose_threads, usable_cpus
 from torchkeel.errors import ConfigError, first_line
@@ -172,7 +172,7 @@ def check_import_paths(config: KeelConfig) -> None:
     for key, target in paths:
         if target is not None:
             resolve_target(target, key)
-    if config.data.format != "map":
+    if config.data.format in STREAMING_FORMATS:
         build_sources(config.data)  # files, columns and shards as each rank would read them
 
 

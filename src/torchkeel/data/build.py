@@ -110,43 +110,28 @@ def build_datasets(cfg: DataConfig) -> tuple[Any, Any]:
     return result[0], result[1]
 
 
+_SOURCES = {
+    "parquet": (ParquetSource, ("input", "target", "columns", "bucket_by", "bucket_window")),
+    "text": (TextSource, ("tokenizer", "block_size", "pack", "text_key", "chunk_bytes", "mlm_probability")),
+    "webdataset": (WebDatasetSource, ("input", "target", "shuffle_buffer", "image")),
+}
+"""Each streaming format's source, and the ``data.*`` keys it takes under the same names."""
+STREAMING_FORMATS = tuple(_SOURCES)
+
+
 def build_sources(cfg: DataConfig) -> tuple[Any, Any]:
     """The train and val sources of a streaming format."""
     if cfg.train is None:
         raise ConfigError(f"data.format={cfg.format} needs data.train: the files to train on")
 
     def make(paths: Any, key: str) -> Any:
+        kind, names = _SOURCES[cfg.format]
+        given = {name: getattr(cfg, name) for name in names}
         if cfg.format == "parquet":
-            return ParquetSource(
-                paths,
-                input=cfg.input,
-                target=cfg.target,
-                columns=cfg.columns,
-                bucket_by=cfg.bucket_by,
-                bucket_window=cfg.bucket_window,
-                key=key,
-                fixed_length=cfg.collate == "default",
-            )
-        if cfg.format == "text":
-            return TextSource(
-                paths,
-                tokenizer=cfg.tokenizer,
-                block_size=cfg.block_size,
-                pack=cfg.pack,
-                text_key=cfg.text_key,
-                chunk_bytes=cfg.chunk_bytes,
-                key=key,
-                mlm_probability=cfg.mlm_probability,
-            )
-
-        return WebDatasetSource(
-            paths,
-            input=cfg.input if isinstance(cfg.input, str) or cfg.input is None else _one(cfg.input),
-            target=cfg.target,
-            shuffle_buffer=cfg.shuffle_buffer,
-            image=cfg.image,
-            key=key,
-        )
+            given["fixed_length"] = cfg.collate == "default"
+        elif cfg.format == "webdataset":
+            given["input"] = cfg.input if isinstance(cfg.input, str) or cfg.input is None else _one(cfg.input)
+        return kind(paths, key=key, **given)
 
     def made(paths: Any, key: str) -> Any:
         source = make(paths, key)

@@ -1,5 +1,6 @@
 """The HTTP server: routes only. Parsing is in ``protocol``, the models in ``model`` and
-``repository``, batching in ``batcher``, metrics in ``metrics``, gRPC in ``grpc``; what both front ends share in ``server``. KServe v2 /
+``repository``, batching in ``batcher``, metrics in ``metrics``, gRPC in ``grpc``, KServe v1
+prediction in ``v1``; what both front ends share in ``server``. KServe v2 /
 Triton REST under ``/v2``, KServe v1 under ``/v1``, Prometheus at ``/metrics``.
 """
 
@@ -27,26 +28,18 @@ from torchkeel.serve.protocol import (
     EXTENSIONS,
     HEADER_LENGTH,
     encode_infer,
-    label_scores,
     parse_infer,
-    parse_v1_instances,
-    top_k,
-    v1_has_images,
-    v1_images,
-    v1_named_tensors,
-    v1_tensor,
-    v1_top_k,
 )
 from torchkeel.serve.repository import ModelRepository
 from torchkeel.serve.server import Server
 from torchkeel.serve.tensors import ProtocolError
 from torchkeel.serve.textgen import generation_routes
+from torchkeel.serve.v1 import v1_predict
 from torchkeel.serve.warmup import warm_over_socket, warm_requests
 
 # An oversized body is read to its end and dropped, up to 4x the limit (at least 64 MiB) or 5 s,
 # before the 413 is sent and the connection closed; past that bound the connection is closed at once.
 DRAIN_FACTOR, DRAIN_MIN_BYTES, DRAIN_S = 4, 64 * 2**20, 5.0
-IMAGE_TOP_K = 5  # v1 image predictions: the 5 best labels unless the request or --top-k says otherwise
 
 
 def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOptions | None = None) -> Starlette:
@@ -147,28 +140,7 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
         if request.method == "POST" and verb == "predict":
 
             async def handle() -> Response:
-                instances, parameters = parse_v1_instances(await read_body(request), opts.max_batch_size)
-                num_classes = model.outputs[0].shape[-1]
-                if v1_has_images(instances):  # a tensor model answers that it takes no images
-                    blobs, wheres = v1_images(instances)
-                    outputs = await model.predict(await model.images(blobs, wheres))
-                    k = v1_top_k(parameters, opts.top_k or min(IMAGE_TOP_K, num_classes), num_classes)
-                    return JSONResponse({"predictions": label_scores(outputs, model.labels, k)})
-                if model.has_named_inputs or isinstance(instances[0], dict):  # {input name: values} each
-                    batch = model.feed(v1_named_tensors(instances, model.tensors, opts.allow_nonfinite))
-                else:
-                    batch = v1_tensor(instances, model.tensor, opts.allow_nonfinite)
-                outputs = await model.predict(batch)
-                k = v1_top_k(parameters, opts.top_k if outputs.ndim == 2 else None, num_classes)
-                if k is not None and outputs.ndim != 2:
-                    raise ProtocolError(
-                        400,
-                        f"parameters.top_k needs one score per class; the model answers "
-                        f"{list(outputs.shape[1:])} per instance",
-                    )
-                if k is not None:
-                    return JSONResponse({"predictions": top_k(outputs, model.labels, k)})
-                return JSONResponse({"predictions": outputs.tolist()})
+                return JSONResponse(await v1_predict(model, await read_body(request), opts))
 
             return await model.counted("v1", handle)
         if verb == "predict":
