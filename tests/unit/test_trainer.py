@@ -18,18 +18,21 @@ def rows(run_dir, kind):
     return [r for r in tk.read_metrics(run_dir / "metrics.jsonl") if r["kind"] == kind]
 
 
+LOOP_SETTINGS = (  # the hand-written loop's settings below, as the Trainer's config says them
+    "train.max_epochs=3",
+    "train.accumulate=4",
+    "optim.lr=3e-3",
+    "optim.weight_decay=0",
+    "schedule.warmup_steps=4",
+    "train.clip_grad_norm=1.0",
+)
+
+
 def test_hand_written_loop_and_trainer_give_identical_losses(tiny_config, tmp_path):
     expected = hand_written_loop.main(
         max_epochs=3, batch_size=16, accumulate=4, lr=3e-3, warmup_steps=4, clip=1.0
     ).losses
-    config = tiny_config(
-        "train.max_epochs=3",
-        "train.accumulate=4",
-        "optim.lr=3e-3",
-        "optim.weight_decay=0",
-        "schedule.warmup_steps=4",
-        "train.clip_grad_norm=1.0",
-    )
+    config = tiny_config(*LOOP_SETTINGS)
     tk.Trainer(config, progress=False).fit()
     losses = [r["loss"] for r in rows(tmp_path / "runs" / "tiny", "train")]
     assert len(losses) == len(expected) == 24
@@ -55,12 +58,7 @@ def test_the_hand_written_loop_meets_the_trainers_incidents_and_ends_with_its_we
     except tk.TrainingDiverged as exc:
         loop, loop_error = None, exc
     config = tiny_config(
-        "train.max_epochs=3",
-        "train.accumulate=4",
-        "optim.lr=3e-3",
-        "optim.weight_decay=0",
-        "schedule.warmup_steps=4",
-        "train.clip_grad_norm=1.0",
+        *LOOP_SETTINGS,
         f"guard.on_nonfinite={policy}",
         "guard.snapshot_every=5",
         f"data.args.nan_rows={list(nan_rows)}",

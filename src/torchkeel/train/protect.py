@@ -83,18 +83,10 @@ class Protections:
         self.diagnosis: dict[str, Any] | None = None  # of the first non-finite step
 
     @classmethod
-    def from_config(
-        cls,
-        cfg: KeelConfig,
-        parts: TrainingParts,
-        objective: Objective,
-        precision: Precision,
-        device: torch.device,
-        num_workers: int,
-        reader: MemoryReader | None = None,
-    ) -> Protections:
-        """The protections ``cfg.guard`` and ``cfg.memory`` describe."""
-        return cls(cfg.guard, cfg.memory, parts, objective, precision, device, num_workers, reader)
+    def from_config(cls, cfg: KeelConfig, *args: Any, **kwargs: Any) -> Protections:
+        """The protections ``cfg.guard`` and ``cfg.memory`` describe; the other arguments as
+        ``Protections`` takes them (``parts``, ``objective``, ...)."""
+        return cls(cfg.guard, cfg.memory, *args, **kwargs)
 
     def take_snapshot(self, step: int) -> None:
         """Keep the state of ``step`` for a rollback (only when the guard can roll back)."""
