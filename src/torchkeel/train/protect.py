@@ -125,8 +125,9 @@ class Protections:
             self._on_nonfinite(group, found)
         else:
             self.guard.observe(True)
-            if result.status == "ok" and self.rollback is not None:
-                self.rollback.after_step(step)
+            rollback = self.rollback
+            if rollback is not None and step % rollback.every == 0 and result.status == "ok":
+                rollback.take(step)  # Rollback.after_step, without a call on the other steps
         if self.spikes is not None and result.loss_value is not None:
             average = self.spikes.observe(result.loss_value)
             if average is not None:
