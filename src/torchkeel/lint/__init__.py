@@ -32,7 +32,7 @@ def lint_paths(
     files = python_files(paths)
     findings: list[LintFinding] = []
     for path in files:
-        with open(path, encoding="utf-8", errors="replace") as fh:
+        with open(path, encoding="utf-8-sig", errors="replace") as fh:
             findings += lint_source(fh.read(), path, rules)
     return LintReport(findings, len(files))
 

@@ -201,7 +201,17 @@ class Source:
         (``torch.manual_seed`` in the training script next to ``datasets.py``)."""
         if any(last(call_name(c)) in names for c in self.calls()):
             return True
-        return _folder_calls(os.path.dirname(os.path.abspath(self.path)), frozenset(names))
+        pattern = r"\b(?:%s)\s*\(" % "|".join(map(re.escape, sorted(names)))
+        return _folder_matches(os.path.dirname(os.path.abspath(self.path)), pattern)
+
+    def package_matches(self, pattern: str) -> bool:
+        """True when ``pattern`` (a regular expression) occurs in a ``.py`` file next to this one
+        or, when this folder is a package, in its parent folder (``utils/segment/data.py`` and the
+        seeding helper in ``utils/general.py``)."""
+        folder = os.path.dirname(os.path.abspath(self.path))
+        if _folder_matches(folder, pattern):
+            return True
+        return os.path.isfile(os.path.join(folder, "__init__.py")) and _folder_matches(os.path.dirname(folder), pattern)
 
     def imported_from(self, name: str) -> str | None:
         """The module that ``from MODULE import name`` (or ``from .MODULE``) in this file names, or None."""
@@ -245,22 +255,22 @@ def _sibling(folder: str, module: str) -> Source | None:
     for candidate in (os.path.join(folder, relative + ".py"), os.path.join(folder, relative, "__init__.py")):
         if os.path.isfile(candidate):
             try:
-                with open(candidate, encoding="utf-8", errors="replace") as fh:
+                with open(candidate, encoding="utf-8-sig", errors="replace") as fh:
                     return Source(candidate, fh.read())
             except (SyntaxError, ValueError):
                 return None
     return None
 
 
-@functools.lru_cache(maxsize=64)
-def _folder_calls(folder: str, names: frozenset[str]) -> bool:
-    pattern = re.compile(r"\b(?:%s)\s*\(" % "|".join(map(re.escape, sorted(names))))
+@functools.lru_cache(maxsize=128)
+def _folder_matches(folder: str, regex: str) -> bool:
+    pattern = re.compile(regex)
     try:
         entries = sorted(n for n in os.listdir(folder) if n.endswith(".py"))
     except OSError:
         return False
     for name in entries:
-        with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as fh:
+        with open(os.path.join(folder, name), encoding="utf-8-sig", errors="replace") as fh:
             if pattern.search(fh.read()):
                 return True
     return False

@@ -126,17 +126,63 @@ def _new_path_each_time(source: Source, call: ast.Call, path: ast.expr) -> bool:
 
     def varies(node: ast.AST) -> bool:
         if isinstance(node, ast.Name):
-            return node.id in loop or (node.id in params and any(w in node.id.lower() for w in _STEP_WORDS))
+            if node.id in loop:
+                return True
+            if node.id in params:
+                return any(w in node.id.lower() for w in _STEP_WORDS) or _varies_at_every_call(source, fn, node.id)
+            return False
         return isinstance(node, ast.Call) and last(call_name(node)) in _VARIES_PER_CALL
 
-    return source.reaches(path, varies) or source.reaches(path, _formats_a_count)
+    return source.reaches(path, varies) or source.reaches(path, lambda n: _formats_a_count(source, n, params))
+
+
+def _varies_at_every_call(source: Source, fn: ast.FunctionDef | ast.AsyncFunctionDef, param: str) -> bool:
+    """Every call of ``fn`` in this file passes ``param`` a count of the run (``self.save(milestone)``
+    with ``milestone = self.step // every``, ``filename="ckpt_{}.pt".format(epoch)``). One call that
+    passes a constant (``self.save("latest")``) or leaves the default keeps the path fixed."""
+    method = isinstance(source.parents.get(fn), ast.ClassDef)
+    positional = [a.arg for a in fn.args.args][1 if method else 0 :]
+    modules = {
+        a.asname or a.name.split(".")[0] for n in ast.walk(source.tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    calls = [
+        c
+        for c in source.calls()
+        if (isinstance(c.func, ast.Name) and c.func.id == fn.name and not method)
+        or (
+            isinstance(c.func, ast.Attribute)
+            and c.func.attr == fn.name
+            and method
+            and dotted(c.func.value).split(".")[0] not in modules  # torch.save is not Trainer.save
+        )
+    ]
+    for call in calls:
+        arg = keyword(call, param)
+        index = positional.index(param) if param in positional else len(call.args)
+        if arg is None and index < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args):
+            arg = call.args[index]
+        loop = source.loop_names(call)
+        if arg is None or not (
+            _formats_a_count(source, arg)
+            or source.reaches(arg, lambda n: _names_a_count(n, _STEP_WORDS[:3]) or (dotted(n) in loop))
+        ):
+            return False
+    return bool(calls)
 
 
 _COUNTS = ("epoch", "step", "iter", "accu", "acc", "score", "loss")
 
 
-def _formats_a_count(node: ast.AST) -> bool:
-    """An f-string, ``.format(...)`` or ``%`` whose values name a count or score of the run."""
+def _names_a_count(node: ast.AST, words: tuple[str, ...] = _COUNTS) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return any(w in name.lower() for w in words)
+
+
+def _formats_a_count(source: Source, node: ast.AST, params: set[str] | frozenset[str] = frozenset()) -> bool:
+    """An f-string, ``.format(...)`` or ``%`` whose values name a count or score of the run, directly
+    or through what is assigned to them (``f"model-{milestone}.pt"``, ``milestone = step // k``).
+    A parameter in ``params`` is judged by its callers instead (its name's assignments elsewhere in
+    the file are other variables)."""
     if isinstance(node, ast.JoinedStr):
         values = [v.value for v in node.values if isinstance(v, ast.FormattedValue)]
     elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "format":
@@ -145,13 +191,11 @@ def _formats_a_count(node: ast.AST) -> bool:
         values = [node.right]
     else:
         return False
-    names = [
-        n.id if isinstance(n, ast.Name) else n.attr
-        for v in values
-        for n in ast.walk(v)
-        if isinstance(n, (ast.Name, ast.Attribute))
-    ]
-    return any(any(w in name.lower() for w in _COUNTS) for name in names)
+    names = [n for v in values for n in ast.walk(v) if isinstance(n, (ast.Name, ast.Attribute))]
+    return any(
+        _names_a_count(n) or (isinstance(n, ast.Name) and n.id not in params and source.reaches(n, _names_a_count, 2))
+        for n in names
+    )
 
 
 _TEMPORARY = ("tempfile", "TemporaryDirectory", "NamedTemporaryFile", "mkdtemp", "mkstemp", "gettempdir")

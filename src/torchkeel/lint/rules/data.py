@@ -24,6 +24,9 @@ _PY_RANDOM = {
 
 
 _SEEDS_TORCH = {"manual_seed", "seed_everything", "set_seed", "seed_all"}
+# The project's own seeding helper (``init_seeds`` in a file next to this one) seeds these too.
+_SEED_CALLS = {"random": r"(?<![\w.])random\.seed\s*\(", "np.random": r"\b(?:np|numpy)\.random\.seed\s*\("}
+_SAME_GENERATOR = {"np.random": ("numpy.random",)}
 
 
 def _workers(call: ast.Call) -> ast.expr | None:
@@ -68,13 +71,16 @@ def _in_getitem(source: Source, node: ast.AST) -> bool:
 
 
 def random_in_getitem(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    """Once per ``__getitem__``, for a global generator this file never seeds in a project that
-    seeds torch (so expects repeatable runs). The DataLoader
+    """Once per ``__getitem__``, for a global generator that neither this file nor its package
+    seeds, in a project that seeds torch (so expects repeatable runs). The DataLoader
     reseeds ``random`` and numpy in each worker from torch's seed; with ``num_workers=0`` the draws
     come from the process's own generator, so results change with the number of workers."""
     if not source.folder_calls(_SEEDS_TORCH):
         return  # nothing is seeded: the whole run differs each time, not these draws alone
     seeded = {call_name(c).rsplit(".", 1)[0] for c in source.calls() if last(call_name(c)) == "seed"}
+    for module, pattern in _SEED_CALLS.items():
+        if module not in seeded and source.package_matches(pattern):
+            seeded |= {module, *_SAME_GENERATOR.get(module, ())}
     reported: set[ast.AST] = set()
     for call in source.calls():
         name = call_name(call)
@@ -90,7 +96,7 @@ def random_in_getitem(source: Source) -> Iterator[tuple[ast.AST, str]]:
         yield (
             call,
             (
-                f"{name}() in __getitem__ draws from {module}'s global generator, which this file never seeds: "
+                f"{name}() in __getitem__ draws from {module}'s global generator, which neither this file nor its package seeds: "
                 "with num_workers=0 every run draws differently, and the draws change with num_workers "
                 "(each worker is reseeded from torch's seed)"
             ),
@@ -98,6 +104,13 @@ def random_in_getitem(source: Source) -> Iterator[tuple[ast.AST, str]]:
 
 
 def cuda_in_getitem(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    """CUDA in ``__getitem__``, unless every DataLoader of this file reads in the main process
+    (``num_workers`` unset or 0: the dataset then runs where CUDA works, as in small LM scripts
+    that return batches already on the GPU)."""
+    loaders = [c for c in source.calls() if last(call_name(c)) == "DataLoader"]
+    in_process = [_workers(c) is None and len(c.args) < 6 and all(k.arg for k in c.keywords) for c in loaders]
+    if loaders and all(in_process):
+        return
     for call in source.calls():
         if not _in_getitem(source, call):
             continue
@@ -141,6 +154,8 @@ def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
             iters = [g.iter for g in node.generators]
         if isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)) and _order_free(source, node):
             continue
+        if isinstance(node, (ast.For, ast.AsyncFor)) and not _builds_in_order(node):
+            continue
         for it in iters:
             inner = (
                 it.args[0]
@@ -158,6 +173,24 @@ def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
 
 
 _ORDER_FREE = {"any", "all", "sum", "min", "max", "len", "set", "frozenset", "sorted"}
+_ORDERED_WRITES = {"append", "extend", "insert", "write", "add_module", "register_buffer", "register_parameter"}
+
+
+def _builds_in_order(loop: ast.For | ast.AsyncFor) -> bool:
+    """A ``for`` over a set whose body records the order it met the items: ``enumerate``, a list
+    appended to, a counter or string grown, an item stored by key or position, a value yielded or
+    returned (the first match wins). A body that only acts on each item (``download(name)``,
+    ``os.remove(path)``) does not depend on the order."""
+    if isinstance(loop.iter, ast.Call) and call_name(loop.iter) == "enumerate":
+        return True
+    for node in ast.walk(ast.Module(body=loop.body, type_ignores=[])):
+        if isinstance(node, (ast.Yield, ast.YieldFrom, ast.AugAssign, ast.Return, ast.Break)):
+            return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _ORDERED_WRITES:
+            return True
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Subscript) for t in node.targets):
+            return True
+    return False
 
 
 def _order_free(source: Source, comprehension: ast.AST) -> bool:
@@ -208,4 +241,17 @@ def _handed_elsewhere(source: Source, sampler: ast.Call) -> bool:
         arguments = list(call.args) + [k.value for k in call.keywords]
         if any(isinstance(a, ast.Name) and a.id in holders for a in arguments):
             return True
-    return False
+    return _returned_to_another_file(source, sampler, holders)
+
+
+def _returned_to_another_file(source: Source, sampler: ast.Call, holders: set[str]) -> bool:
+    """``def build_loader(...): ... return loader`` that nothing in this file calls: the training
+    script that does (``loader.sampler.set_epoch(epoch)``) is elsewhere."""
+    fn = source.function_of(sampler)
+    if fn is None or any(call_name(c) == fn.name or last(call_name(c)) == fn.name for c in source.calls()):
+        return False
+    returns = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+    return any(
+        sampler in ast.walk(r.value) or any(isinstance(x, ast.Name) and x.id in holders for x in ast.walk(r.value))
+        for r in returns
+    )

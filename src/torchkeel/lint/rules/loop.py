@@ -167,7 +167,7 @@ def zero_grad_between(source: Source) -> Iterator[tuple[ast.AST, str]]:
         for i, e in enumerate(ordered):
             if e.kind == "backward":
                 seen_backward = True
-            elif e.kind == "zero_grad" and seen_backward:
+            elif e.kind == "zero_grad" and seen_backward and not _some_gradients_cleared(source, e.node):
                 rest = ordered[i + 1 :]
                 nxt = next((x for x in rest if x.kind in ("step", "backward")), None)
                 if nxt is not None and nxt.kind == "step":
@@ -179,6 +179,15 @@ def zero_grad_between(source: Source) -> Iterator[tuple[ast.AST, str]]:
                         ),
                     )
                     break
+
+
+def _some_gradients_cleared(source: Source, node: ast.AST) -> bool:
+    """``if "prototypes" in name: p.grad = None`` in a loop over the parameters: a chosen few are
+    frozen for this step on purpose, the others still step."""
+    if not isinstance(node, ast.Assign):
+        return False
+    branch = source.enclosing(node, ast.If, ast.For, ast.While)
+    return isinstance(branch, ast.If) and isinstance(source.enclosing(branch, ast.For, ast.While), ast.For)
 
 
 def _grads_assigned(scope: ast.AST) -> bool:
@@ -199,6 +208,8 @@ def step_without_backward(source: Source) -> Iterator[tuple[ast.AST, str]]:
         steps = [e for e in events if e.kind == "step" and e.depth == 0 and not e.has_closure]
         if not steps or any(e.kind == "backward" for e in events) or _grads_assigned(loop):
             continue
+        if any("backward" in last(call_name(c)) for c in source.calls(loop)):
+            continue  # model.forward_backward(batch), self.manual_backward(loss): backward inside a method
         outer = source.enclosing(loop, ast.For, ast.While, ast.AsyncFor)
         if outer is not None and any(e.kind == "backward" for e in loop_events(source, outer.body)):
             continue

@@ -1,4 +1,4 @@
-"""Rules inside ``nn.Module.forward`` and around how models are called, evaluated and fed to losses."""
+"""Rules around how models are called, evaluated and fed to losses (what ``forward()`` itself does: forward.py)."""
 
 from __future__ import annotations
 
@@ -6,139 +6,12 @@ import ast
 import re
 from collections.abc import Iterator
 
-from torchkeel.lint.engine import Source, call_name, dotted, keyword, last
-
-# .cpu() is left out: torch.compile traces it, and RPC/pipeline code moves outputs on purpose.
-_HOST_SYNC = {"item", "numpy", "tolist"}
-_FACTORIES = {"zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor"}
-# Ops whose backward needs their own output: modifying that output in place breaks backward.
-_SAVES_OUTPUT = {"sigmoid", "tanh", "exp", "softmax", "log_softmax", "relu", "elu", "selu", "sqrt", "rsqrt", "pow"}
-_INPLACE_METHODS = {
-    "add_",
-    "sub_",
-    "mul_",
-    "div_",
-    "clamp_",
-    "relu_",
-    "sigmoid_",
-    "tanh_",
-    "exp_",
-    "fill_",
-    "zero_",
-    "masked_fill_",
-    "copy_",
-    "pow_",
-    "neg_",
-    "abs_",
-}
+from torchkeel.lint.engine import Source, call_name, dotted, last
 
 
 def _in_forward(source: Source, node: ast.AST) -> bool:
     fn = source.function_of(node)
     return fn is not None and fn.name == "forward" and isinstance(source.parents.get(fn), ast.ClassDef)
-
-
-def host_sync_in_forward(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    for call in source.calls():
-        method = last(call_name(call))
-        if (
-            method in _HOST_SYNC
-            and isinstance(call.func, ast.Attribute)
-            and not call.args
-            and _in_forward(source, call)
-        ):
-            yield (
-                call,
-                (
-                    f".{method}() inside forward() copies to the host every call: a GPU sync, and a graph "
-                    "break under torch.compile"
-                ),
-            )
-
-
-def factory_without_device(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    for call in source.calls():
-        name = call_name(call)
-        if (
-            name.startswith("torch.")
-            and last(name) in _FACTORIES
-            and name.count(".") == 1
-            and keyword(call, "device") is None
-            and _in_forward(source, call)
-            and not _moved_after(source, call)
-            and not _index_or_metadata(source, call)
-        ):
-            yield (
-                call,
-                (
-                    f"{name}() inside forward() without device= creates the tensor on the CPU, whatever device "
-                    "the model runs on"
-                ),
-            )
-
-
-def _index_or_metadata(source: Source, call: ast.Call) -> bool:
-    """An index on the host (``x[torch.arange(n), idx]``: a CUDA tensor takes CPU indices) or a
-    tensor of the inputs' shapes (``torch.tensor([t.shape[-1] for t in x])``): host data on purpose."""
-    node, parent = call, source.parents.get(call)
-    while isinstance(parent, (ast.Attribute, ast.Call)) and parent is not None:
-        if isinstance(parent, ast.Call) and parent.func is not node:
-            break
-        node, parent = parent, source.parents.get(parent)
-    while isinstance(parent, (ast.Tuple, ast.List)):
-        node, parent = parent, source.parents.get(parent)
-    if isinstance(parent, ast.Subscript) and parent.slice is node:
-        return True
-    if last(call_name(call)) != "tensor" or not call.args:
-        return False
-    data = call.args[0]
-    scalar = not isinstance(data, (ast.List, ast.Tuple, ast.ListComp, ast.GeneratorExp))  # 0-dim: any device takes it
-    return scalar or any(isinstance(n, ast.Attribute) and n.attr == "shape" for n in ast.walk(data))
-
-
-def _moved_after(source: Source, call: ast.Call) -> bool:
-    """``torch.zeros(...).to(x.device)`` / ``.cuda()`` / ``.type_as(x)``: created, then moved at once."""
-    parent = source.parents.get(call)
-    return isinstance(parent, ast.Attribute) and parent.attr in {"to", "cuda", "type_as"}
-
-
-def inplace_on_activation(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    for fn in ast.walk(source.tree):
-        if not (isinstance(fn, ast.FunctionDef) and fn.name == "forward"):
-            continue
-        saved: dict[str, str] = {}
-        for node in sorted((n for n in ast.walk(fn) if hasattr(n, "lineno")), key=lambda n: (n.lineno, n.col_offset)):
-            if (
-                isinstance(node, ast.Assign)
-                and isinstance(node.value, ast.Call)
-                and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name)
-            ):
-                op = last(call_name(node.value))
-                if op in _SAVES_OUTPUT:
-                    saved[node.targets[0].id] = op
-                else:
-                    saved.pop(node.targets[0].id, None)
-            target = None
-            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
-                target = node.target.id
-            elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript):
-                target = dotted(node.targets[0].value)
-            elif (
-                isinstance(node, ast.Call)
-                and last(call_name(node)) in _INPLACE_METHODS
-                and isinstance(node.func, ast.Attribute)
-            ):
-                target = dotted(node.func.value)
-            if target in saved:
-                yield (
-                    node,
-                    (
-                        f"'{target}' holds the output of {saved[target]}(), which its backward needs; modifying "
-                        "it in place makes backward() fail"
-                    ),
-                )
-                saved.pop(target)
 
 
 _HOOKS = {"register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook", "register_backward_hook"}
@@ -147,6 +20,7 @@ _HOOKS = {"register_forward_hook", "register_forward_pre_hook", "register_full_b
 def forward_called_directly(source: Source) -> Iterator[tuple[ast.AST, str]]:
     hooks = any(last(call_name(c)) in _HOOKS for c in source.calls())
     wrappers = any(last(call_name(c)) in _WRAPPERS for c in source.calls())
+    sharded = any(last(call_name(c)) in _SHARDING for c in source.calls())  # FSDP wraps the children too
     for call in source.calls():
         if isinstance(call.func, ast.Attribute) and call.func.attr == "forward":
             receiver = call.func.value
@@ -158,6 +32,8 @@ def forward_called_directly(source: Source) -> Iterator[tuple[ast.AST, str]]:
                 continue  # a dry run in __init__ to create lazy parameters: no hook is registered yet
             if not hooks and not wrappers:
                 continue  # no hook registered here and no DDP / FSDP / compile: forward(x) is model(x)
+            if not hooks and not sharded and (_in_forward(source, call) or _ddp_wrapped(source, receiver)):
+                continue  # children run inside the wrapped module's own call; DDP's forward is DDP's
             yield (
                 call,
                 (
@@ -169,6 +45,16 @@ def forward_called_directly(source: Source) -> Iterator[tuple[ast.AST, str]]:
 
 # Wrappers that work through the module's __call__ or hooks (FSDP2's fully_shard registers hooks).
 _WRAPPERS = {"DistributedDataParallel", "DDP", "FullyShardedDataParallel", "FSDP", "fully_shard", "compile"}
+
+
+_SHARDING = {"FullyShardedDataParallel", "FSDP", "fully_shard"}
+
+
+def _ddp_wrapped(source: Source, receiver: ast.expr) -> bool:
+    """``model = DistributedDataParallel(model)``: ``model.forward(x)`` runs DDP's own forward."""
+    return source.assigned_from(
+        dotted(receiver), lambda v: isinstance(v, ast.Call) and last(call_name(v)) in {"DistributedDataParallel", "DDP"}
+    )
 
 
 def _remote(source: Source, receiver: ast.expr) -> bool:
@@ -214,10 +100,22 @@ def _model_calls(source: Source, root: ast.AST) -> list[ast.Call]:
             and any(k in last(name).lower() for k in ("model", "net", "encoder", "classifier"))
             and "." not in name.replace("self.", "")
             and name not in source.functions  # validate_network(...): a function of this file, not a model
+            and not _own_method(source, call)  # self.model_predictions(...): a method, not a module
             and not (name not in source.assigned and source.imported_from(name))  # convert_model: imported, a function
         ):
             out.append(call)
     return out
+
+
+def _own_method(source: Source, call: ast.Call) -> bool:
+    """``self.NAME(...)`` where NAME is a method of the class the call is written in."""
+    func = call.func
+    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"):
+        return False
+    cls = source.enclosing(call, ast.ClassDef)
+    return cls is not None and any(
+        isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == func.attr for n in cls.body
+    )
 
 
 def eval_without_eval(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -380,24 +278,36 @@ def _exclusive(source: Source, a: ast.AST, b: ast.AST) -> bool:
 
 
 def clip_without_unscale(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    for fn in ast.walk(source.tree):
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
+    """A clip on a path that scales the loss with a GradScaler: in the same function, or in a
+    function of this file that calls the clipping one (``clip(model)`` after ``scaler.scale``).
+    A clip in a function with no scaler on its way (a compiled step built without one) is left alone."""
+    for clip in source.calls():
+        if last(call_name(clip)) not in {"clip_grad_norm_", "clip_grad_value_"}:
             continue
-        calls = sorted(source.calls(fn), key=lambda c: (c.lineno, c.col_offset))
+        own = source.function_of(clip)
+        scopes = {own, *_callers(source, own)}
+        calls = [c for c in source.calls() if source.function_of(c) in scopes]
         scales = [c for c in calls if last(call_name(c)) == "scale" and "scaler" in call_name(c).lower()]
-        for clip in (c for c in calls if last(call_name(c)) in {"clip_grad_norm_", "clip_grad_value_"}):
-            if all(_exclusive(source, clip, scale) for scale in scales):
-                continue  # no scaler on this path (the `else:` branch of `if use_amp:`)
-            if not any(
-                last(call_name(c)) == "unscale_" and (c.lineno, c.col_offset) < (clip.lineno, clip.col_offset)
-                for c in calls
-            ):
-                yield (
-                    clip,
-                    (
-                        f"{call_name(clip)}() clips the gradients while they are still multiplied by the "
-                        "GradScaler's scale"
-                    ),
-                )
-        if isinstance(fn, ast.Module):
-            break
+        if all(_exclusive(source, clip, scale) for scale in scales):
+            continue  # no scaler on this path (none at all, or the `else:` branch of `if use_amp:`)
+        if not any(
+            last(call_name(c)) == "unscale_"
+            and (source.function_of(c) is not own or (c.lineno, c.col_offset) < (clip.lineno, clip.col_offset))
+            for c in calls
+        ):
+            yield (
+                clip,
+                f"{call_name(clip)}() clips the gradients while they are still multiplied by the GradScaler's scale",
+            )
+
+
+def _callers(source: Source, fn: ast.AST | None) -> set[ast.AST | None]:
+    """The functions of this file (None: module level) that call ``fn`` by its name."""
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return set()
+    return {
+        source.function_of(c)
+        for c in source.calls()
+        if (isinstance(c.func, ast.Name) and c.func.id == fn.name)
+        or (isinstance(c.func, ast.Attribute) and c.func.attr == fn.name)
+    }

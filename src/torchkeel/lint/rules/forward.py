@@ -1,0 +1,191 @@
+"""Rules on what ``forward()`` itself does: host syncs, tensors made on the wrong device, in-place
+writes to outputs that backward needs."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from torchkeel.lint.engine import Source, call_name, dotted, keyword, last
+from torchkeel.lint.rules.model import _in_forward
+
+# .cpu() is left out: torch.compile traces it, and RPC/pipeline code moves outputs on purpose.
+_HOST_SYNC = {"item", "numpy", "tolist"}
+_FACTORIES = {"zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor"}
+# Ops whose backward needs their own output: modifying that output in place breaks backward.
+_SAVES_OUTPUT = {"sigmoid", "tanh", "exp", "softmax", "log_softmax", "relu", "elu", "selu", "sqrt", "rsqrt", "pow"}
+_INPLACE_METHODS = {
+    "add_",
+    "sub_",
+    "mul_",
+    "div_",
+    "clamp_",
+    "relu_",
+    "sigmoid_",
+    "tanh_",
+    "exp_",
+    "fill_",
+    "zero_",
+    "masked_fill_",
+    "copy_",
+    "pow_",
+    "neg_",
+    "abs_",
+}
+
+
+def host_sync_in_forward(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for call in source.calls():
+        method = last(call_name(call))
+        if (
+            method in _HOST_SYNC
+            and isinstance(call.func, ast.Attribute)
+            and not call.args
+            and _in_forward(source, call)
+            and not _moved_on_purpose(call)
+            and not _never_trained(source, source.function_of(call))
+        ):
+            yield (
+                call,
+                (
+                    f".{method}() inside forward() copies to the host every call: a GPU sync, and a graph "
+                    "break under torch.compile"
+                ),
+            )
+
+
+def _moved_on_purpose(call: ast.Call) -> bool:
+    """``x.cpu().numpy()``: the explicit ``.cpu()`` is the copy (left alone, as above); ``.numpy()``
+    of a CPU tensor adds none (a forward that hands the input to ONNX Runtime or OpenCV)."""
+    receiver = call.func.value if isinstance(call.func, ast.Attribute) else None
+    return last(call_name(call)) == "numpy" and isinstance(receiver, ast.Call) and last(call_name(receiver)) == "cpu"
+
+
+_NO_GRAD_DECORATORS = {"no_grad", "inference_mode", "smart_inference_mode"}
+
+
+def _never_trained(source: Source, forward: ast.FunctionDef | ast.AsyncFunctionDef | None) -> bool:
+    """A forward that no gradient passes through: decorated with ``torch.no_grad()`` or
+    ``torch.inference_mode()``, or of a post-processor (``PostProcess``, DETR's naming), which turns
+    outputs into boxes and lists for the caller: host values are its result, not a stall."""
+    if forward is None:
+        return False
+    decorators = {last(call_name(d) if isinstance(d, ast.Call) else dotted(d)) for d in forward.decorator_list}
+    cls = source.parents.get(forward)
+    postprocessor = isinstance(cls, ast.ClassDef) and "postprocess" in cls.name.lower()
+    return bool(decorators & _NO_GRAD_DECORATORS) or postprocessor
+
+
+def factory_without_device(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for call in source.calls():
+        name = call_name(call)
+        if (
+            name.startswith("torch.")
+            and last(name) in _FACTORIES
+            and name.count(".") == 1
+            and keyword(call, "device") is None
+            and _in_forward(source, call)
+            and not _moved_after(source, call)
+            and not _index_or_metadata(source, call)
+            and not _kept_as_host_index(source, call)
+        ):
+            yield (
+                call,
+                (
+                    f"{name}() inside forward() without device= creates the tensor on the CPU, whatever device "
+                    "the model runs on"
+                ),
+            )
+
+
+def _index_or_metadata(source: Source, call: ast.Call) -> bool:
+    """An index on the host (``x[torch.arange(n), idx]``: a CUDA tensor takes CPU indices) or a
+    tensor of the inputs' shapes (``torch.tensor([t.shape[-1] for t in x])``): host data on purpose."""
+    node, parent = call, source.parents.get(call)
+    while isinstance(parent, (ast.Attribute, ast.Call)) and parent is not None:
+        if isinstance(parent, ast.Call) and parent.func is not node:
+            break
+        node, parent = parent, source.parents.get(parent)
+    while isinstance(parent, (ast.Tuple, ast.List, ast.Compare, ast.BinOp, ast.UnaryOp)):  # x[:, arange(n) != k]
+        node, parent = parent, source.parents.get(parent)
+    if isinstance(parent, ast.Subscript) and parent.slice is node:
+        return True
+    if last(call_name(call)) != "tensor" or not call.args:
+        return False
+    data = call.args[0]
+    scalar = not isinstance(data, (ast.List, ast.Tuple, ast.ListComp, ast.GeneratorExp))  # 0-dim: any device takes it
+    return scalar or any(isinstance(n, ast.Attribute) and n.attr == "shape" for n in ast.walk(data))
+
+
+def _kept_as_host_index(source: Source, call: ast.Call) -> bool:
+    """``pos = torch.arange(n); start = off[:, None] + pos; x[rows, start]``: assigned to a name
+    that, directly or through one more assignment, is only ever used to index a tensor."""
+    stmt = source.enclosing(call, ast.Assign, ast.stmt)
+    fn = source.function_of(call)
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return False
+    return fn is not None and _only_indexes(source, fn, stmt.targets[0].id, depth=1)
+
+
+def _only_indexes(source: Source, fn: ast.AST, name: str, depth: int) -> bool:
+    uses = [n for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
+    for use in uses:
+        node, parent = use, source.parents.get(use)
+        while not isinstance(parent, (ast.stmt, ast.Subscript)) and parent is not None:
+            node, parent = parent, source.parents.get(parent)
+        if isinstance(parent, ast.Subscript) and parent.slice is node:
+            continue
+        while parent is not None and not isinstance(parent, ast.stmt):
+            parent = source.parents.get(parent)
+        target = parent.targets[0] if isinstance(parent, ast.Assign) and len(parent.targets) == 1 else None
+        if isinstance(target, ast.Name) and target.id == name:
+            continue  # idx = idx[..., None]: its later uses are judged too
+        if (
+            depth
+            and isinstance(target, ast.Name)
+            and target.id != name
+            and _only_indexes(source, fn, target.id, depth - 1)
+        ):
+            continue
+        return False
+    return bool(uses)
+
+
+def _moved_after(source: Source, call: ast.Call) -> bool:
+    """``torch.zeros(...).to(x.device)`` / ``.cuda()`` / ``.type_as(x)``: created, then moved at once."""
+    parent = source.parents.get(call)
+    return isinstance(parent, ast.Attribute) and parent.attr in {"to", "cuda", "type_as"}
+
+
+def inplace_on_activation(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    for fn in ast.walk(source.tree):
+        if not (isinstance(fn, ast.FunctionDef) and fn.name == "forward"):
+            continue
+        saved: dict[str, str] = {}
+        for node in sorted((n for n in ast.walk(fn) if hasattr(n, "lineno")), key=lambda n: (n.lineno, n.col_offset)):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                op = last(call_name(node.value)) if isinstance(node.value, ast.Call) else ""
+                if op in _SAVES_OUTPUT:
+                    saved[node.targets[0].id] = op
+                else:
+                    saved.pop(node.targets[0].id, None)
+            target = None
+            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+                target = node.target.id
+            elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript):
+                target = dotted(node.targets[0].value)
+            elif (
+                isinstance(node, ast.Call)
+                and last(call_name(node)) in _INPLACE_METHODS
+                and isinstance(node.func, ast.Attribute)
+            ):
+                target = dotted(node.func.value)
+            if target in saved:
+                yield (
+                    node,
+                    (
+                        f"'{target}' holds the output of {saved[target]}(), which its backward needs; modifying "
+                        "it in place makes backward() fail"
+                    ),
+                )
+                saved.pop(target)
