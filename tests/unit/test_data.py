@@ -3,6 +3,7 @@ new grid), batches of any shape, bad samples named, workers that persist, ``auto
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
@@ -701,3 +702,26 @@ def test_loader_options_name_the_setting_that_is_out_of_range(tmp_path):
         EpochLoader(data, 4, rank=2, world_size=2)
     with pytest.raises(ValueError, match=r"max_bad_fraction must be in \[0, 1\], got 1.5"):
         EpochLoader(data, 4, max_bad_fraction=1.5)
+
+
+def test_a_spurious_ast_error_while_reading_a_npy_header_is_read_again(monkeypatch):
+    """CPython 3.11 can raise "AST constructor recursion depth mismatch" from the ast.literal_eval
+    NumPy reads the header with, when another thread builds an AST at once (CPython issue 106905)."""
+    from torchkeel.data.sources import webdataset
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.arange(3, dtype=np.float32))
+    real_load, calls = np.load, []
+
+    def racing_load(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise SystemError("AST constructor recursion depth mismatch (before=246, after=266)")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(webdataset.np, "load", racing_load)
+    assert webdataset._npy(buffer.getvalue()).tolist() == [0.0, 1.0, 2.0] and len(calls) == 2
+    calls.clear()
+    monkeypatch.setattr(webdataset.np, "load", lambda *a, **k: (_ for _ in ()).throw(SystemError("other")))
+    with pytest.raises(SystemError, match="other"):
+        webdataset._npy(buffer.getvalue())

@@ -152,6 +152,15 @@ def _npy(data: bytes) -> np.ndarray:
     ``allow_pickle``, which would run whatever the bytes hold)."""
     if not data.startswith(b"\x93NUMPY"):
         raise ValueError(f"not a .npy array: no NumPy header (starts with {data[:8]!r}); rewrite it with np.save")
+    for _ in range(2):
+        try:
+            return np.load(io.BytesIO(data), allow_pickle=False)
+        except SystemError as exc:
+            # NumPy reads the header with ast.literal_eval, and CPython 3.11 can raise a spurious
+            # "AST constructor recursion depth mismatch" when another thread builds an AST at that
+            # moment (CPython issue 106905): the bytes are fine, so they are read again.
+            if "recursion depth mismatch" not in str(exc):
+                raise
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
