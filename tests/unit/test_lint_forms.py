@@ -694,24 +694,27 @@ def test_tk116_follows_a_count_formatted_through_a_name():
 
 
 def test_tk120_quiet_when_the_package_seeds_the_generator(tmp_path):
-    package = tmp_path / "utils"
-    (package / "segment").mkdir(parents=True)
-    for folder in (package, package / "segment"):
-        (folder / "__init__.py").write_text("")
     dataset = (
         "import random\nimport torch\nclass Mosaic(torch.utils.data.Dataset):\n"
         "    def __getitem__(self, i):\n        return i if random.random() < 0.5 else -i\n"
         "g = torch.Generator()\ng.manual_seed(0)\n"
     )
-    (package / "segment" / "data.py").write_text(dataset)
-    found = lint_paths([str(package / "segment" / "data.py")], select=["TK120"]).findings
-    assert [f.line for f in found] == [5]
-    (package / "general.py").write_text(
+    helper = (
         "import random\nimport numpy as np\nimport torch\ndef init_seeds(seed=0):\n"
         "    random.seed(seed)\n    np.random.seed(seed)\n    torch.manual_seed(seed)\n"
     )
-    engine._folder_matches.cache_clear()
-    assert lint_paths([str(package / "segment" / "data.py")], select=["TK120"]).findings == []
+    lines_in = {}
+    for project, seeds in (("unseeded", False), ("seeded", True)):
+        package = tmp_path / project / "utils"
+        (package / "segment").mkdir(parents=True)
+        for folder in (package, package / "segment"):
+            (folder / "__init__.py").write_text("")
+        (package / "segment" / "data.py").write_text(dataset)
+        if seeds:
+            (package / "general.py").write_text(helper)
+        found = lint_paths([str(package / "segment" / "data.py")], select=["TK120"]).findings
+        lines_in[project] = [f.line for f in found]
+    assert lines_in == {"unseeded": [5], "seeded": []}
 
 
 def test_tk121_quiet_when_every_loader_reads_in_the_main_process():

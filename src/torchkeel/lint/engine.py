@@ -88,6 +88,11 @@ def keyword(call: ast.Call, name: str) -> ast.expr | None:
     return next((k.value for k in call.keywords if k.arg == name), None)
 
 
+def grad_free(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Decorated with ``torch.no_grad()`` or ``torch.inference_mode()`` (or a wrapper named so)."""
+    return any("no_grad" in dotted(d) or "inference_mode" in dotted(d) for d in fn.decorator_list)
+
+
 class Source:
     """One parsed file and the questions rules ask about it."""
 
@@ -128,6 +133,29 @@ class Source:
         for node in ast.walk(root or self.tree):
             if isinstance(node, ast.Call):
                 yield node
+
+    @functools.cached_property
+    def imported_modules(self) -> set[str]:
+        """The names ``import x`` / ``import x as y`` bind in this file."""
+        return {
+            a.asname or a.name.split(".")[0]
+            for node in ast.walk(self.tree)
+            if isinstance(node, ast.Import)
+            for a in node.names
+        }
+
+    def calls_of(self, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.Call]:
+        """The calls in this file of the function ``fn`` (``name(...)``) or, for a method,
+        ``obj.name(...)`` on anything but an imported module (``torch.save`` is not ``Trainer.save``)."""
+        if isinstance(self.parents.get(fn), ast.ClassDef):
+            return [
+                c
+                for c in self.calls()
+                if isinstance(c.func, ast.Attribute)
+                and c.func.attr == fn.name
+                and dotted(c.func.value).split(".")[0] not in self.imported_modules
+            ]
+        return [c for c in self.calls() if isinstance(c.func, ast.Name) and c.func.id == fn.name]
 
     def enclosing(self, node: ast.AST, *types: type) -> ast.AST | None:
         node = self.parents.get(node)

@@ -16,6 +16,7 @@ _NOT_A_MODULE |= {"ckpt", "checkpoint", "snapshot", "opt", "optim", "optimizer",
 _MODULE_WORDS = {"model", "net", "network", "module"}
 _VARIES_PER_CALL = {"time", "time_ns", "ctime", "now", "utcnow", "strftime", "uuid4", "getpid", "mkdtemp", "mkstemp"}
 _STEP_WORDS = ("epoch", "step", "iter", "batch", "it")
+_RUN_COUNTS = ("epoch", "step", "iter")  # what a caller passes to name a new file per save
 
 
 def unsafe_load(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -142,20 +143,7 @@ def _varies_at_every_call(source: Source, fn: ast.FunctionDef | ast.AsyncFunctio
     passes a constant (``self.save("latest")``) or leaves the default keeps the path fixed."""
     method = isinstance(source.parents.get(fn), ast.ClassDef)
     positional = [a.arg for a in fn.args.args][1 if method else 0 :]
-    modules = {
-        a.asname or a.name.split(".")[0] for n in ast.walk(source.tree) if isinstance(n, ast.Import) for a in n.names
-    }
-    calls = [
-        c
-        for c in source.calls()
-        if (isinstance(c.func, ast.Name) and c.func.id == fn.name and not method)
-        or (
-            isinstance(c.func, ast.Attribute)
-            and c.func.attr == fn.name
-            and method
-            and dotted(c.func.value).split(".")[0] not in modules  # torch.save is not Trainer.save
-        )
-    ]
+    calls = source.calls_of(fn)
     for call in calls:
         arg = keyword(call, param)
         index = positional.index(param) if param in positional else len(call.args)
@@ -164,7 +152,7 @@ def _varies_at_every_call(source: Source, fn: ast.FunctionDef | ast.AsyncFunctio
         loop = source.loop_names(call)
         if arg is None or not (
             _formats_a_count(source, arg)
-            or source.reaches(arg, lambda n: _names_a_count(n, _STEP_WORDS[:3]) or (dotted(n) in loop))
+            or source.reaches(arg, lambda n: _names_a_count(n, _RUN_COUNTS) or (dotted(n) in loop))
         ):
             return False
     return bool(calls)

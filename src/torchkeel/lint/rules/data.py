@@ -248,7 +248,7 @@ def _returned_to_another_file(source: Source, sampler: ast.Call, holders: set[st
     """``def build_loader(...): ... return loader`` that nothing in this file calls: the training
     script that does (``loader.sampler.set_epoch(epoch)``) is elsewhere."""
     fn = source.function_of(sampler)
-    if fn is None or any(call_name(c) == fn.name or last(call_name(c)) == fn.name for c in source.calls()):
+    if fn is None or source.calls_of(fn):
         return False
     returns = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
     return any(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from torchkeel.lint.engine import Source, call_name, dotted, keyword, last
+from torchkeel.lint.engine import Source, call_name, dotted, grad_free, keyword, last
 from torchkeel.lint.rules.model import _in_forward
 
 # .cpu() is left out: torch.compile traces it, and RPC/pipeline code moves outputs on purpose.
@@ -61,19 +61,14 @@ def _moved_on_purpose(call: ast.Call) -> bool:
     return last(call_name(call)) == "numpy" and isinstance(receiver, ast.Call) and last(call_name(receiver)) == "cpu"
 
 
-_NO_GRAD_DECORATORS = {"no_grad", "inference_mode", "smart_inference_mode"}
-
-
 def _never_trained(source: Source, forward: ast.FunctionDef | ast.AsyncFunctionDef | None) -> bool:
     """A forward that no gradient passes through: decorated with ``torch.no_grad()`` or
     ``torch.inference_mode()``, or of a post-processor (``PostProcess``, DETR's naming), which turns
     outputs into boxes and lists for the caller: host values are its result, not a stall."""
     if forward is None:
         return False
-    decorators = {last(call_name(d) if isinstance(d, ast.Call) else dotted(d)) for d in forward.decorator_list}
     cls = source.parents.get(forward)
-    postprocessor = isinstance(cls, ast.ClassDef) and "postprocess" in cls.name.lower()
-    return bool(decorators & _NO_GRAD_DECORATORS) or postprocessor
+    return grad_free(forward) or (isinstance(cls, ast.ClassDef) and "postprocess" in cls.name.lower())
 
 
 def factory_without_device(source: Source) -> Iterator[tuple[ast.AST, str]]:

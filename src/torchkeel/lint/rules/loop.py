@@ -7,7 +7,7 @@ import ast
 import dataclasses
 from collections.abc import Iterator
 
-from torchkeel.lint.engine import Source, call_name, dotted, last
+from torchkeel.lint.engine import Source, call_name, dotted, grad_free, last
 
 _OPTIMIZERS = (
     "SGD",
@@ -271,7 +271,7 @@ def _no_graph(source: Source, node: ast.AST) -> bool:
         ):
             return True
         if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            return any("no_grad" in dotted(d) or "inference_mode" in dotted(d) for d in parent.decorator_list)
+            return grad_free(parent)
         parent = source.parents.get(parent)
     return False
 

@@ -6,7 +6,7 @@ import ast
 import re
 from collections.abc import Iterator
 
-from torchkeel.lint.engine import Source, call_name, dotted, last
+from torchkeel.lint.engine import Source, call_name, dotted, grad_free, last
 
 
 def _in_forward(source: Source, node: ast.AST) -> bool:
@@ -83,9 +83,7 @@ def _grad_disabled(source: Source, node: ast.AST) -> bool:
             last(call_name(i.context_expr)) in {"no_grad", "inference_mode"} for i in parent.items
         ):
             return True
-        if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
-            "no_grad" in dotted(d) or "inference_mode" in dotted(d) for d in parent.decorator_list
-        ):
+        if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)) and grad_free(parent):
             return True
         parent = source.parents.get(parent)
     return False
@@ -302,12 +300,7 @@ def clip_without_unscale(source: Source) -> Iterator[tuple[ast.AST, str]]:
 
 
 def _callers(source: Source, fn: ast.AST | None) -> set[ast.AST | None]:
-    """The functions of this file (None: module level) that call ``fn`` by its name."""
+    """The functions of this file (None: module level) that call ``fn``."""
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return set()
-    return {
-        source.function_of(c)
-        for c in source.calls()
-        if (isinstance(c.func, ast.Name) and c.func.id == fn.name)
-        or (isinstance(c.func, ast.Attribute) and c.func.attr == fn.name)
-    }
+    return {source.function_of(c) for c in source.calls_of(fn)}
