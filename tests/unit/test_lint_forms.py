@@ -158,6 +158,17 @@ def test_torch_version_is_read_without_importing_torch():
     assert out == ["True", "False"]
 
 
+def test_keel_lint_runs_every_rule_without_importing_torch(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nmodel = torch.nn.Linear(2, 1)\nmodel.eval\n")
+    code = (
+        "import sys; from torchkeel.cli.main import main; code = main(['lint', sys.argv[1]]); "
+        "print(code, 'torch' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(script)], capture_output=True, text=True, check=True)
+    assert "TK112" in run.stdout and run.stdout.split()[-2:] == ["1", "False"]
+
+
 # --- TK115: a module object, not a name that contains "model" -----------------------------------
 
 
