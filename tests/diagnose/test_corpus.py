@@ -41,7 +41,11 @@ HABIT_CONTROLS = [
     "clean_eval_on_purpose.py",
     "clean_from_pretrained_train.py",
 ]
-SHORT = sorted({EXPECTED[n]["id"]: n for n in reversed(FAULTS)}.values()) + SHORT_CONTROLS + HABIT_CONTROLS
+# Forms first missed on held-out public scripts, with their controls (an LSTM fed 0-255 pixel rows).
+HELD_OUT_FORMS = ["input_scale_sequence.py", "clean_sequence_scaled.py"]
+SHORT = (
+    sorted({EXPECTED[n]["id"]: n for n in reversed(FAULTS)}.values()) + SHORT_CONTROLS + HABIT_CONTROLS + HELD_OUT_FORMS
+)
 NONDET = {n for n in FAULTS if EXPECTED[n]["id"] == "nondeterministic"}
 
 

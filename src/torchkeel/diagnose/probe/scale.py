@@ -3,7 +3,7 @@
 0–255 as floats, feature columns of scale ≫ 1).
 
 Fed by the module listener: the function mode hands over the softmax calls, the forward
-pre-hook the first Linear or Conv layer of a model call with its input.
+pre-hook the first Linear, Conv or recurrent layer of a model call with its input.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from torchkeel.introspect.sites import user_site
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
 
-_FIRST_LAYERS = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+# An RNN reads (batch, time, features) rows of pixels or readings as directly as a Linear layer.
+_FIRST_LAYERS = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.RNNBase)
 _FAR = 20.0  # an input whose largest magnitude passes this is far from unit scale
 _COLUMN_SCALE = 100.0  # a feature column this large (its root mean square over the batch)
 _SCALE_STEPS = 3  # the first steps' model calls are looked at
@@ -80,7 +81,7 @@ class ScaleListener:
                 return
 
     def on_leaf_forward(self, module: torch.nn.Module, args: Any) -> None:
-        """The model call's first Linear/Conv layer: its input, when it is data far from unit scale."""
+        """The model call's first Linear/Conv/RNN layer: its input, when it is data far from unit scale."""
         probe = self.probe
         if probe.state.first_layer_seen or next(module.parameters(recurse=False), None) is None:
             return
@@ -96,7 +97,8 @@ class ScaleListener:
         if not largest > _FAR or not torch.isfinite(x).all():
             return
         images = x.dim() >= 3 and float(x.min()) >= 0 and largest <= 255 and bool((x == x.round()).all())
-        columns = x.reshape(-1, x.shape[-1]) if x.dim() == 2 else None
+        # the features are the last axis of a Linear's or an RNN's input (a Conv's is a spatial one)
+        columns = x.reshape(-1, x.shape[-1]) if x.dim() == 2 or isinstance(module, torch.nn.RNNBase) else None
         sizes = columns.double().pow(2).mean(dim=0).sqrt() if columns is not None else None  # each column's RMS
         spread = float(sizes.max()) if sizes is not None else 0.0
         if not images and spread < _COLUMN_SCALE:
