@@ -4,6 +4,7 @@ rejected, and the Triton repository config parsed into Triton's ModelConfig."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -228,3 +229,80 @@ def test_parity_allows_rounding_that_grows_with_the_output_and_nothing_more():
         model.bias.zero_()
     assert not check_parity(model, shifted(1.1e-5), samples, [1])["passed"]
     assert check_parity(model, shifted(0.9e-5), samples, [1])["passed"]
+
+
+@pytest.fixture(scope="module")
+def text_lms(tmp_path_factory):
+    """GPT-2s trained on text with the byte tokenizer (end-of-text 256): one whose config sets
+    its padding and beginning tokens, one that leaves them to the tokenizer, one whose config
+    names another end-of-text."""
+    pytest.importorskip("transformers")
+    from textrun import GPT2_BYTES, train_text_lm
+
+    out = tmp_path_factory.mktemp("text-lms")
+    ids = train_text_lm(out, "ids", {**GPT2_BYTES, "pad_token_id": 1, "bos_token_id": 2})
+    return ids, train_text_lm(out, "plain"), train_text_lm(out, "other-eos", {**GPT2_BYTES, "eos_token_id": 5})
+
+
+def token_ids(where) -> dict[str, int]:
+    return {k: where[k] for k in ("eos_token_id", "bos_token_id", "pad_token_id")}
+
+
+@pytest.mark.parametrize("which, expected", [(0, (256, 2, 1)), (1, (256, 256, 256))])
+def test_the_token_ids_the_model_config_sets_survive_every_export_and_its_tokenizer_agrees(
+    text_lms, tmp_path, which, expected
+):
+    from transformers import AutoTokenizer
+
+    from torchkeel.export.export import export_pretrained
+
+    wanted = dict(zip(("eos_token_id", "bos_token_id", "pad_token_id"), expected))
+    hf = export_pretrained(text_lms[which], tmp_path / "hf")
+    assert token_ids(json.loads((hf / "config.json").read_text())) == wanted
+    assert token_ids(json.loads((hf / "generation_config.json").read_text())) == wanted
+    onnx = tmp_path / "onnx"
+    recorded = export_run(text_lms[which], "onnx", onnx)["tokenizer"]
+    for export in (hf, onnx):
+        tokenizer = AutoTokenizer.from_pretrained(export)
+        assert {k: getattr(tokenizer, k) for k in wanted} == wanted
+        assert tokenizer("def f(x)")["input_ids"] == list(b"def f(x)")  # naming them adds no token
+    for meta in (recorded, read_model_json(hf)["tokenizer"]):
+        assert {k: meta[k.replace("_token_id", "_id")] for k in wanted} == wanted
+
+
+def test_an_export_whose_config_and_tokenizer_would_disagree_exits_2_naming_the_key(text_lms, tmp_path, capsys):
+    from torchkeel.cli.main import main
+
+    for fmt in ("hf", "onnx"):
+        capsys.readouterr()
+        assert main(["export", str(text_lms[2]), "--format", fmt, "--out", str(tmp_path / fmt)]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert "model.hf.config sets eos_token_id=5" in line and "is id 256" in line, line
+
+
+@pytest.mark.parametrize(
+    "named, model_ids, expected",
+    [
+        ({}, {}, {"eos": 256, "bos": 256, "pad": 256}),
+        ({}, {"pad_token_id": 1, "bos_token_id": 0}, {"eos": 256, "bos": 0, "pad": 1}),
+        ({"pad": "!"}, {}, {"eos": 256, "bos": 256, "pad": 33}),
+        ({"pad": "!"}, {"pad_token_id": 33}, {"eos": 256, "bos": 256, "pad": 33}),
+        ({}, {"eos_token_id": [5, 256]}, {"eos": 256, "bos": 256, "pad": 256}),
+        ({"pad": "!"}, {"pad_token_id": 1}, "pad_token_id=1, but the tokenizer's pad token '!' is id 33"),
+        ({}, {"eos_token_id": 5}, "eos_token_id=5, but the tokenizer's eos token '<|endoftext|>' is id 256"),
+        ({}, {"eos_token_id": [5, 6]}, "eos_token_id=[5, 6], but the tokenizer's eos token"),
+        ({}, {"bos_token_id": 999}, "bos_token_id=999, which is not a token of the tokenizer (257 ids)"),
+    ],
+)
+def test_special_tokens_keep_the_config_ids_and_name_a_disagreement(named, model_ids, expected):
+    pytest.importorskip("tokenizers")
+    from torchkeel.lm.tokenizer import byte_tokenizer_object, special_tokens
+
+    def chosen():
+        return {k: i for k, (_, i) in special_tokens(256, named, model_ids, byte_tokenizer_object(), "CFG").items()}
+
+    if isinstance(expected, dict):
+        assert chosen() == expected
+    else:
+        with pytest.raises(ConfigError, match=re.escape(f"CFG sets {expected}")):
+            chosen()

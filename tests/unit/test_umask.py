@@ -43,3 +43,31 @@ def test_run_checkpoint_profile_and_export_files_follow_the_umask(tiny_config, t
     assert any(p.parent.name == "profile" and p.name == "summary.json" for p in written)
     modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in written}
     assert {path: mode for path, mode in modes.items() if mode != 0o666 & ~mask} == {}
+
+
+@pytest.fixture(scope="module")
+def text_lm(tmp_path_factory):
+    """A transformers causal LM trained on text: every export format applies to it."""
+    from textrun import train_text_lm
+
+    pytest.importorskip("transformers")
+    return train_text_lm(tmp_path_factory.mktemp("umask-lm"), "lm")
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_every_file_and_folder_of_every_export_format_follows_the_umask(text_lm, tmp_path, umask, mask):
+    from torchkeel.export.export import export_pretrained
+    from torchkeel.export.triton import write_triton_repo
+
+    os.umask(mask)
+    export_pretrained(text_lm, tmp_path / "export-hf")
+    for fmt in ("onnx", "torchscript", "torch-export"):
+        export_run(text_lm, fmt, out_dir=tmp_path / f"export-{fmt}")
+    write_triton_repo(tmp_path / "export-onnx", tmp_path / "triton")
+    written = list(tmp_path.rglob("*"))
+    assert {"model.safetensors", "tokenizer.json", "model.onnx", "model.pt", "model.pt2", "config.pbtxt"} <= {
+        p.name for p in written
+    }
+    wanted = {True: 0o777 & ~mask, False: 0o666 & ~mask}
+    modes = {str(p.relative_to(tmp_path)): (p.is_dir(), stat.S_IMODE(p.stat().st_mode)) for p in written}
+    assert {path: oct(mode) for path, (is_dir, mode) in modes.items() if mode != wanted[is_dir]} == {}

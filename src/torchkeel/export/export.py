@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,7 +29,7 @@ from torchkeel.export.inputs import max_length, run_inputs
 from torchkeel.export.parity import check_parity, describe
 from torchkeel.export.signature import ExportModule
 from torchkeel.io import write_json_atomic
-from torchkeel.lm.tokenizer import run_tokenizer_spec, write_tokenizer
+from torchkeel.lm.tokenizer import SPECIAL_KINDS, run_tokenizer_spec, write_tokenizer
 from torchkeel.train.build import build_model
 from torchkeel.train.ema import averaged_weights
 
@@ -111,7 +113,7 @@ def export_run(
     spec = run_tokenizer_spec(config)
     if spec is not None and _is_causal_lm(config, output.dim()):
         meta["task"] = "causal-lm"
-        meta["tokenizer"] = write_tokenizer(spec, out, inputs.max_length)
+        meta["tokenizer"] = write_tokenizer(spec, out, inputs.max_length, *_model_token_ids(config, model))
     write_json_atomic(out / "model.json", meta)
     if not parity["passed"]:
         raise ParityError(f"{describe(parity)}; nothing was shipped as good (see {out / 'model.json'})")
@@ -176,18 +178,73 @@ def export_pretrained(source: str | Path, out_dir: str | Path | None = None) -> 
     spec = run_tokenizer_spec(trained.config)
     if spec is not None:  # generate() and pipeline() stop at the run's end-of-text, within its positions
         positions = max_length(model, None)
-        tokenizer = write_tokenizer(spec, out, positions)
-        generation = getattr(model, "generation_config", None)
-        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-            setattr(model.config, key, tokenizer["eos_id"])
-            if generation is not None:
-                setattr(generation, key, tokenizer["eos_id"])
-        if generation is not None and positions is not None:
-            generation.max_length = positions
-    model.save_pretrained(out)
+        tokenizer = write_tokenizer(spec, out, positions, *_model_token_ids(trained.config, model))
+        _set_token_ids(model, tokenizer, positions)
+    _save_pretrained(model, out)
     if spec is not None and _is_causal_lm(trained.config, output_dims=3):
         _served_pretrained(trained, out, tokenizer)
     return out
+
+
+def _model_token_ids(config: Any, model: Any) -> tuple[dict[str, Any], str]:
+    """The special token ids the user set for the model, and where: the keys given in
+    ``model.hf.config`` (not the model type's defaults), or every one that the config of the
+    ``model.hf.path`` directory sets."""
+    hf = config.model.hf
+    keys = [f"{kind}_token_id" for kind in SPECIAL_KINDS]
+    if hf is None:
+        return {}, "the model's config"
+    if hf.config is not None:
+        return {k: hf.config[k] for k in keys if hf.config.get(k) is not None}, "model.hf.config"
+    ids = {k: getattr(model.config, k, None) for k in keys}
+    return {k: v for k, v in ids.items() if v is not None}, f"the config.json of model.hf.path={hf.path!r}"
+
+
+def _set_token_ids(model: Any, tokenizer: Mapping[str, Any], positions: int | None) -> None:
+    """The model's and its generation config's special token ids are the tokenizer's (an
+    end-of-text list that holds the tokenizer's stays), and ``max_length`` its positions."""
+    generation = getattr(model, "generation_config", None)
+    for kind in SPECIAL_KINDS:
+        key, value = f"{kind}_token_id", tokenizer[f"{kind}_id"]
+        for config in (model.config, generation) if generation is not None else (model.config,):
+            kept = getattr(config, key, None)
+            if not (isinstance(kept, list) and value in kept):
+                setattr(config, key, value)
+    if generation is not None and positions is not None:
+        generation.max_length = positions
+
+
+def _save_pretrained(model: Any, out: Path) -> None:
+    """``model.save_pretrained(out)``, each file and folder it writes given the mode a plain
+    ``open()``/``mkdir()`` gives, as everything torchkeel writes (transformers writes the weights 0600)."""
+    out.mkdir(parents=True, exist_ok=True)
+    before = {p: _stamp(p) for p in out.rglob("*")}
+    model.save_pretrained(out)
+    file_mode, dir_mode = _umask_modes(out)
+    for path in out.rglob("*"):
+        if _stamp(path) != before.get(path):
+            os.chmod(path, dir_mode if path.is_dir() else file_mode)
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    status = path.stat()
+    return status.st_ino, status.st_mtime_ns
+
+
+def _umask_modes(directory: Path) -> tuple[int, int]:
+    """The modes ``open()`` and ``mkdir()`` give in ``directory`` (0666 and 0777 less the
+    umask), read from probes rather than by setting the process-wide umask."""
+    probe = directory / f".mode-probe-{os.getpid()}"
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        file_mode = stat.S_IMODE(probe.stat().st_mode)
+    finally:
+        probe.unlink()
+    probe.mkdir()
+    try:
+        return file_mode, stat.S_IMODE(probe.stat().st_mode)
+    finally:
+        probe.rmdir()
 
 
 def _input_specs(inputs: Any) -> list[dict[str, Any]]:

@@ -7,8 +7,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-from torchkeel.lm.decoding import Decoder, Tokenizer, decode_batch, decoder_for, sequences
+from torchkeel.lm.decoding import Decoder, decode_batch, decoder_for, sequences
 from torchkeel.lm.sampling import GenerationError, SamplingParams
+from torchkeel.lm.tokenizer import text_tokenizer
 
 DEFAULT_NEW_TOKENS = 64
 
@@ -26,7 +27,7 @@ class Generation:
 
 def generate(
     model: Any,
-    tokenizer: Tokenizer,
+    tokenizer: Any,
     prompt: str | Seq[str],
     *,
     max_new_tokens: int | None = None,
@@ -43,6 +44,10 @@ def generate(
     the sequence each step. Generation stops at the tokenizer's end-of-text, a ``stop`` string
     or ``max_new_tokens``.
 
+    ``tokenizer`` is torchkeel's (``data.tokenizer``'s), a transformers tokenizer
+    (``AutoTokenizer.from_pretrained``) or a ``tokenizers.Tokenizer`` (see ``text_tokenizer``):
+    the prompt is encoded without added special tokens, as transformers' text-generation pipeline does.
+
     ``max_new_tokens`` (default: 64, or fewer where the model's positions end sooner) bounds
     each continuation. ``temperature=0`` is greedy decoding: the tokens transformers' ``generate(do_sample=False)``
     gives. Otherwise tokens are sampled after temperature, ``top_k`` and ``top_p``; with a
@@ -52,6 +57,7 @@ def generate(
     Raises:
         GenerationError: a setting out of range, an empty prompt, or a prompt and
             ``max_new_tokens`` longer than the model's positions (naming the setting).
+        TypeError: ``tokenizer`` is none of the kinds above.
 
     Example::
 
@@ -62,6 +68,7 @@ def generate(
     if num_return_sequences < 1:
         raise GenerationError("num_return_sequences", f"must be >= 1, got {num_return_sequences}")
     decoder = decoder if decoder is not None else decoder_for(model)
+    tokenizer = text_tokenizer(tokenizer)
     encoded = [[int(i) for i in tokenizer.encode(text)] for text in prompts]
     if max_new_tokens is None:
         room = decoder.max_length - max(map(len, encoded)) if decoder.max_length is not None else DEFAULT_NEW_TOKENS
