@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 from keelproc import run_keel  # noqa: E402
 from lmruns import GPT2, LLAMA, PROMPT, corpus, train_lm, trained_tokenizer  # noqa: E402
 
+import torchkeel as tk  # noqa: E402
 from torchkeel.cli.main import main  # noqa: E402
 from torchkeel.export import export_run  # noqa: E402
 from torchkeel.export.export import export_pretrained  # noqa: E402
@@ -108,3 +109,76 @@ def test_model_json_of_an_lm_export_references_its_tokenizer(runs):
     meta = json.loads((gpt2 / "export-onnx" / "model.json").read_text())
     assert meta["tokenizer"]["file"] == "tokenizer.json" and (gpt2 / "export-onnx" / "tokenizer.json").is_file()
     assert meta["tokenizer"]["eos_token"] == "<|endoftext|>" and meta["tokenizer"]["vocab_size"] == 384
+
+
+CHAT = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A small local model as users have one: a GPT-2 built from a config (nothing downloaded),
+    saved with ``save_pretrained`` beside its BPE tokenizer and a chat template."""
+    out = tmp_path_factory.mktemp("pretrained")
+    base = trained_tokenizer(corpus(out), out / "base")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    tokenizer.chat_template = CHAT
+    tokenizer.save_pretrained(base)
+    eos = tokenizer.eos_token_id
+    config = transformers.AutoConfig.for_model(
+        "gpt2",
+        n_layer=1,
+        n_head=2,
+        n_embd=32,
+        n_positions=64,
+        vocab_size=len(tokenizer),
+        eos_token_id=eos,
+        bos_token_id=eos,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(base)
+    return out, base
+
+
+@pytest.mark.parametrize("data", ["token-ids", "text"])
+def test_a_fine_tune_of_a_local_model_exports_with_its_tokenizer_and_chat_template_and_serves(pretrained, capsys, data):
+    from serveproc import Server
+
+    out, base = pretrained
+    name = f"fine-tune-{data}"
+    sources = {
+        "token-ids": {"target": "tokens:make_data", "args": {"num_train": 32, "num_val": 8}, "collate": "pad"},
+        "text": {"format": "text", "train": str(out / "text" / "train"), "val": str(out / "text" / "val"),
+                 "tokenizer": str(base), "block_size": 32},
+    }  # fmt: skip
+    config = {
+        "name": name,
+        "out_dir": str(out),
+        "model": {"hf": {"path": str(base)}},
+        "data": {**sources[data], "num_workers": 0},
+        "loss": {"count_key": "labels"},
+        "train": {"max_steps": 2, "batch_size": 8},
+    }
+    (out / f"{name}.yaml").write_text(json.dumps(config))
+    assert keel(capsys, "train", str(out / f"{name}.yaml"))[0] == 0
+    code, _, err = keel(capsys, "export", str(out / name), "--format", "hf")
+    assert code == 0, err
+    export = out / name / "export-hf"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(export)
+    original = transformers.AutoTokenizer.from_pretrained(base)
+    assert tokenizer.chat_template == CHAT and tokenizer(PROMPT)["input_ids"] == original(PROMPT)["input_ids"]
+    chat = [{"role": "user", "content": "hi"}]
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == original.apply_chat_template(chat, tokenize=False)
+    meta = json.loads((export / "model.json").read_text())
+    assert (
+        meta["task"] == "causal-lm" and meta["parity"]["passed"] and meta["tokenizer"]["eos_token"] == "<|endoftext|>"
+    )
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(export)
+    [expected] = tk.generate(model, tokenizer, PROMPT, max_new_tokens=8, temperature=0)
+    server = Server(export)
+    try:
+        body = json.dumps({"text_input": PROMPT, "parameters": {"max_tokens": 8, "temperature": 0}})
+        status, raw, _ = server.request("POST", f"/v2/models/{name}/generate", body)
+    finally:
+        assert server.stop() == 0
+    assert status == 200, raw
+    assert json.loads(raw)["text_output"] == expected.text
