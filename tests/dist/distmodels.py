@@ -55,3 +55,17 @@ def normalized(num_features: int = 32, num_classes: int = 4) -> nn.Module:
     """A BatchNorm in front of a linear layer; ``momentum=None`` keeps the plain average of the
     batch means, so the running mean after an epoch is the mean of the rows the rank trained on."""
     return nn.Sequential(nn.BatchNorm1d(num_features, momentum=None), nn.Linear(num_features, num_classes))
+
+
+def batch_normed(num_features: int = 32, hidden: int = 64, num_classes: int = 4) -> nn.Module:
+    """``mlp()`` with a BatchNorm after each hidden linear layer: its output, and so its
+    gradients, depend on the statistics of the batch it is given."""
+    return nn.Sequential(
+        nn.Linear(num_features, hidden),
+        nn.BatchNorm1d(hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.BatchNorm1d(hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, num_classes),
+    )

@@ -124,3 +124,74 @@ def test_step_faults_apply_only_to_their_rank_and_restart(monkeypatch):
         hook(5)
     with pytest.raises(ValueError, match="unknown step fault"):
         parse_step_faults("explode:1")
+
+
+def test_sync_batchnorm_is_a_checked_dist_key(tmp_path):
+    from torchkeel.config import load_config
+
+    assert load_config(None, []).dist.sync_batchnorm is False
+    assert load_config(None, ["dist.sync_batchnorm=true"]).dist.sync_batchnorm is True
+    path = tmp_path / "cfg.yaml"
+    path.write_text("dist: {sync_batchnorm: maybe}\n")
+    with pytest.raises(tk.ConfigError, match=r"dist.sync_batchnorm must be true or false"):
+        load_config(path)
+
+
+def _normalized() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 1),
+        nn.BatchNorm2d(4),
+        nn.Flatten(start_dim=2),
+        nn.BatchNorm1d(4, momentum=None),
+        nn.Unflatten(2, (2, 2, 1)),
+        nn.BatchNorm3d(4, affine=False),
+    )
+
+
+def test_synced_batch_norms_keep_the_parameters_buffers_and_keys_and_compute_the_same_in_one_process():
+    from torchkeel.distributed import BatchNormUse, sync_batch_norms
+
+    model, plain = _normalized(), _normalized()
+    before = list(model.parameters()) + list(model.buffers())
+    assert BatchNormUse.of(model).row() == {"batch_norm": "per_rank", "batch_norm_layers": 3}
+    assert sync_batch_norms(model, torch.device("cpu")) == 3
+    assert all(a is b for a, b in zip(before, list(model.parameters()) + list(model.buffers()), strict=True))
+    assert BatchNormUse.of(model).row() == {"batch_norm": "synced", "batch_norm_layers": 3}
+    assert list(model.state_dict()) == list(plain.state_dict())  # checkpoints load both ways
+    plain.load_state_dict(model.state_dict())
+    model.load_state_dict(plain.state_dict())
+    x = torch.randn(6, 3, 2, 2)
+    for mode in (True, False):  # one process: the batch's own statistics, then the running ones
+        assert torch.equal(model.train(mode)(x), plain.train(mode)(x))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), plain.buffers(), strict=True))
+
+
+def test_a_batch_norm_with_a_forward_of_its_own_is_refused_naming_the_key():
+    from torchkeel.distributed import sync_batch_norms
+
+    class NormAct(nn.BatchNorm1d):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(super().forward(x))
+
+    with pytest.raises(tk.ConfigError, match=r"dist.sync_batchnorm: NormAct subclass .* dist.sync_batchnorm: false"):
+        sync_batch_norms(nn.Sequential(nn.Linear(2, 3), NormAct(3)), torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "layers,row,warns",
+    [
+        ((nn.Linear(2, 2),), {}, False),
+        ((nn.BatchNorm1d(2),), {"batch_norm": "per_rank", "batch_norm_layers": 1}, True),
+        ((nn.SyncBatchNorm(2),), {"batch_norm": "synced", "batch_norm_layers": 1}, False),
+        ((nn.SyncBatchNorm(2), nn.BatchNorm1d(2)), {"batch_norm": "per_rank", "batch_norm_layers": 1}, True),
+    ],
+)
+def test_the_start_note_names_batch_norms_that_normalize_per_rank(layers, row, warns):
+    from torchkeel.distributed import BatchNormUse
+
+    use = BatchNormUse.of(nn.Sequential(*layers))
+    assert use.row() == row
+    warning = use.warning(batch_size=64, world_size=2)
+    assert (warning is not None) == warns
+    assert warning is None or "32 samples, not the job's 64" in warning and "dist.sync_batchnorm: true" in warning

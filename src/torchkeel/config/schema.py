@@ -238,6 +238,10 @@ class DistConfig:
     (less memory, about a third more compute)."""
     find_unused_parameters: bool = False
     """DDP: allow parameters that get no gradient in a step (slower; only when the model needs it)."""
+    sync_batchnorm: bool = False
+    """With several ranks, ``BatchNorm*d`` layers normalize with the statistics of the job's whole
+    micro-batch (``SyncBatchNorm``; DDP and FSDP2, CUDA and CPU) instead of each rank's share:
+    the same math as one process, at one all-reduce per layer per forward and backward."""
 
 
 @dataclass

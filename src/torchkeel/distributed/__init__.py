@@ -8,6 +8,7 @@ from torchkeel.distributed.agree import (
     any_rank_flags,
     read_finite,
 )
+from torchkeel.distributed.batchnorm import BatchNormUse, sync_batch_norms
 from torchkeel.distributed.group import CollectiveTimeout, JobGroup, default_backend
 from torchkeel.distributed.job import TrainingJob
 from torchkeel.distributed.parallel import (
@@ -23,6 +24,7 @@ from torchkeel.distributed.parallel import (
 from torchkeel.distributed.rank import RankInfo, per_rank
 
 __all__ = [
+    "BatchNormUse",
     "CollectiveTimeout",
     "DataParallel",
     "GradSync",
@@ -42,6 +44,7 @@ __all__ = [
     "read_finite",
     "resolve_strategy",
     "shard_targets",
+    "sync_batch_norms",
     "unwrap",
     "wrap_model",
 ]

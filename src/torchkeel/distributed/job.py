@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from torchkeel.config.schema import DistConfig
+from torchkeel.distributed.batchnorm import BatchNormUse
 from torchkeel.distributed.group import JobGroup
 from torchkeel.distributed.parallel import (
     GradSync,
@@ -46,6 +47,7 @@ class TrainingJob:
         self.group = JobGroup(cfg, rank, device)
         self.strategy = resolve_strategy(cfg, rank.world_size)
         self.sync: GradSync | None = None
+        self.batch_norms = BatchNormUse(per_rank=0, synced=0)
 
     @property
     def active(self) -> bool:
@@ -57,11 +59,13 @@ class TrainingJob:
         return self.strategy == "fsdp"
 
     def wrap(self, model: torch.nn.Module, *, precision: str, batch_size: int, accumulate: int) -> torch.nn.Module:
-        """The module to run forward on; sets ``sync`` for ``train_step`` when the job has several ranks.
-        ``batch_size`` is the global batch."""
+        """The module to run forward on; sets ``sync`` for ``train_step`` and ``batch_norms`` (how
+        the model's batch norms normalize) when the job has several ranks. ``batch_size`` is the
+        global batch."""
         wrapped = wrap_model(model, self.strategy, self.cfg, self.device, precision)
         if self.active:
             self.sync = GradSync(wrapped, per_rank(batch_size, self.rank.world_size), accumulate, self.device)
+            self.batch_norms = BatchNormUse.of(model)
         return wrapped
 
     def seed_rank(self, seed: int) -> None:
@@ -112,13 +116,20 @@ class TrainingJob:
             f"job's batch, {per_rank(batch_size, world)} samples per rank"
         )
 
+    def warnings(self, batch_size: int) -> list[str]:
+        """What to warn of once at the start: batch norms that normalize per rank (the job then
+        does not train what one process does)."""
+        warning = self.batch_norms.warning(batch_size, self.rank.world_size)
+        return [warning] if warning is not None else []
+
     def row(self, batch_size: int) -> dict[str, Any]:
-        """The job for ``metrics.jsonl``: ranks, strategy, backend, per-rank batch."""
+        """The job for ``metrics.jsonl``: ranks, strategy, backend, per-rank batch, batch norms."""
         return {
             "world_size": self.rank.world_size,
             "strategy": self.strategy,
             "backend": self.group.backend,
             "batch_per_rank": batch_size // self.rank.world_size,
+            **self.batch_norms.row(),
         }
 
     def close(self) -> None:

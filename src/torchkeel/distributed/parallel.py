@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from torchkeel.batch import map_tensors
 from torchkeel.config.schema import DistConfig
+from torchkeel.distributed.batchnorm import sync_batch_norms
 from torchkeel.errors import ConfigError
 
 Strategy = str  # "none" | "ddp" | "fsdp"
@@ -80,10 +81,14 @@ def wrap_model(
     precision: str = "fp32",
 ) -> torch.nn.Module:
     """The module to call: ``DistributedDataParallel(model)``, the model sharded in place by
-    FSDP2's ``fully_shard``, or the model itself (one process). Call after ``model.to(device)``."""
+    FSDP2's ``fully_shard``, or the model itself (one process). Call after ``model.to(device)``
+    and before the optimizer is built: with ``cfg.sync_batchnorm`` and several ranks, the
+    model's batch-norm layers are replaced in place by synced ones (the same parameters)."""
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if strategy == "none" or not (dist.is_available() and dist.is_initialized()):
         return model
+    if cfg.sync_batchnorm:
+        sync_batch_norms(model, device)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

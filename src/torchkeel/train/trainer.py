@@ -135,6 +135,8 @@ class Trainer:
         if self.job.active:
             self.files.log({"kind": "dist", "step": 0, **self.job.row(cfg.train.batch_size)})
             self.files.say(self.job.describe(cfg.train.batch_size))
+            for warning in self.job.warnings(cfg.train.batch_size) if is_main else []:
+                self.files.console.warn(warning)
         self.files.data_ready(self.data.tuning, [] if found is not None else self.data.empty_files)
         if found is not None:
             self._restore(found, changes)
