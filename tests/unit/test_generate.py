@@ -178,10 +178,52 @@ def test_the_byte_tokenizer_as_transformers_loads_it(tmp_path):
     assert recorded == {
         "file": "tokenizer.json",
         "kind": "byte",
-        "eos_token": "<|endoftext|>",
-        "eos_id": 256,
+        **{f"{kind}_token": "<|endoftext|>" for kind in ("eos", "bos", "pad")},
+        **{f"{kind}_id": 256 for kind in ("eos", "bos", "pad")},
         "vocab_size": 257,
     }
+
+
+def test_generate_takes_the_tokenizers_users_have_through_one_adapter(tmp_path):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from torchkeel.data.sources.tokenizer import TokenizerSpec
+    from torchkeel.lm.tokenizer import write_tokenizer
+
+    write_tokenizer(TokenizerSpec(), tmp_path, max_length=96)
+    model = model_of("gpt2")
+    tokenizers = [
+        ByteTokenizer(),
+        AutoTokenizer.from_pretrained(tmp_path),
+        Tokenizer.from_file(str(tmp_path / "tokenizer.json")),
+    ]
+    prompts = ["Hello, wörld", "x"]
+    outs = [generate(model, t, prompts, max_new_tokens=12, temperature=0) for t in tokenizers]
+    assert all([(g.text, g.tokens) for g in out] == [(g.text, g.tokens) for g in outs[0]] for out in outs)
+    assert all(len(g.tokens) == 12 or g.finish_reason == "stop" for g in outs[0])
+    with pytest.raises(TypeError, match="generate takes a torchkeel, transformers or tokenizers tokenizer, got dict"):
+        generate(model, {}, "x", max_new_tokens=2)
+
+
+def test_the_generate_code_blocks_of_the_language_models_guide_run_as_written(tmp_path, monkeypatch, capsys):
+    """Each Python block of docs/language-models.md that calls ``generate``, run in a directory
+    that holds what its paths name: the ``--format hf`` export of a text run."""
+    import re
+    from pathlib import Path
+
+    from textrun import train_text_lm
+    from torchkeel.export.export import export_pretrained
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "language-models.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "generate(" in b]
+    assert blocks
+    export_pretrained(train_text_lm(tmp_path / "runs", "gpt2-bytes"))
+    monkeypatch.chdir(tmp_path)
+    for n, block in enumerate(blocks):
+        capsys.readouterr()
+        exec(compile(block, f"docs/language-models.md block {n}", "exec"), {})
+        assert capsys.readouterr().out.strip()
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
