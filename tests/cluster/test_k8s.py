@@ -5,15 +5,23 @@ custom kinds) are read back through the ``kubernetes`` client's own models and m
 the same document: a misspelt or misplaced field is dropped by the client and fails here. The
 custom kinds are checked against the field names their APIs define (Kubeflow Trainer's
 ``TrainJobSpec``/``Trainer``, the training operator's ``PyTorchJob``, KServe's ``ServingRuntime``
-and ``InferenceService``, KEDA's ``ScaledObject``).
+and ``InferenceService``, KEDA's ``ScaledObject``). The TrainJob's fields are Kubeflow Trainer
+v2.3's (``runtimePatches``, an integer ``numProcPerNode``, ``terminationGracePeriodSeconds`` in a
+pod patch). A pod's command is run as kubelet runs it: stopped by SIGTERM it exits 143, which
+``restartPolicy: ExitCode`` retries, and a config error exits 2, which it does not.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -59,6 +67,21 @@ TRAINJOB_SPEC = {
     "managedBy",
 }
 TRAINER = {"image", "command", "args", "env", "numNodes", "resourcesPerNode", "numProcPerNode"}
+POD_SPEC_PATCH = {  # Kubeflow Trainer v2.3's PodSpecPatch
+    "serviceAccountName",
+    "volumes",
+    "initContainers",
+    "containers",
+    "imagePullSecrets",
+    "securityContext",
+    "nodeSelector",
+    "affinity",
+    "tolerations",
+    "schedulingGates",
+    "terminationGracePeriodSeconds",
+}
+CONTAINER_PATCH = {"name", "env", "volumeMounts", "securityContext"}
+WRAPPER = ["python3", "-m", "torchkeel.cluster.torchrun"]
 
 
 def test_a_trainjob_asks_the_torch_runtime_for_nodes_and_processes_and_mounts_the_volume():
@@ -69,13 +92,16 @@ def test_a_trainjob_asks_the_torch_runtime_for_nodes_and_processes_and_mounts_th
     assert trainer["numNodes"] == 3 and trainer["numProcPerNode"] == 8
     as_model(trainer["resourcesPerNode"], "V1ResourceRequirements")
     # torchrun reads --nnodes, --node-rank and the master address from the runtime's PET_* variables.
-    assert trainer["command"][0] == "torchrun" and not any("nnodes" in c for c in trainer["command"])
+    assert trainer["command"][:3] == WRAPPER and not any("nnodes" in c for c in trainer["command"])
+    assert isinstance(trainer["numProcPerNode"], int)  # v2.2 on: an integer, no longer "auto" or a string
     assert trainer["args"][:5] == ["train", "/app/cfg.yaml", "--resume", "auto", "--no-progress"]
     assert "out_dir=/mnt/keel/runs" in trainer["args"] and trainer["args"][-1] == "optim.lr=3e-4"
     (patch,) = job["spec"]["runtimePatches"]
     (replicated,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
     assert replicated["name"] == "node"
     pod = replicated["template"]["spec"]["template"]["spec"]
+    assert set(pod) <= POD_SPEC_PATCH and all(set(c) <= CONTAINER_PATCH for c in pod["containers"])
+    assert as_model(pod, "V1PodSpec").termination_grace_period_seconds == 120
     as_model(pod["volumes"][0], "V1Volume")
     as_model(pod["containers"][0]["volumeMounts"][0], "V1VolumeMount")
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "runs-rwx"
@@ -87,9 +113,12 @@ def test_a_pytorchjob_turns_its_per_pod_world_size_into_torchrun_nodes():
     replicas = job["spec"]["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 2
     for role in replicas.values():
-        assert role["restartPolicy"] == "OnFailure"
+        # ExitCode: a pod stopped by SIGTERM (143) is recreated; a config error (2) fails the job.
+        assert role["restartPolicy"] == "ExitCode"
         pod = as_model(role["template"]["spec"], "V1PodSpec")
+        assert pod.termination_grace_period_seconds == 120  # not Kubernetes' 30 s: the save fits
         command = pod.containers[0].command
+        assert command[:3] == WRAPPER and "--shutdown-timeout=110" in command
         assert pod.containers[0].name == "pytorch"  # the container the operator injects its variables into
     for flag in ("--nnodes=$(WORLD_SIZE)", "--node-rank=$(RANK)", "--master-addr=$(MASTER_ADDR)", "--nproc-per-node=8"):
         assert flag in command
@@ -278,3 +307,86 @@ def test_k8s_serve_reads_the_exports_name_and_format(tmp_path, capsys):
     assert main(["k8s", "serve", str(export), "--image", "i:1"]) == 2
     err = capsys.readouterr().err
     assert "model.json' is unreadable (JSONDecodeError); export again" in err and "Traceback" not in err
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def start_pod(work, name: str, *overrides: str, max_restarts: int = 3) -> subprocess.Popen:
+    """The Master pod of a one-pod PyTorchJob (2 workers), its command run as kubelet runs it:
+    ``$(VAR)`` replaced from the variables the operator sets; ``python3`` is this environment's."""
+    spec = train_spec(config="cfg.yaml", nodes=1, gpus_per_node=0, nproc_per_node=2, grace_s=30)
+    spec.max_restarts = max_restarts
+    spec.overrides = [f"name={name}", *overrides]
+    (job,) = pytorch_job(spec)
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    variables = {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}
+    command = [re.sub(r"\$\((\w+)\)", lambda m: variables[m.group(1)], part) for part in container["command"]]
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    return subprocess.Popen(
+        command,
+        cwd=work,
+        env=env(PATH=path, TORCHKEEL_TEST_STEP_FAULTS="sleep:12=2@rank=0", **variables),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_step_5(work, name: str, pod: subprocess.Popen) -> None:
+    metrics = work / "runs" / name / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and '"step": 5,' in metrics.read_text()) and pod.poll() is None:
+        assert time.monotonic() < deadline, "the pod did not reach step 5"
+        time.sleep(0.2)
+
+
+def worker_of_rank(pod: subprocess.Popen, rank: int) -> int:
+    """The pid of the pod's worker process of ``rank`` (torchrun sets RANK in its environment)."""
+    for child in Path(f"/proc/{pod.pid}/task/{pod.pid}/children").read_text().split():
+        if f"RANK={rank}".encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
+            return int(child)
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("pods")
+    write_config(directory)
+    return directory
+
+
+def test_a_pod_stopped_by_sigterm_saves_and_exits_143_which_exitcode_retries(work):
+    """Kubernetes sends SIGTERM to the container's first process (eviction, preemption, a drained
+    node). Plain torchrun ended with a traceback and exit 1, which ``ExitCode`` takes as permanent."""
+    pod = start_pod(work, "pod-term", "train.max_steps=400")
+    wait_for_step_5(work, "pod-term", pod)
+    pod.send_signal(signal.SIGTERM)
+    _, err = pod.communicate(timeout=120)
+    stopped = json.loads((work / "runs" / "pod-term" / "summary.json").read_text())
+    assert stopped["status"] == "preempted" and stopped["steps"] < 400, err[-3000:]
+    assert pod.returncode == 143 and "Traceback" not in err, err[-3000:]
+
+
+def test_a_pod_whose_config_is_wrong_exits_2_which_exitcode_does_not_retry(work):
+    pod = start_pod(work, "pod-bad", "optim.nme=0.1", max_restarts=0)  # torchrun would retry it 3 times
+    _, err = pod.communicate(timeout=120)
+    assert pod.returncode == 2 and "optim.nme" in err and "Traceback" not in err, err[-3000:]
+
+
+def test_every_rank_of_a_job_stopped_by_one_ranks_signal_ends_preempted(work):
+    """One pod of several gets SIGTERM (its node is drained): every rank stops together after the
+    step. A rank that got no signal of its own used to report ``completed`` and exit 0, so rank 0's
+    pod (the PyTorchJob's Master) succeeded with the run unfinished. Here rank 1's process alone
+    gets the signal, as the ranks of another pod would."""
+    # torchrun would restart its workers after a worker's non-zero exit, here in a pod of its own.
+    pod = start_pod(work, "pod-peer", "train.max_steps=400", max_restarts=0)
+    wait_for_step_5(work, "pod-peer", pod)
+    os.kill(worker_of_rank(pod, 1), signal.SIGTERM)  # rank 0 gets none
+    _, err = pod.communicate(timeout=120)
+    stopped = json.loads((work / "runs" / "pod-peer" / "summary.json").read_text())  # rank 0's
+    assert stopped["status"] == "preempted" and stopped["steps"] < 400, err[-3000:]
+    assert pod.returncode == 143, err[-3000:]

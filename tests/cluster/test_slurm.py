@@ -1,20 +1,28 @@
 """``keel slurm``: the sbatch script, the warning signal's path to a checkpoint, and a real Slurm.
 
 Without Slurm: the script's text and syntax, its errors, and SIGUSR1 (Slurm's warning before the
-time limit) through ``keel train`` and through torchrun to every worker. With Slurm installed
-(slow): a job on a one-node cluster started here is warned, saves, is requeued and finishes from
-its checkpoint with the weights of an uninterrupted run.
+time limit) through ``keel train`` and through torchrun to every worker. Stand-ins for ``srun``
+(which runs the task in its own place) and ``scontrol`` (which records its calls) run the batch
+scripts as Slurm runs them: the job step signalled without ``--batch``, in the script ``keel
+slurm`` writes and in a user's own ``srun keel train``; the job must exit non-zero and ask for one
+requeue. With Slurm installed (slow): a job on a one-node cluster started here is warned, saves,
+is requeued and finishes from its checkpoint with the weights of an uninterrupted run; a step
+signalled with ``scancel --signal=TERM`` (no ``--batch``) is requeued, in both kinds of script.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,7 +69,11 @@ def test_the_script_asks_slurm_for_nodes_gpus_a_warning_and_requeue():
     ):
         assert flag in launch
     assert "/shared/cfg.yaml" in launch and "'name=my run'" in launch  # quoted for the shell
-    assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+    # Rank 0 of keel train requeues the job: the script must not ask a second time.
+    assert "scontrol requeue" not in text and "--no-requeue" not in launch
+    off = script(requeue=False)
+    assert "no-requeue" in sbatch_options(off) and "requeue" not in sbatch_options(off)
+    assert "--no-requeue" in off[off.index("srun ") :]
     checked = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
     assert checked.returncode == 0, checked.stderr
 
@@ -91,9 +103,9 @@ if [ "$1" = show ]; then echo node0; fi
 """
 
 
-def test_sigterm_to_the_batch_shell_reaches_the_step_and_requeues(tmp_path):
+def test_sigterm_to_the_batch_shell_reaches_the_step_and_the_script_does_not_requeue(tmp_path):
     """scancel and a CANCEL-mode preemption signal the batch shell: stand-ins for srun and scontrol
-    record what the script does with it."""
+    record what the script does with it (the step's rank 0 requeues, not the script)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
@@ -114,9 +126,9 @@ def test_sigterm_to_the_batch_shell_reaches_the_step_and_requeues(tmp_path):
     finally:
         if shell.poll() is None:
             shell.kill()
-    assert shell.returncode == 143 and "SIGTERM: saving a checkpoint, then requeueing" in out
+    assert shell.returncode == 143 and "SIGTERM: passing it to the job step" in out
     assert (tmp_path / "srun.signals").read_text().split() == ["TERM"]
-    assert "requeue 7" in (tmp_path / "scontrol.calls").read_text()
+    assert "requeue" not in (tmp_path / "scontrol.calls").read_text()
     assert "--cpus-per-task=2" in (tmp_path / "srun.args").read_text()
 
 
@@ -215,7 +227,8 @@ def test_the_warning_signal_saves_and_exits_143_like_sigterm(work):
 
 def test_torchrun_passes_the_warning_to_every_worker_and_ends_without_a_traceback(work):
     """As the sbatch script runs it: torchrun's own ending on a handled signal is a traceback and
-    exit 1 (``srun: error`` in the job log); keel's entry to it says one line and exits 0."""
+    exit 1; keel's entry to it says one line and exits 143, as a stopped keel train does: the run
+    has not finished, so it must not end as a success (Slurm would record the job COMPLETED)."""
     command = [
         sys.executable,
         "-m",
@@ -229,7 +242,7 @@ def test_torchrun_passes_the_warning_to_every_worker_and_ends_without_a_tracebac
     code, err = warned(work, "usr1-dist", command, "sleep:12=2@rank=0")
     assert "keel: rank 1: stopped by SIGUSR1" in err and "(exit 143)" in err, err[-3000:]
     assert "torchrun passed SIGUSR1 on and its workers have ended" in err, err[-3000:]
-    assert code == 0 and "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert code == 143 and "Traceback" not in err and "SignalException" not in err, err[-3000:]
 
 
 def test_keel_train_nproc_passes_the_warning_on_and_exits_143(work):
@@ -237,6 +250,146 @@ def test_keel_train_nproc_passes_the_warning_on_and_exits_143(work):
     # keel's launcher passes the warning to torchrun as SIGTERM, which torchrun hands on by default.
     code, err = warned(work, "usr1-nproc", command, "sleep:12=2@rank=0", recorded="SIGTERM")
     assert code == 143, err[-3000:]
+
+
+RUNNING_SRUN = """#!/bin/bash
+# srun as one node runs a task: srun's own options dropped, the task in its place, so that a signal
+# to the job step (scancel --signal without --batch) reaches the task.
+while [[ "$1" == --* ]]; do shift; done
+exec "$@"
+"""
+RECORDING_SCONTROL = """#!/bin/bash
+echo "$@" >> "$LOG/scontrol.calls"
+if [ "$1" = show ]; then echo 127.0.0.1; fi
+if [ "$1" = requeue ] && [ -n "${REFUSE_REQUEUE:-}" ]; then
+    echo "Requested operation is presently disabled for job $2" >&2
+    exit 1
+fi
+"""
+
+
+def job_id_with_a_free_port() -> str:
+    """A job id whose rendezvous port (20000 + id % 20000, as the script computes it) is free."""
+    for job in random.sample(range(1, 20000), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 20000 + job))
+            except OSError:
+                continue
+        return str(job)
+    raise AssertionError("no free port in 20001-39999")
+
+
+def step_processes(pid: int) -> list[int]:
+    """``pid`` and its descendants: the processes of a job step, which slurmstepd signals together."""
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            try:
+                queue += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return found
+
+
+def run_batch_job(work, tmp_path, text: str, name: str, **variables: str):
+    """Run the batch script ``text`` as Slurm runs one (its variables, ``ENVIRONMENT=BATCH``,
+    stand-in srun and scontrol); once run ``name`` logged step 5, SIGTERM every process of the job
+    step but not the batch shell (``scancel --signal=TERM JOBID``, without ``--batch``). Returns
+    the shell's exit code, its output and scontrol's calls."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool, body in (("srun", RUNNING_SRUN), ("scontrol", RECORDING_SCONTROL)):
+        (bin_dir / tool).write_text(body)
+        (bin_dir / tool).chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(text)
+    job = job_id_with_a_free_port()
+    slurm = {"SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": "node0", "SLURM_NNODES": "1", "SLURM_CPUS_ON_NODE": "2"}
+    path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+    extra = {**slurm, "ENVIRONMENT": "BATCH", "LOG": str(tmp_path), "PATH": path, **variables}
+    shell = subprocess.Popen(
+        ["bash", str(tmp_path / "job.sbatch")],
+        cwd=work,
+        env=env(TORCHKEEL_TEST_STEP_FAULTS="sleep:12=2", **extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for_step(work, name, 5, shell)
+        for pid in step_processes(shell.pid)[1:]:  # the shell's descendants: the job step
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        out, _ = shell.communicate(timeout=120)
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+    calls = (tmp_path / "scontrol.calls").read_text().splitlines() if (tmp_path / "scontrol.calls").exists() else []
+    return shell.returncode, out, job, calls
+
+
+def test_a_keel_slurm_job_whose_step_is_signalled_exits_143_and_rank_0_requeues_it_once(work, tmp_path):
+    """``scancel --signal=TERM JOBID`` signals the step, not the batch shell: the shell's trap never
+    runs. Before, torchrun's entry turned the stop into exit 0 and nothing requeued the job: Slurm
+    recorded an unfinished run COMPLETED."""
+    overrides = ["name=step-term", "train.max_steps=400"]
+    text = script(config=str(work / "cfg.yaml"), nodes=1, gpus_per_node=0, overrides=overrides, chdir=str(work))
+    code, out, job, calls = run_batch_job(work, tmp_path, text, "step-term")
+    stopped = summary(work, "step-term")
+    assert stopped["status"] == "preempted" and stopped["signal"] == "SIGTERM", out[-3000:]
+    assert final(work, "step-term")[0].step == stopped["steps"] < 400
+    assert code == 143, out[-3000:]
+    assert [c for c in calls if c.startswith("requeue")] == [f"requeue {job}"], out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
+USERS_SCRIPT = """#!/bin/bash
+#SBATCH --requeue
+#SBATCH --time=01:00:00
+srun keel train cfg.yaml --no-progress {args}
+"""
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["requeued", "requeue-refused"])
+def test_a_users_own_srun_keel_train_is_requeued_by_rank_0_and_never_exits_0(work, tmp_path, refused):
+    """A hand-written batch script (as Lightning users write them): the requeue comes from the
+    training process, whatever the script. A refused requeue (``--no-requeue``, a job already
+    ending) is one line, and the job still exits 143: FAILED, not COMPLETED."""
+    name = f"own-{'refused' if refused else 'requeued'}"
+    text = USERS_SCRIPT.format(args=f"name={name} train.max_steps=400")
+    code, out, job, calls = run_batch_job(work, tmp_path, text, name, **({"REFUSE_REQUEUE": "1"} if refused else {}))
+    assert summary(work, name)["status"] == "preempted", out[-3000:]
+    assert code == 143, out[-3000:]
+    assert calls == [f"requeue {job}"], out[-3000:]
+    refusal = [line for line in out.splitlines() if "could not requeue" in line]
+    assert len(refusal) == (1 if refused else 0) and "Traceback" not in out, out[-3000:]
+
+
+def test_keel_slurm_imports_the_configs_modules_from_the_directory_it_runs_in(work, tmp_path):
+    """A model class in mymodels.py next to the config: the nodes' keel train runs in that directory
+    (``--chdir``) and imports it; the console script ``keel slurm`` checked the config from where
+    it was installed and refused it (exit 2)."""
+    (tmp_path / "mymodels.py").write_text(
+        "from distmodels import mlp\n\n\ndef Net(**kwargs):\n    return mlp(**kwargs)\n"
+    )
+    (tmp_path / "map.yaml").write_text((work / "cfg.yaml").read_text().replace("distmodels:mlp", "mymodels:Net"))
+    flags = ["--nodes", "1", "--gpus-per-node", "0", "--time", "00:10:00", "-o", "job.sbatch"]
+    keel = str(Path(sys.executable).parent / "keel")
+    written = subprocess.run(
+        [keel, "slurm", "map.yaml", *flags], cwd=tmp_path, env=env(), capture_output=True, text=True
+    )
+    assert written.returncode == 0, written.stderr
+    assert sbatch_options((tmp_path / "job.sbatch").read_text())["chdir"] == str(tmp_path)
+    missing_module = subprocess.run(
+        [keel, "slurm", "map.yaml", "model.target=mymodelz:Net", *flags],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+    )
+    assert missing_module.returncode == 2 and "cannot import module 'mymodelz'" in missing_module.stderr
 
 
 @pytest.mark.slow

@@ -24,6 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--memory-per-node", help="memory each pod requests and is limited to, e.g. 64Gi (default: 8Gi per worker)"
     )
+    train.add_argument(
+        "--grace-s",
+        type=int,
+        default=120,
+        help="seconds a pod has after SIGTERM to save a checkpoint (terminationGracePeriodSeconds; default 120)",
+    )
     train.add_argument("--config-path", help="the config's path inside the container (default: as given)")
     train.add_argument("--runtime", default="torch-distributed", help="TrainJob runtime (ClusterTrainingRuntime)")
     train.add_argument("--namespace")
@@ -69,6 +75,7 @@ def _train(args: argparse.Namespace) -> list:
         namespace=args.namespace,
         runtime=args.runtime,
         memory_per_node=args.memory_per_node,
+        grace_s=args.grace_s,
         **job_fields(args),
     )
     # The pods' files (code in the image, data on the volume) need not be here: the batch's split is.

@@ -25,6 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--warn-s", type=int, default=120, help="seconds before the time limit to save and requeue (default 120)"
     )
     parser.add_argument("--join-timeout-s", type=int, default=600, help="rendezvous wait for all nodes (default 600)")
+    parser.add_argument(
+        "--no-requeue",
+        action="store_true",
+        help="a stopped job is not requeued (#SBATCH --no-requeue; keel train --no-requeue): it ends FAILED",
+    )
     parser.add_argument("--bin-dir", help="where torchrun and keel are on the nodes (default: this environment's)")
     parser.add_argument("-o", "--output", help="script path (default: slurm-<name>.sbatch)")
     parser.add_argument("--submit", action="store_true", help="submit the script with sbatch")
@@ -40,10 +45,15 @@ def run(args: argparse.Namespace) -> int:
         account=args.account,
         warn_s=args.warn_s,
         join_timeout_s=args.join_timeout_s,
+        requeue=not args.no_requeue,
         **job_fields(args),
         **({"bin_dir": args.bin_dir} if args.bin_dir else {}),
     )
     script = sbatch_script(job)  # the flags' own checks first
+    # The nodes run keel train in the job's directory (--chdir), which puts it on sys.path; the
+    # config's imports are checked here as they will resolve there, not from where keel was installed.
+    if job.chdir not in sys.path:
+        sys.path.insert(0, job.chdir)
     check_job(config, job.nodes * job.workers_per_node)  # what would fail once the job runs, said now
     path = Path(args.output or f"slurm-{config.name}.sbatch")
     path.write_text(script)

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from torchkeel.cluster.requeue import plan_requeue, requeue_job
 from torchkeel.config.imports import check_target, resolve_target
 from torchkeel.config.load import load_config
 from torchkeel.config.schema import KeelConfig
@@ -48,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     parser.add_argument("--no-progress", action="store_true", help="print no progress lines")
+    parser.add_argument(
+        "--no-requeue",
+        action="store_true",
+        help="in a Slurm batch job stopped by SIGTERM or SIGUSR1, do not ask Slurm to requeue it (rank 0 does by default)",
+    )
     parser.add_argument(
         "--nproc",
         type=int,
@@ -115,7 +121,28 @@ def run(args: argparse.Namespace) -> int:
             f"(exit {exit_code(summary)})",
             file=sys.stderr,
         )
+    if summary["status"] == "preempted":
+        ask_requeue(summary, trainer.rank.is_main, enabled=not args.no_requeue)
     return exit_code(summary)
+
+
+def ask_requeue(summary: dict, is_main: bool, *, enabled: bool) -> None:
+    """Rank 0 of a Slurm batch job stopped by SIGTERM/SIGUSR1 asks Slurm to requeue it, once the
+    checkpoint is saved; the exit code stays 128 + the signal either way."""
+    plan = plan_requeue(summary["signal"], is_main=is_main, environ=os.environ, enabled=enabled)
+    if plan.job_id is None:
+        return
+    failure = requeue_job(plan.job_id)
+    if failure is None:
+        print(
+            f"keel: asked Slurm to requeue job {plan.job_id}; it resumes from step {summary['steps']}", file=sys.stderr
+        )
+    else:
+        print(
+            f"keel: could not requeue Slurm job {plan.job_id}: {failure}; it ends FAILED (exit {exit_code(summary)}): "
+            "resubmit it to resume from its checkpoint",
+            file=sys.stderr,
+        )
 
 
 def run_on_ray(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -6,6 +6,11 @@ as one multi-document file for ``kubectl apply -f``. The engines do the launchin
 torch runtime sets ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``
 and ``PET_MASTER_PORT``, which torchrun reads as its flags; a PyTorchJob sets ``WORLD_SIZE`` and
 ``RANK`` per pod, which the container passes to torchrun as nodes and node rank.
+
+Training pods run :mod:`torchkeel.cluster.torchrun` (143 after a SIGTERM and its save, which
+``restartPolicy: ExitCode`` retries; 2 config error, 1 crash: not retried) with ``grace_s`` to save.
+The TrainJob targets Kubeflow Trainer v2.3 (``runtimePatches`` and an integer ``numProcPerNode``
+since v2.2, ``terminationGracePeriodSeconds`` in a runtime patch since v2.3).
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ HTTP_PORT, GRPC_PORT = 8080, 8081
 QUEUE_METRIC = "nv_inference_queue_duration_us"
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 _DNS = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-
 Manifest = dict[str, Any]
 
 
@@ -49,6 +53,8 @@ class TrainSpec:
     """CPUs each pod requests; 4 per worker by default (no CPU limit: a limit throttles the step)."""
     memory_per_node: str | None = None
     """Memory each pod requests and is limited to (its ``/dev/shm`` counts in it); 8Gi per worker by default."""
+    grace_s: int = 120
+    """Seconds a pod has after SIGTERM to save (``terminationGracePeriodSeconds``; Kubernetes': 30)."""
 
     def validate(self) -> "TrainSpec":
         _check_name(self.name)
@@ -62,6 +68,8 @@ class TrainSpec:
             raise ConfigError(f"--gpus-per-node must be >= 0, got {self.gpus_per_node}")
         if not self.image:
             raise ConfigError("--image is required: the container image with torchkeel and the training code")
+        if self.grace_s < 20:
+            raise ConfigError(f"--grace-s must leave time to save a checkpoint (>= 20 s), got {self.grace_s}")
         return self
 
     @property
@@ -74,6 +82,11 @@ class TrainSpec:
         memory = self.memory_per_node or f"{8 * self.workers_per_node}Gi"
         limits = {"memory": memory, **({"nvidia.com/gpu": str(self.gpus_per_node)} if self.gpus_per_node else {})}
         return {"requests": {"cpu": cpus, "memory": memory}, "limits": limits}
+
+    def torchrun(self) -> list[str]:
+        """torchrun with keel's exit codes, up to ``keel``; its workers get ``grace_s - 10`` s to save."""
+        wrapper = ["python3", "-m", "torchkeel.cluster.torchrun", f"--max-restarts={self.max_restarts}"]
+        return [*wrapper, f"--shutdown-timeout={self.grace_s - 10}", "--no-python", "keel"]
 
     def keel_args(self) -> list[str]:
         """``keel train``'s arguments; with a volume, the run directory is on it."""
@@ -91,7 +104,7 @@ def train_job(spec: TrainSpec) -> list[Manifest]:
     trainer: dict[str, Any] = {
         "image": spec.image,
         # torchrun takes --nnodes, --node-rank and the master address from the runtime's PET_* variables.
-        "command": ["torchrun", f"--max-restarts={spec.max_restarts}", "--no-python", "keel"],
+        "command": spec.torchrun(),
         "args": spec.keel_args(),
         "numNodes": spec.nodes,
         "numProcPerNode": spec.workers_per_node,
@@ -107,7 +120,8 @@ def train_job(spec: TrainSpec) -> list[Manifest]:
         },
     }
     volumes, mounts = _volumes(spec)
-    pod = {"volumes": volumes, "containers": [{"name": "node", "volumeMounts": mounts}]}
+    containers = [{"name": "node", "volumeMounts": mounts}]  # terminationGracePeriodSeconds: since Trainer v2.3
+    pod = {"volumes": volumes, "containers": containers, "terminationGracePeriodSeconds": spec.grace_s}
     job["spec"]["runtimePatches"] = [
         {
             "manager": "torchkeel",
@@ -126,16 +140,15 @@ def pytorch_job(spec: TrainSpec) -> list[Manifest]:
     count pods, so they become torchrun's ``--nnodes`` and ``--node-rank``; torchrun then gives each
     worker process its own ``WORLD_SIZE`` and ``RANK`` (processes), which is what keel reads."""
     spec.validate()
+    *torchrun, keel = spec.torchrun()
     command = [
-        "torchrun",
+        *torchrun,
         "--nnodes=$(WORLD_SIZE)",
         "--node-rank=$(RANK)",
         "--master-addr=$(MASTER_ADDR)",
         "--master-port=$(MASTER_PORT)",
         f"--nproc-per-node={spec.workers_per_node}",
-        f"--max-restarts={spec.max_restarts}",
-        "--no-python",
-        "keel",
+        keel,
         *spec.keel_args(),
     ]
     volumes, mounts = _volumes(spec)
@@ -146,10 +159,11 @@ def pytorch_job(spec: TrainSpec) -> list[Manifest]:
         "resources": spec.resources(),
         "volumeMounts": mounts,
     }
-    pod: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    pod: dict[str, Any] = {"containers": [container], "volumes": volumes, "terminationGracePeriodSeconds": spec.grace_s}
 
     def replica(count: int) -> dict[str, Any]:
-        return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": pod}}
+        # ExitCode: a pod that exits >= 128 (a signal, after its save) is recreated, 1-127 fail the job.
+        return {"replicas": count, "restartPolicy": "ExitCode", "template": {"spec": pod}}
 
     replicas = {"Master": replica(1), **({"Worker": replica(spec.nodes - 1)} if spec.nodes > 1 else {})}
     return [
@@ -203,7 +217,6 @@ class ServeSpec:
 DEPLOYMENT_MODES = ("RawDeployment", "Serverless")
 MODEL_FORMATS = {"onnx": "onnx", "torchscript": "pytorch", "torch-export": "pytorch"}
 """KServe's model format names for each export format (TorchScript is KServe's ``pytorch``)."""
-
 
 STARTUP_FAILURES = 120
 """Startup probes (every 5 s) that may fail before the container is restarted: 10 minutes to load and warm up."""
@@ -424,16 +437,9 @@ def _volumes(spec: TrainSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if spec.pvc:  # the claim first: it is what a reader of the manifest looks for
-        return [_pvc_volume(spec.pvc), *volumes], [_mount(), *mounts]
+        claim = {"name": "keel-runs", "persistentVolumeClaim": {"claimName": spec.pvc}}
+        return [claim, *volumes], [{"name": "keel-runs", "mountPath": PVC_MOUNT}, *mounts]
     return volumes, mounts
-
-
-def _pvc_volume(claim: str) -> dict[str, Any]:
-    return {"name": "keel-runs", "persistentVolumeClaim": {"claimName": claim}}
-
-
-def _mount() -> dict[str, Any]:
-    return {"name": "keel-runs", "mountPath": PVC_MOUNT}
 
 
 def _check_name(name: str) -> None:

@@ -3,14 +3,17 @@
 Slurm allocates the nodes and starts one task per node (``srun``); each task is a torchrun agent
 that meets the others at a c10d rendezvous on the first node and starts the node's workers. Nothing
 here launches or rendezvouses on its own: the script only wires Slurm's variables into torchrun's
-flags, and the time-limit warning into a checkpoint and a requeue:
+flags, and the signals that reach the batch shell into the job step:
 
-1. ``--signal=B:USR1@S`` makes Slurm signal the batch shell S seconds before the time limit;
-2. the shell passes SIGUSR1 to the job step; torchrun (``--signals-to-handle``) passes it to every
-   worker, and the Trainer treats it like SIGTERM: it saves a checkpoint and exits 143; torchrun
-   then ends with one line and exit code 0 (:mod:`torchkeel.cluster.torchrun`), not a traceback;
-3. the shell then requeues the job (``scontrol requeue``), which starts again with
-   ``--resume auto`` from that checkpoint.
+1. ``--signal=B:USR1@S`` makes Slurm signal the batch shell S seconds before the time limit
+   (``scancel --batch`` signals it too); the shell passes the signal to the job step.
+   ``scancel --signal=TERM`` without ``--batch`` and a preemption signal the step directly;
+2. torchrun (``--signals-to-handle``) passes it to every worker; the Trainer saves a checkpoint and
+   exits 143 (SIGUSR1 counts as SIGTERM), and its rank 0 asks Slurm to requeue the job
+   (:mod:`torchkeel.cluster.requeue`): the script itself never requeues, so a job is requeued once;
+3. torchrun ends with one line and the same 143 (:mod:`torchkeel.cluster.torchrun`), and so does
+   the script: a stopped run ends requeued (or FAILED when the requeue fails), never COMPLETED.
+   The requeued job starts again with ``--resume auto`` from that checkpoint.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class SlurmJob:
     """Worker failures torchrun recovers from (every node's workers restart from the checkpoint)."""
     cpus_per_node: int | None = None
     """CPUs of the node's one task; none: the whole node (``--exclusive``), all its CPUs to the task."""
+    requeue: bool = True
+    """Whether rank 0 requeues the job after a stop (``#SBATCH --requeue``); ``False``: ``--no-requeue``."""
     chdir: str = field(default_factory=os.getcwd)
     """The job's working directory (``--chdir``): imports and relative paths as where it was written."""
     bin_dir: str = field(default_factory=lambda: str(Path(sys.executable).parent))
@@ -86,6 +91,7 @@ def sbatch_script(job: SlurmJob) -> str:
     head, cpus = _directives(job)
     torchrun = _torchrun(job)
     continued = " \\\n    ".join(torchrun)
+    then = "which saves a checkpoint; rank 0 then requeues the job" if job.requeue else "which saves a checkpoint"
     body = f"""
 set -uo pipefail
 KEEL_BIN=${{KEEL_BIN:-{q(job.bin_dir)}}}
@@ -93,17 +99,15 @@ head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 port=$((20000 + SLURM_JOB_ID % 20000))
 echo "keel slurm: job $SLURM_JOB_ID (start ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_NNODES node(s), rendezvous $head_node:$port"
 
-requeue=0
+# Slurm's warning (--signal=B:USR1@S) and `scancel --batch` signal this shell, not the job step.
 on_warning() {{
-    echo "keel slurm: time limit in {job.warn_s} s: saving a checkpoint, then requeueing"
-    requeue=1
+    echo "keel slurm: time limit in {job.warn_s} s: passing SIGUSR1 to the job step, {then}"
     kill -USR1 "$step" 2>/dev/null
 }}
-# scancel and preemption (PreemptMode=CANCEL) send SIGTERM to this shell, then SIGKILL after
-# KillWait (30 s by default): the save must fit in it.
+# Preemption (PreemptMode=CANCEL) and scancel signal this shell and the step with SIGTERM, then
+# SIGKILL after KillWait (30 s by default): the save must fit in it.
 on_term() {{
-    echo "keel slurm: SIGTERM: saving a checkpoint, then requeueing"
-    requeue=1
+    echo "keel slurm: SIGTERM: passing it to the job step, {then}"
     kill -TERM "$step" 2>/dev/null
 }}
 trap on_warning USR1
@@ -119,9 +123,7 @@ while kill -0 "$step" 2>/dev/null; do
     wait "$step"
     status=$?
 done
-if [ "$requeue" = 1 ]; then
-    scontrol requeue "$SLURM_JOB_ID"
-fi
+# A step stopped before the run finished exits 143: the job ends requeued or FAILED, never COMPLETED.
 exit "$status"
 """
     return "\n".join(head) + "\n" + body
@@ -152,7 +154,7 @@ def _directives(job: SlurmJob) -> tuple[list[str], str]:
     head += [f"#SBATCH --account={job.account}"] if job.account else []
     head += [
         f"#SBATCH --signal=B:USR1@{job.warn_s}",
-        "#SBATCH --requeue",
+        "#SBATCH --requeue" if job.requeue else "#SBATCH --no-requeue",
         "#SBATCH --open-mode=append",
         f"#SBATCH --output={job.name}-%j.out",
     ]
@@ -177,7 +179,7 @@ def _torchrun(job: SlurmJob) -> list[str]:
         f"--shutdown-timeout {max(job.warn_s - 10, 10)}",
         '--no-python "$KEEL_BIN/keel" train',
         q(job.config),
-        "--resume auto --no-progress",
+        "--resume auto --no-progress" + ("" if job.requeue else " --no-requeue"),
         *(q(o) for o in job.overrides),
     ]
 

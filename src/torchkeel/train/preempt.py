@@ -3,7 +3,10 @@
 The training loop asks ``requested`` after every step, saves a checkpoint and exits with
 128 + the signal number. A second SIGINT (Ctrl-C twice) aborts at once. SIGUSR1, the warning a
 scheduler sends before a time limit (Slurm's ``--signal=USR1@120``), is a preemption like SIGTERM:
-save, then exit 143, the code a requeue script looks for.
+save, then exit 143. A run stopped before it finished never exits 0, on any rank: a rank that got
+no signal of its own but stopped because another rank did (every rank stops together) ends
+preempted too (``StopSignals.stop_agreed``), so that no node of a stopped job reports success.
+Under Slurm, rank 0 then asks for a requeue (:mod:`torchkeel.cluster.requeue`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ class StopSignals:
     def name(self) -> str | None:
         """``SIGTERM``/``SIGINT``/``SIGUSR1`` once a stop was requested."""
         return None if self.requested is None else signal.Signals(self.requested).name
+
+    def stop_agreed(self) -> None:
+        """Every rank stops because some rank was signalled: one that received no signal itself
+        records SIGTERM (a scheduler's stop), so that it too ends preempted, not completed."""
+        if self.requested is None:
+            self.requested = signal.SIGTERM
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested is not None and signum == signal.SIGINT:

@@ -197,6 +197,7 @@ class Trainer:
                 if self._after_validation(at_epoch_end=last_of_epoch):
                     return True
             if agreed.stop:
+                self._signals.stop_agreed()  # another rank's signal: this rank ends preempted too
                 self.checkpoints.save_now()
                 return True
             self.checkpoints.maybe_save(c.step, last_of_epoch=last_of_epoch, due=agreed.save_due)
