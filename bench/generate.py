@@ -13,7 +13,11 @@ end-of-text (both run to ``max_new_tokens``). In interleaved rounds:
   another, tokens/s. Goal: ≥ 2×. Time to first token of one stream against ``generate(max_new_tokens=1)``
   in process plus the HTTP round trip of a health probe. Goal: ≤ 1.2×.
 
-    python bench/generate.py [--rounds 5]
+The last line gives both exports' ratios side by side: the hf export decodes with its key/value
+cache and scales with streams; the ONNX export has no cache and recomputes every row's whole
+sequence each step, so streams at once gain little or lose (it was measured at 0.49-0.56x).
+
+    python bench/generate.py [--rounds 5] [--served-only]
 """
 
 from __future__ import annotations
@@ -91,11 +95,13 @@ def served(rounds: int) -> None:
         tk.Trainer(config, progress=False).fit()
         export_run(out / "m", "onnx")
         export_pretrained(out / "m")
-        for kind in ("export-hf", "export-onnx"):
-            _serve_one(out / "m" / kind, rounds)
+        ratios = {kind: _serve_one(out / "m" / kind, rounds) for kind in ("export-hf", "export-onnx")}
+    print("8 streams at once / the same 8 one after another, tokens/s (goal >= 2): "
+          + "   ".join(f"{kind} {ratio:.2f}x" for kind, ratio in ratios.items()))  # fmt: skip
 
 
-def _serve_one(export: Path, rounds: int) -> None:
+def _serve_one(export: Path, rounds: int) -> float:
+    """Serve ``export``, print its figures; returns the tokens/s of 8 streams at once over one after another."""
     port = _free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "torchkeel.cli.main", "serve", str(export), "--port", str(port),
@@ -124,6 +130,7 @@ def _serve_one(export: Path, rounds: int) -> None:
         first, base = statistics.median(ttft[1:]), statistics.median(baseline[1:])
         print(f"  time to first token {first * 1e3:.2f} ms   in-process generate + HTTP round trip "
               f"{base * 1e3:.2f} ms   ratio {first / base:.2f}")  # fmt: skip
+        return together / sequential
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -194,9 +201,11 @@ def _env() -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--served-only", action="store_true", help="only the served figures (both exports)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    in_process(args.rounds)
+    if not args.served_only:
+        in_process(args.rounds)
     served(args.rounds)
 
 

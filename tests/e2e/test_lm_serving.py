@@ -11,6 +11,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
@@ -243,3 +245,223 @@ def test_a_client_gone_mid_stream_frees_its_row(export):
             gated.allowed.release()
         server.should_exit = True
         thread.join(timeout=30)
+
+
+SURROGATE = "\ud800x"  # what JSON's "\ud800x" decodes to: a lone surrogate, no UTF-8 tokenizer takes it
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/completions", {"model": "{m}", "prompt": SURROGATE}, "prompt"),
+        ("/v1/completions", {"model": "{m}", "prompt": ["ok", SURROGATE]}, "prompt[1]"),
+        ("/v1/completions", {"model": "{m}", "prompt": "x", "stop": SURROGATE}, "stop"),
+        ("/v1/completions", {"model": "{m}", "prompt": "x", "stop": ["ok", SURROGATE]}, "stop[1]"),
+        ("/v1/completions", {"model": "{m}", "prompt": SURROGATE, "stream": True}, "prompt"),
+        ("/v1/completions", {"model": SURROGATE, "prompt": "x"}, "model"),
+        ("/v2/models/{m}/generate", {"text_input": SURROGATE}, "text_input"),
+        ("/v2/models/{m}/generate_stream", {"text_input": SURROGATE}, "text_input"),
+        ("/v2/models/{m}/generate", {"text_input": "x", "parameters": {"stop": [SURROGATE]}}, "parameters.stop[0]"),
+        ("/v1/completions", {"model": "{m}", "prompt": "x", "seed": 2**64}, "seed"),
+        ("/v1/completions", {"model": "{m}", "prompt": "x", "seed": 2**63, "stream": True}, "seed"),
+        ("/v1/completions", {"model": "{m}", "prompt": "x", "seed": -1}, "seed"),
+        ("/v1/completions", {"model": "{m}", "prompt": "x", "seed": True}, "seed"),
+        ("/v1/completions", {"model": "{m}", "prompt": "x", "temperature": 10**400}, "temperature"),
+        ("/v1/completions", {"model": "{m}", "prompt": "x", "top_p": -(10**400)}, "top_p"),
+        ("/v1/completions", {"model": "{m}", "prompt": "x", "max_tokens": True}, "max_tokens"),
+        ("/v2/models/{m}/generate", {"text_input": "x", "parameters": {"seed": 2**64}}, "parameters.seed"),
+        ("/v2/models/{m}/generate", {"text_input": "x", "parameters": {"top_k": 1.5}}, "parameters.top_k"),
+        ("/v2/models/{m}/generate", '{"text_input": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ],
+)
+def test_every_request_field_is_checked_before_the_model_runs(server, path, body, field):
+    """The issue's two 500s (a lone surrogate: TypeError in the tokenizer; seed >= 2**64: an
+    overflow in torch's generator) and their kin in the other text and integer fields."""
+    path = path.replace("{m}", NAME)
+    if isinstance(body, dict) and body.get("model") == "{m}":
+        body = {**body, "model": NAME}
+    status, raw, _ = server.request("POST", path, json.dumps(body) if not isinstance(body, str) else body)
+    answer = json.loads(raw)
+    message = answer["error"]["message"] if isinstance(answer["error"], dict) else answer["error"]
+    assert status == 400 and field in message, answer
+    if path == "/v1/completions":
+        assert answer["error"]["param"] == field.split("[")[0]
+
+
+def test_a_temperature_too_small_for_floats_is_greedy_decoding(server):
+    """1e-300 divides the logits past float32's range; it is read as its limit, greedy."""
+    greedy = post(server, "/v1/completions", {"model": NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    for tiny in (1e-30, 1e-300, 5e-324):
+        body = {"model": NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": tiny, "seed": 1}
+        status, answer = post(server, "/v1/completions", body)
+        assert status == 200 and answer["choices"][0]["text"] == greedy[1]["choices"][0]["text"], answer
+
+
+def test_a_prompt_alone_too_long_is_told_to_shorten_never_to_ask_for_0_tokens(server):
+    for prompt in ([1] * 64, [1] * 70):
+        status, answer = post(server, "/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": 1})
+        message = answer["error"]["message"]
+        assert status == 400 and answer["error"]["param"] == "prompt" and message.startswith("prompt is too long")
+        assert "context of 64 positions" in message and "at most 63 tokens" in message and "at most 0" not in message
+    status, answer = post(server, f"/v2/models/{NAME}/generate", {"text_input": "x " * 80})
+    assert status == 400 and answer["error"].startswith("text_input is too long"), answer
+    status, answer = post(server, "/v1/completions", {"model": NAME, "prompt": [1] * 60, "max_tokens": 9})
+    assert status == 400 and answer["error"]["param"] == "max_tokens" and "at most 4" in answer["error"]["message"]
+
+
+def test_the_openai_client_lists_and_retrieves_the_models(server):
+    models = client(server).models
+    listed = models.list()
+    assert [m.id for m in listed.data] == [NAME] and listed.data[0].object == "model"
+    assert listed.data[0].owned_by == "torchkeel" and listed.data[0].created > 1_600_000_000
+    one = models.retrieve(NAME)
+    assert (one.id, one.object, one.created) == (NAME, "model", listed.data[0].created)
+    with pytest.raises(openai.NotFoundError, match="unknown model 'nope'") as caught:
+        models.retrieve("nope")
+    assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
+    status, raw, _ = server.request("GET", "/v1/models")
+    assert status == 200 and json.loads(raw)["models"] == [NAME]  # KServe v1's list, in the same body
+    status, raw, _ = server.request("GET", f"/v1/models/{NAME}")
+    assert status == 200 and {"name": NAME, "ready": True}.items() <= json.loads(raw).items()  # and KServe v1's
+
+
+def test_a_client_gone_mid_stream_is_counted_canceled_and_its_sequence_freed(export):
+    """The ``openai`` client reads one chunk of a stream and closes it, as an app whose user
+    pressed stop does: ``nv_inference_request_failure{reason="CANCELED"}`` counts it, and the
+    engine's batch is empty again (``torchkeel_generation_running_sequences`` 0)."""
+    import uvicorn
+    from serveproc import free_port
+
+    from torchkeel.serve.app import create_app
+    from torchkeel.serve.model import ServeOptions
+
+    app = create_app(export[1] / "export-onnx", ServeOptions(warmup_batch_sizes=()))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    gated = None
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        engine = app.state.server.repository.models[NAME].generation
+        engine.decoder = gated = Gated(engine.decoder)
+        live = _Live(port)
+        canceled = {"model": NAME, "reason": "CANCELED"}
+        before = live.metric("nv_inference_request_failure", **canceled)
+        openai_client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        stream = openai_client.completions.create(model=NAME, prompt=PROMPT, max_tokens=50, temperature=0, stream=True)
+        assert next(iter(stream)).choices[0].text is not None  # the first token came
+        running = live.metric("torchkeel_generation_running_sequences", model=NAME)
+        stream.close()  # gone mid-stream: the engine is held at its next step
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and live.metric("torchkeel_generation_running_sequences", model=NAME):
+            gated.allowed.release()
+            time.sleep(0.05)
+        assert live.metric("nv_inference_request_failure", **canceled) == before + 1
+        assert live.metric("nv_inference_request_success", model=NAME) == 0  # not also counted as answered
+        assert running == 1 and live.metric("torchkeel_generation_running_sequences", model=NAME) == 0
+        assert live.metric("torchkeel_generation_tokens_total", model=NAME) < 50
+    finally:
+        for _ in range(60 if gated is not None else 0):
+            gated.allowed.release()
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+class _Live:
+    """/metrics of an in-process server."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def metric(self, name: str, **labels: str) -> float:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+        finally:
+            conn.close()
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items())
+        )
+
+
+# Request bodies for the fuzz test: each field often valid (small, so that the model runs), often anything.
+texts = st.one_of(
+    st.text(max_size=10),
+    st.text(st.one_of(st.characters(), st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)), max_size=6),
+)
+integers = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, -1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63) - 1, True, False]),
+)
+numbers = st.one_of(integers, st.floats(), st.sampled_from([1e-300, 5e-324, 1e308, 10**400]))
+anything = st.recursive(
+    st.one_of(st.none(), st.booleans(), numbers, texts),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(texts, inner, max_size=3)),
+    max_leaves=8,
+)
+# Valid values, often at their edges (what the model then runs on), and the client mistakes of each field.
+VALID = {
+    "max_tokens": st.integers(1, 6),
+    "temperature": st.one_of(st.just(0), st.floats(0, 2), st.sampled_from([1e-300, 5e-324])),
+    "top_p": st.floats(1e-9, 1),
+    "top_k": st.integers(0, 400),
+    "seed": st.one_of(st.integers(0, 2**63 - 1), st.integers(0, 2**63 - 1), integers),
+    "stop": st.one_of(texts.filter(bool), st.lists(texts.filter(bool), max_size=4)),
+    "n": st.integers(1, 3),
+    "stream": st.booleans(),
+    "echo": st.booleans(),
+    "stream_options": st.just({"include_usage": True}),
+    "prompt": st.one_of(texts, st.lists(texts, min_size=1, max_size=3), st.lists(st.integers(0, 383), max_size=5)),
+    "text_input": texts,
+}
+OPENAI = ["max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "echo", "stream_options"]
+V2 = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop"]
+
+
+@st.composite
+def bodies(draw, fields: list[str], required: dict[str, object]) -> dict:
+    """A valid body of some of ``fields``, then 0-2 of its fields (or others) made anything."""
+    body = {**required, **{k: draw(VALID[k]) for k in draw(st.lists(st.sampled_from(fields), unique=True))}}
+    for key in draw(st.lists(st.sampled_from([*fields, *required, "logprobs", "best_of", "user", "id"]), max_size=2)):
+        body[key] = draw(anything)
+    return body
+
+
+@st.composite
+def requests(draw) -> tuple[str, dict]:
+    kind = draw(st.sampled_from(["openai", "generate", "generate_stream", "chat"]))
+    if kind == "openai":
+        return "/v1/completions", draw(bodies(OPENAI, {"model": NAME, "prompt": draw(VALID["prompt"])}))
+    if kind == "chat":
+        messages = st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": texts}), max_size=2)
+        return "/v1/chat/completions", {"model": NAME, "messages": draw(messages)}
+    parameters = draw(bodies(V2, {"max_tokens": draw(VALID["max_tokens"])}))  # the default, 64, fills the context
+    body = {"text_input": draw(VALID["text_input"]), "parameters": parameters}
+    for key in draw(st.lists(st.sampled_from(["text_input", "parameters", "id"]), max_size=1)):
+        body[key] = draw(anything)
+    return f"/v2/models/{NAME}/{kind}", body
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=requests())
+def test_generated_request_bodies_are_answered_or_refused_never_5xx(server, case):
+    """Every field of every generation route, generated: each request is answered (200, and a
+    stream carries no error event) or refused with a 4xx that names a field; never a 5xx."""
+    path, body = case
+    status, raw, headers = server.request("POST", path, json.dumps(body))
+    assert status < 500, (path, body, raw[:500])
+    event(f"{path.rsplit('/', 1)[1]} {status}")
+    if status >= 400:
+        error = json.loads(raw)["error"]
+        assert error["message"] if isinstance(error, dict) else error
+    elif headers["content-type"].startswith("text/event-stream"):
+        events = [line[len("data: ") :] for line in raw.decode().split("\n\n") if line]
+        assert not any("error" in json.loads(e) for e in events if e != "[DONE]"), (path, body, events[-1])
+    else:
+        json.loads(raw)

@@ -45,6 +45,8 @@ class GenerationRequest:
     first_token_s: float | None = None
     last_token_at: float = 0.0
     abandoned: bool = False
+    error: BaseException | None = None
+    """The engine's error, once ``updates`` has raised it."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -61,6 +63,7 @@ class GenerationRequest:
             while done < len(self.rows):
                 item = await self.events.get()
                 if isinstance(item, BaseException):
+                    self.error = item
                     raise item
                 done += sum(u.finish_reason is not None for u in item)
                 yield item
@@ -157,6 +160,7 @@ class GenerationEngine:
                     active += rows
                     if self.metrics is not None:
                         self.metrics.prompt_tokens(sum(len(p) for p in prompts))
+                        self.metrics.running(len(active))
                 chosen = next_tokens(logits, [row.params for _, row in active], [row.generator for _, row in active])
                 self._deliver(active, chosen)
                 going = [
@@ -169,6 +173,8 @@ class GenerationEngine:
                     active = [active[i] for i in going]
                     if active:
                         self.decoder.keep(going)
+                    if self.metrics is not None:
+                        self.metrics.running(len(active))
                 if active:
                     logits = self.decoder.step([row.tokens[-1] for _, row in active])
             except Exception as exc:  # noqa: BLE001 - every request in hand gets the model's error
@@ -177,6 +183,8 @@ class GenerationEngine:
                 for request in failed.values():
                     request._post(exc)
                 active = []
+                if self.metrics is not None:
+                    self.metrics.running(0)
 
     def _deliver(self, active: list[tuple[GenerationRequest, Sequence]], chosen: list[int]) -> None:
         now = time.perf_counter()

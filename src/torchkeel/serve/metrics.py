@@ -88,6 +88,12 @@ class ServerMetrics:
         self.in_flight = Gauge(
             "torchkeel_inflight_requests", "Requests being handled", ["model", "version"], registry=self.registry
         )
+        self.running = Gauge(
+            "torchkeel_generation_running_sequences",
+            "Generation: sequences in the engine's batch (a request of n choices counts n)",
+            ["model", "version"],
+            registry=self.registry,
+        )
 
     def answered(self) -> tuple[int, int, int]:
         """Requests answered so far, how many of them failed, and how many were read but not
@@ -158,6 +164,7 @@ class ModelMetrics:
             server.prompt.labels(model, version),
             server.first_token.labels(model, version),
             server.per_token.labels(model, version),
+            server.running.labels(model, version),
         )
 
     def request_started(self) -> None:
@@ -195,8 +202,9 @@ class ModelMetrics:
 class GenerationMetrics:
     """What the generation engine counts, bound to one model's series."""
 
-    def __init__(self, generated: Any, prompt: Any, first_token: Any, per_token: Any) -> None:
+    def __init__(self, generated: Any, prompt: Any, first_token: Any, per_token: Any, running: Any) -> None:
         self._generated, self._prompt, self._first, self._per_token = generated, prompt, first_token, per_token
+        self._running = running
 
     def tokens(self, count: int) -> None:
         self._generated.inc(count)
@@ -209,6 +217,10 @@ class GenerationMetrics:
 
     def output_token(self, seconds: float) -> None:
         self._per_token.observe(seconds)
+
+    def running(self, count: int) -> None:
+        """The sequences being decoded now (set after every step: a row gone from the batch is gone here)."""
+        self._running.set(count)
 
 
 def _escape(value: str) -> str:

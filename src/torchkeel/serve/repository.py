@@ -17,9 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from torchkeel.errors import ConfigError, first_line
+from torchkeel.lm.decoding import RecomputeDecoder
 from torchkeel.serve.metrics import ServerMetrics
 from torchkeel.serve.model import VERSION, ServedModel, ServeOptions
 from torchkeel.serve.tensors import ProtocolError
+
+# bench/generate.py: 8 streams at once over the same 8 one after another, tokens/s (docs/language-models.md).
+RECOMPUTE_SCALING = "8 streams at once: 0.5-1.4x the tokens/s of the same 8 one after another"
+CACHED_SCALING = "3.9x"
 
 
 @dataclass
@@ -94,6 +99,20 @@ class ModelRepository:
     def model_ready(self, model: ServedModel) -> bool:
         """What a readiness probe is told of ``model``: ready, and not held back by the server."""
         return model.ready and not self.holding
+
+    def notes(self) -> list[str]:
+        """What the server says once at start about how its models serve (none: nothing to say):
+        a language model decoded without a key/value cache (an ONNX, TorchScript or torch.export
+        export) recomputes every stream's whole sequence for each token, so streams served at
+        once gain little over the same streams one after another, where the hf export scales."""
+        return [
+            f"{m.name}: a {m.meta['format']} export of a language model has no key/value cache: each new token "
+            "runs every stream's whole sequence again, so concurrent streams share about one stream's throughput "
+            f"({RECOMPUTE_SCALING}); to serve concurrent streams, serve `keel export RUN --format hf` instead, "
+            f"decoded with its cache ({CACHED_SCALING})"
+            for m in self.models.values()
+            if m.generation is not None and isinstance(m.generation.decoder, RecomputeDecoder)
+        ]
 
     def index(self) -> list[dict[str, Any]]:
         """Triton's repository index: name, version, state (``READY``/``UNAVAILABLE``) and reason."""

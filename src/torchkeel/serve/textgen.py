@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -40,6 +41,8 @@ def generation_routes(repository: ModelRepository, read_body: Callable[[Request]
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ProtocolError(400, f"the body is not JSON ({exc}); send a JSON object") from None
+        except RecursionError:
+            raise ProtocolError(400, "the body is nested too deeply; send a JSON object of the fields") from None
         if not isinstance(body, dict):
             raise ProtocolError(400, f"the body must be a JSON object, got {type(body).__name__}")
         return body
@@ -57,30 +60,24 @@ def generation_routes(repository: ModelRepository, read_body: Callable[[Request]
 
     async def v2_generate(request: Request) -> Response:
         model = repository.get(request.path_params["name"], request.path_params.get("version"))
-        streaming = request.url.path.endswith("_stream")
+        head = {"model_name": model.name, "model_version": model.version}
 
-        async def handle() -> Response:
+        async def submit() -> GenerationRequest:
             engine = engine_of(model)
-            body = await body_of(request)
-            prompt, params = _v2_request(body, engine)
-            submitted = engine.submit(prompt, params)
-            head = {"model_name": model.name, "model_version": model.version}
-            if not streaming:
-                [row] = await submitted.finished()
-                return JSONResponse({**head, "text_output": row.text, "finish_reason": row.finish_reason})
+            prompt, params = _v2_request(await body_of(request), engine)
+            return engine.submit(prompt, params)
 
-            async def events() -> AsyncIterator[str]:
-                async for updates in _failures_as_messages(submitted):
-                    if isinstance(updates, str):
-                        yield _sse({"error": updates})
-                        return
-                    for u in updates:
-                        if u.text or u.finish_reason:
-                            yield _sse({**head, "text_output": u.text, "finish_reason": u.finish_reason})
+        async def answer() -> Response:
+            [row] = await (await submit()).finished()
+            return JSONResponse({**head, "text_output": row.text, "finish_reason": row.finish_reason})
 
-            return _stream(events(), [submitted])
+        async def stream() -> tuple[AsyncIterator[str], list[GenerationRequest]]:
+            submitted = await submit()
+            return _v2_events(head, submitted), [submitted]
 
-        return await model.counted("generate", handle)
+        if not request.url.path.endswith("_stream"):
+            return await model.counted("generate", answer)
+        return await _streamed(model, "generate", stream)
 
     async def completions(request: Request) -> Response:
         body = await body_of(request)
@@ -88,17 +85,18 @@ def generation_routes(repository: ModelRepository, read_body: Callable[[Request]
         if not isinstance(name, str) or not name:
             raise _openai_error(400, "model is required: the name of a served model", "model")
         try:
-            model = repository.get(name)
-        except ProtocolError as exc:
-            raise _openai_error(404, str(exc), "model", "model_not_found") from None
+            model = repository.get(_text(name, "model"))
+        except ProtocolError as exc:  # a lone surrogate (400), unknown (404), failed to load (503)
+            raise _openai_error(
+                exc.status, str(exc), "model", "model_not_found" if exc.status == 404 else None
+            ) from None
 
-        async def handle() -> Response:
+        def submit() -> tuple[list[GenerationRequest], dict[str, Any], dict[str, Any]]:
             try:
                 engine = engine_of(model)
                 prompts, params, n, options = _openai_request(body, engine)
             except ProtocolError as exc:
                 raise _openai_error(exc.status, str(exc), exc.param) from None
-            requests = [engine.submit(prompt, params, n) for prompt in prompts]
             head = {
                 "id": f"cmpl-{uuid.uuid4().hex}",
                 "object": "text_completion",
@@ -106,37 +104,26 @@ def generation_routes(repository: ModelRepository, read_body: Callable[[Request]
                 "model": model.name,
             }
             echo = [engine.tokenizer.decode(p) if options["echo"] else "" for p in prompts]
-            if not options["stream"]:
-                choices = []
-                for p, submitted in enumerate(requests):
-                    for row in await submitted.finished():
-                        text = echo[p] + row.text
-                        choices.append(
-                            {"index": len(choices), "text": text, "logprobs": None, "finish_reason": row.finish_reason}
-                        )
-                return JSONResponse({**head, "choices": choices, "usage": _usage(requests)})
+            return [engine.submit(prompt, params, n) for prompt in prompts], head, {**options, "echo": echo, "n": n}
 
-            async def events() -> AsyncIterator[str]:
-                for p, submitted in enumerate(requests):
-                    if echo[p]:
-                        for r in range(n):
-                            yield _sse({**head, "choices": [_choice(p * n + r, echo[p], None)]})
-                    async for updates in _failures_as_messages(submitted):
-                        if isinstance(updates, str):
-                            yield _sse(
-                                {"error": {"message": updates, "type": "server_error", "param": None, "code": None}}
-                            )
-                            return
-                        for u in updates:
-                            if u.text or u.finish_reason:
-                                yield _sse({**head, "choices": [_choice(p * n + u.index, u.text, u.finish_reason)]})
-                if options["include_usage"]:
-                    yield _sse({**head, "choices": [], "usage": _usage(requests)})
-                yield "data: [DONE]\n\n"
+        async def answer() -> Response:
+            requests, head, options = submit()
+            choices = []
+            for p, submitted in enumerate(requests):
+                for row in await submitted.finished():
+                    text = options["echo"][p] + row.text
+                    choices.append(
+                        {"index": len(choices), "text": text, "logprobs": None, "finish_reason": row.finish_reason}
+                    )
+            return JSONResponse({**head, "choices": choices, "usage": _usage(requests)})
 
-            return _stream(events(), requests)
+        async def stream() -> tuple[AsyncIterator[str], list[GenerationRequest]]:
+            requests, head, options = submit()
+            return _openai_events(head, requests, options), requests
 
-        return await model.counted("openai", handle)
+        if body.get("stream") is True:
+            return await _streamed(model, "openai", stream)
+        return await model.counted("openai", answer)
 
     async def chat(request: Request) -> Response:
         raise _openai_error(
@@ -157,13 +144,38 @@ def generation_routes(repository: ModelRepository, read_body: Callable[[Request]
     ]
 
 
+def v1_model_list(repository: ModelRepository) -> dict[str, Any]:
+    """``GET /v1/models``: KServe v1's ``{"models": [names]}`` and OpenAI's ``{"object": "list",
+    "data": [model, ...]}`` in one body, so that either client reads it."""
+    models = [repository.models[name] for name in sorted(repository.models)]
+    return {"models": [m.name for m in models], "object": "list", "data": [_openai_model(m) for m in models]}
+
+
+def v1_model_card(repository: ModelRepository, name: str) -> dict[str, Any]:
+    """``GET /v1/models/{name}``: KServe v1's ``{"name", "ready"}`` and OpenAI's model object
+    (``id``, ``object``, ``created``, ``owned_by``); an unknown or unavailable model is a
+    ``ProtocolError`` (404 or 503) in OpenAI's error shape."""
+    try:
+        model = repository.get(name)
+    except ProtocolError as exc:
+        raise _openai_error(exc.status, str(exc), "model", "model_not_found" if exc.status == 404 else None) from None
+    return {"name": model.name, "ready": repository.model_ready(model), **_openai_model(model)}
+
+
+def _openai_model(model: ServedModel) -> dict[str, Any]:
+    """OpenAI's model object; ``created`` is when the export was written (its model.json)."""
+    try:
+        created = int((model.path / "model.json").stat().st_mtime)
+    except OSError:  # removed since it was loaded: the model still serves
+        created = 0
+    return {"id": model.name, "object": "model", "created": created, "owned_by": "torchkeel"}
+
+
 def _v2_request(body: dict[str, Any], engine: GenerationEngine) -> tuple[list[int], SamplingParams]:
     unknown = sorted(set(body) - {"text_input", "parameters", "id", "stream"})
     if unknown:
         raise ProtocolError(400, f"unknown fields {unknown}; send text_input and parameters")
-    text = body.get("text_input")
-    if not isinstance(text, str):
-        raise ProtocolError(400, f"text_input must be a string, got {type(text).__name__}")
+    text = _text(body.get("text_input"), "text_input")
     given = body.get("parameters", {})
     if not isinstance(given, dict):
         raise ProtocolError(400, f"parameters must be an object, got {type(given).__name__}")
@@ -203,12 +215,14 @@ def _openai_request(
         raise _param_error("stream_options must be an object", "stream_options")
     flags["include_usage"] = bool(options.get("include_usage"))
     given = _prompt_list(body.get("prompt"))
-    prompts = [_prompt_ids(p, engine, "prompt" if len(given) == 1 else f"prompt[{i}]") for i, p in enumerate(given)]
+    prompts = [_prompt_ids(p, engine, where) for p, where in zip(given, _prompt_names(given))]
     values = {k: v for k in ("temperature", "top_p", "seed", "stop") if (v := body.get(k)) is not None}
     max_tokens = body.get("max_tokens") if body.get("max_tokens") is not None else 16
-    names = {"max_new_tokens": "max_tokens"}
     settings = {"temperature": 1.0, "top_p": 1.0, **values}
-    params = [_params(settings, max_tokens, len(ids), engine, names) for ids in prompts][0]  # each prompt checked
+    params = [  # each prompt checked
+        _params(settings, max_tokens, len(ids), engine, {"max_new_tokens": "max_tokens", "prompt": where})
+        for ids, where in zip(prompts, _prompt_names(given))
+    ][0]
     return prompts, params, n, flags
 
 
@@ -220,9 +234,29 @@ def _prompt_list(prompt: Any) -> list[Any]:
     raise _param_error("prompt must be a string, a list of strings, or token ids (a list of integers)", "prompt")
 
 
+def _prompt_names(given: list[Any]) -> list[str]:
+    return ["prompt"] if len(given) == 1 else [f"prompt[{i}]" for i in range(len(given))]
+
+
+def _text(value: Any, where: str, param: str | None = None) -> str:
+    """``value`` if it is text a tokenizer can read, else a 400 naming ``where``: JSON's
+    ``"\\ud800"`` escapes decode to a lone surrogate, which no UTF-8 tokenizer takes."""
+    if not isinstance(value, str):
+        raise _param_error(f"{where} must be a string, got {type(value).__name__}", param or where)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _param_error(
+            f"{where} is not valid Unicode: it holds a lone surrogate {value[exc.start]!r} at character "
+            f"{exc.start} (a \\ud800-\\udfff escape not part of a pair); send the text's characters as UTF-8",
+            param or where,
+        ) from None
+    return value
+
+
 def _prompt_ids(prompt: Any, engine: GenerationEngine, where: str) -> list[int]:
     if isinstance(prompt, str):
-        return [int(i) for i in engine.tokenizer.encode(prompt)]
+        return [int(i) for i in engine.tokenizer.encode(_text(prompt, where, "prompt"))]
     if isinstance(prompt, list) and all(_is_int(i) for i in prompt):
         vocab = engine.tokenizer.vocab_size
         bad = [i for i in prompt if not 0 <= i < vocab]
@@ -239,10 +273,12 @@ def _params(
 ) -> SamplingParams:
     stop = values.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    where = names.get("stop", "stop")
     if not isinstance(stops, list) or len(stops) > MAX_STOPS:
-        raise _param_error(
-            f"{names.get('stop', 'stop')} must be a string or a list of at most {MAX_STOPS} strings", "stop"
-        )
+        raise _param_error(f"{where} must be a string or a list of at most {MAX_STOPS} strings", "stop")
+    for i, text in enumerate(stops):
+        if isinstance(text, str):
+            _text(text, where if isinstance(stop, str) else f"{where}[{i}]", "stop")
     params = SamplingParams(
         max_tokens,
         values.get("temperature", 1.0),
@@ -295,15 +331,72 @@ async def _failures_as_messages(request: GenerationRequest) -> AsyncIterator[Any
         yield f"model execution failed: {type(exc).__name__}: {exc}"
 
 
-def _stream(events: AsyncIterator[str], requests: list[GenerationRequest]) -> StreamingResponse:
-    """Server-sent events; a client that goes away abandons every request of the stream."""
+async def _streamed(
+    model: ServedModel,
+    protocol: str,
+    start: Callable[[], Awaitable[tuple[AsyncIterator[str], list[GenerationRequest]]]],
+) -> StreamingResponse:
+    """Server-sent events of the requests ``start`` submits, counted in the metrics when the
+    stream ends (``model.counted`` would count it when the headers go): answered, failed mid-way
+    (``BACKEND``), or left by its client (``CANCELED``); the requests of a stream its client left
+    are abandoned, and leave the engine's batch at its next step. A mistake in the request is
+    raised before the stream starts (a 4xx, ``OTHER``)."""
+    metrics, began = model.metrics, time.perf_counter()  # the warm-up's scratch metrics while it lasts
+    metrics.request_started()
+    try:
+        events, requests = await start()
+    except BaseException as exc:
+        metrics.request_done(protocol, time.perf_counter() - began, _failure(exc))
+        if isinstance(exc, Exception) and not isinstance(exc, ProtocolError):
+            raise ProtocolError(500, f"model execution failed: {type(exc).__name__}: {exc}") from None
+        raise
 
     async def watched() -> AsyncIterator[str]:
+        failure: str | None = "CANCELED"  # unless the events run to their end
         try:
             async for event in events:
                 yield event
+            failure = "BACKEND" if any(r.error is not None for r in requests) else None
         finally:
             for request in requests:
                 request.abandoned = True
+            metrics.request_done(protocol, time.perf_counter() - began, failure)
 
     return StreamingResponse(watched(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _failure(exc: BaseException) -> str:
+    """Triton's failure reason for a request that failed before its stream started."""
+    if isinstance(exc, ProtocolError):
+        return "OTHER"
+    return "CANCELED" if isinstance(exc, asyncio.CancelledError) else "BACKEND"
+
+
+async def _v2_events(head: dict[str, Any], submitted: GenerationRequest) -> AsyncIterator[str]:
+    async for updates in _failures_as_messages(submitted):
+        if isinstance(updates, str):
+            yield _sse({"error": updates})
+            return
+        for u in updates:
+            if u.text or u.finish_reason:
+                yield _sse({**head, "text_output": u.text, "finish_reason": u.finish_reason})
+
+
+async def _openai_events(
+    head: dict[str, Any], requests: list[GenerationRequest], options: dict[str, Any]
+) -> AsyncIterator[str]:
+    n = options["n"]
+    for p, submitted in enumerate(requests):
+        if options["echo"][p]:
+            for r in range(n):
+                yield _sse({**head, "choices": [_choice(p * n + r, options["echo"][p], None)]})
+        async for updates in _failures_as_messages(submitted):
+            if isinstance(updates, str):
+                yield _sse({"error": {"message": updates, "type": "server_error", "param": None, "code": None}})
+                return
+            for u in updates:
+                if u.text or u.finish_reason:
+                    yield _sse({**head, "choices": [_choice(p * n + u.index, u.text, u.finish_reason)]})
+    if options["include_usage"]:
+        yield _sse({**head, "choices": [], "usage": _usage(requests)})
+    yield "data: [DONE]\n\n"
