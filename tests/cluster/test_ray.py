@@ -6,18 +6,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
+import subprocess
+import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[train]')")
 
-from distrun import final, max_difference, train, write_config  # noqa: E402
+from distrun import env, final, max_difference, train, write_config  # noqa: E402
+from ray.exceptions import ActorDiedError  # noqa: E402
+from ray.train import WorkerGroupError  # noqa: E402
 
+import torchkeel  # noqa: E402
 from torchkeel.errors import ConfigError  # noqa: E402
-from torchkeel.integrations.ray import RayJobFailed, fit  # noqa: E402
+from torchkeel.integrations.ray import RankFailed, RayJobFailed, ended_first, fit  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +110,60 @@ def test_a_worker_killed_under_ray_is_named_in_the_summary_with_its_machine(work
             num_workers=2,
             max_failures=0,
         )
+
+
+GLOO_LOST_PEER = "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4747"
+
+
+def test_the_rank_whose_process_died_ended_first_not_a_peer_whose_collective_broke_after():
+    """Ray reports both: rank 1's worker that died (SIGKILL) and rank 0's error from the collective
+    that lost rank 1, raised directly or as what failed while handling it (Ray destroys the group
+    meanwhile). The rank that ended first is the cause; rank 0's error is a consequence."""
+    try:
+        try:
+            raise RuntimeError(GLOO_LOST_PEER)
+        except RuntimeError:
+            raise ValueError("Default process group has not been initialized") from None
+    except ValueError as error:
+        while_handling = error
+    assert while_handling.__context__ is not None
+    for rank_0 in (RankFailed("vm", f"RuntimeError: {GLOO_LOST_PEER}"), RankFailed.of(while_handling)):
+        line = ended_first(WorkerGroupError("Training failed", {0: rank_0, 1: ActorDiedError()}))
+        assert line == (
+            "rank 1 ended first without an error of its own: its process died "
+            "(no detail from Ray: a signal, the out-of-memory killer or a crash)"
+        ), line
+    # Ray names only rank 0: its error followed another rank's end, and the line does not say it ended first.
+    line = ended_first(WorkerGroupError("Training failed", {0: RankFailed.of(while_handling)}))
+    assert line.startswith(f"rank 0 on {socket.gethostname()} failed after another rank went away: ValueError"), line
+
+
+def plain(line: str) -> str:
+    """A console line without Ray's colours, ``(Actor pid=N)`` prefix and dedup note."""
+    line = re.sub(r"\x1b\[[0-9;]*m", "", line)
+    line = re.sub(r"^\(\S+(?: pid=\d+)?(?:, ip=\S+)?\) ", "", line)
+    return re.sub(r"\s*\[repeated \d+x across cluster\].*$", "", line).strip()
+
+
+def test_keel_train_ray_prints_each_of_its_lines_once_and_no_line_of_rays_again_and_again(tmp_path):
+    """``keel train --ray`` starts its own Ray: each line keel prints in a worker reaches the console
+    once (Ray Train's print patch logged it a second time), and Ray does not repeat itself (its
+    placement-group cleaner warned every second that the state API, not in ray[train], did not answer)."""
+    write_config(tmp_path)
+    paths = env()
+    paths["PYTHONPATH"] = os.pathsep.join([str(Path(torchkeel.__file__).parents[1]), paths["PYTHONPATH"]])
+    done = subprocess.run(
+        [sys.executable, "-m", "torchkeel.cli.main", "train", "cfg.yaml", "--ray", "2", "train.max_steps=12"],
+        cwd=tmp_path,
+        env=paths,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [plain(line) for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert any(line.startswith("keel: ") for line in lines), lines
+    assert [line for line, n in Counter(lines).items() if n > 1] == [], lines
 
 
 PARQUET_CONFIG = """

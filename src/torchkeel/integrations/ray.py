@@ -27,10 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from torchkeel.config.load import load_config
+from torchkeel.distributed.group import CollectiveTimeout
 from torchkeel.errors import ConfigError, KeelError
 from torchkeel.io import write_json_atomic
 
 REPORTED = ("train", "val")
+# Settings of the Ray that fit starts, so that the console holds keel's lines, each once, and
+# Ray's errors. Ray Train's print patch logs every line a worker prints a second time, and its
+# worker logging puts the root logger at INFO, which prints a line for each report. Ray's own
+# loggers print INFO and WARNING lines in every process of the job, among them one a second from
+# Ray Train's placement-group cleaner when the state API (not in ray[train] alone) does not answer.
+RAY_WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "0"}
+RAY_LOG_LEVEL = "ERROR"  # ray.LoggingConfig: the root and ray loggers of the driver and every worker
 
 
 class RayJobFailed(KeelError):
@@ -38,14 +46,23 @@ class RayJobFailed(KeelError):
 
 
 class RankFailed(RuntimeError):
-    """A worker's own error, with the machine it ran on (Ray's report names only the rank)."""
+    """A worker's error, with the machine it ran on (Ray's report names only the rank).
 
-    def __init__(self, host: str, error: str) -> None:
+    ``after_peer``: the error followed another rank's end (a collective that lost its peer, or
+    what failed while handling that): a consequence, never the rank that ended first.
+    """
+
+    def __init__(self, host: str, error: str, after_peer: bool = False) -> None:
         super().__init__(f"{error} (on {host})")
-        self.host, self.error = host, error
+        self.host, self.error, self.after_peer = host, error, after_peer
+
+    @classmethod
+    def of(cls, error: BaseException) -> RankFailed:
+        """This worker's ``error``, on this machine."""
+        return cls(socket.gethostname(), f"{type(error).__name__}: {error}", after_peer(error))
 
     def __reduce__(self) -> tuple:
-        return type(self), (self.host, self.error)
+        return type(self), (self.host, self.error, self.after_peer)
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -69,7 +86,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     try:
         summary = trainer.fit()
     except Exception as error:
-        raise RankFailed(socket.gethostname(), f"{type(error).__name__}: {error}") from error
+        raise RankFailed.of(error) from error
     if summary.get("status") == "failed":
         raise RankFailed(socket.gethostname(), str(summary.get("error")))
     # The last report carries a small Ray checkpoint that points at keel's own (no copy of the
@@ -113,6 +130,9 @@ def fit(
     relative paths in the config mean the same to them. ``worker_env``: variables set in each
     worker before the Trainer starts. The run directory (``out_dir``) is made absolute here so
     that every worker writes the same place; on several machines it must be a shared filesystem.
+    When no Ray is initialized in this process, ``ray.init`` gets ``RAY_WORKER_ENV`` and
+    ``ray.LoggingConfig(log_level=RAY_LOG_LEVEL)``: keel's lines print once, Ray's errors only.
+    A Ray initialized before keeps its own settings.
     """
     try:
         import ray
@@ -134,7 +154,8 @@ def fit(
             address=address,
             include_dashboard=False,
             configure_logging=False,
-            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(python_path)}},
+            logging_config=ray.LoggingConfig(log_level=RAY_LOG_LEVEL),
+            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(python_path), **RAY_WORKER_ENV}},
             **({"_node_ip_address": node_ip_address} if node_ip_address else {}),
         )
     trainer = TorchTrainer(
@@ -183,15 +204,23 @@ def _run(trainer: Any, run_dir: Path) -> Any:
 
 def ended_first(error: BaseException) -> str | None:
     """One line from Ray's failure report (``WorkerGroupError.worker_failures``): the rank that
-    failed in its own right (not one that only saw another end), its machine and how it ended.
-    None when Ray names no worker."""
+    ended first, its machine and how it ended. None when Ray names no worker.
+
+    The rank that ended first is the cause; an error another rank raised after it went away (a
+    collective that lost its peer) is a consequence. So a rank's own error comes first, then a
+    worker whose process died (it could raise nothing), then an error that followed a peer's end;
+    among equals, the lowest rank.
+    """
     failures = getattr(error, "worker_failures", None)
     if not failures:
         return None
-    rank = min(failures, key=lambda r: ("ended first" in str(failures[r]), r))
+    rank = min(failures, key=lambda r: (_standing(failures[r]), r))
     failure = failures[rank]
     if isinstance(failure, RankFailed):
-        return f"rank {rank} on {failure.host} ended first: {failure.error.splitlines()[0][:300]}"
+        how = failure.error.splitlines()[0][:300]
+        if _standing(failure) == _AFTER_PEER:  # every rank Ray names failed after another: it names no cause
+            return f"rank {rank} on {failure.host} failed after another rank went away: {how}"
+        return f"rank {rank} on {failure.host} ended first: {how}"
     text = str(failure)
     found = {
         key: match[1]
@@ -211,6 +240,33 @@ def ended_first(error: BaseException) -> str | None:
     return f"{who} ended first without an error of its own: {how}" + (
         f"; its log: {found['log']}" if "log" in found else ""
     )
+
+
+_OWN_ERROR, _DIED, _AFTER_PEER = 0, 1, 2
+# What a collective (gloo, NCCL, the store) raises when the rank at its other end went away.
+_PEER_GONE = re.compile(r"(closed|reset) by peer|broken pipe|connection refused|ended first", re.IGNORECASE)
+
+
+def _standing(failure: BaseException) -> int:
+    """How a failure Ray reports stands as a cause: a rank's own error, a worker Ray lost (its
+    process died), or an error that followed another rank's end."""
+    if not isinstance(failure, RankFailed):
+        return _DIED
+    return _AFTER_PEER if failure.after_peer or _PEER_GONE.search(failure.error) else _OWN_ERROR
+
+
+def after_peer(error: BaseException) -> bool:
+    """Whether ``error``, or an error it was raised from or while handling, is a collective that
+    lost the rank at its other end (``CollectiveTimeout`` included): then ``error`` is a
+    consequence of that rank's end (Ray may destroy the group while the rank is still handling it)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, CollectiveTimeout) or _PEER_GONE.search(str(current)):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _summarize_failure(run_dir: Path, line: str, started: float) -> None:
