@@ -197,7 +197,7 @@ def _model_token_ids(config: Any, model: Any) -> tuple[dict[str, Any], str]:
     if hf.config is not None:
         return {k: hf.config[k] for k in keys if hf.config.get(k) is not None}, "model.hf.config"
     ids = {k: getattr(model.config, k, None) for k in keys}
-    return {k: v for k, v in ids.items() if v is not None}, f"the config.json of model.hf.path={hf.path!r}"
+    return {k: v for k, v in ids.items() if v is not None}, f"model.hf.path={hf.path!r} (its config.json)"
 
 
 def _set_token_ids(model: Any, tokenizer: Mapping[str, Any], positions: int | None) -> None:

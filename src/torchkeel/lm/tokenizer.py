@@ -197,13 +197,13 @@ def _json(path: Path) -> dict[str, Any]:
 
 def run_tokenizer_spec(config: Any) -> TokenizerSpec | None:
     """The tokenizer of a run: the one its text was tokenized with (``data.tokenizer`` of
-    ``data.format: text``), else the one saved beside the weights it fine-tuned
-    (``model.hf.path``); ``None`` for a run of token ids from a model of its own."""
+    ``data.format: text``), else the fast tokenizer (``tokenizer.json``) saved beside the weights
+    it fine-tuned (``model.hf.path``); ``None`` for a run of token ids from a model of its own."""
     if config.data.format == "text":
         return tokenizer_spec(config.data.tokenizer)
     hf = getattr(config.model, "hf", None)
     path = Path(hf.path).expanduser() if hf is not None and hf.path is not None else None
-    if path is not None and any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+    if path is not None and (path / "tokenizer.json").is_file():
         return TokenizerSpec(str(path))
     return None
 
