@@ -81,7 +81,14 @@ class SmallCNN(nn.Sequential):
         )
 
 
-MODELS = {"small": "SmallMLP", "wide": "BigMLP", "image": "SmallCNN", "grpc": "SmallMLP", "fastapi": "SmallMLP"}
+MODELS = {
+    "small": "SmallMLP",
+    "wide": "BigMLP",
+    "image": "SmallCNN",
+    "grpc": "SmallMLP",
+    "fastapi": "SmallMLP",
+    "fastapi-async": "SmallMLP",
+}
 PREPROCESS = {"mode": "RGB", "resize": 224, "crop": 224, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 LABELS = [f"class-{i}" for i in range(10)]
 
@@ -175,6 +182,31 @@ def fastapi_baseline_app(export_dir: str):
     return app
 
 
+def fastapi_async_baseline_app(export_dir: str):
+    """The unbatched baseline as a FastAPI user writes it for speed: an ``async def`` endpoint that
+    parses the JSON body itself and runs the model inline, on the event loop. Needs ``pip install fastapi``."""
+    from fastapi import FastAPI, Request
+
+    model = torch.jit.load(str(Path(export_dir) / "model.pt")).eval()
+    app = FastAPI()
+
+    async def predict(request: Request) -> dict:
+        doc = json.loads(await request.body())
+        x = torch.tensor(doc["instances"], dtype=torch.float32)
+        with torch.inference_mode():
+            out = model(x)
+        return {"predictions": out.tolist()}
+
+    predict.__annotations__["request"] = Request  # this module's annotations are strings; FastAPI needs the class
+    app.post("/v1/models/bench:predict")(predict)
+
+    @app.get("/v2/health/ready")
+    async def ready() -> dict:
+        return {}
+
+    return app
+
+
 def image_baseline_app(export_dir: str):
     """The plain image endpoint: per request, decode the JPEG with Pillow, normalize it with numpy
     as torchvision's ToTensor + Normalize, run the model, answer the top-5 labels; on the event loop."""
@@ -210,6 +242,10 @@ def image_baseline_app(export_dir: str):
             Route("/v2/health/ready", lambda r: JSONResponse({})),
         ]
     )
+
+
+BASELINES = {"image": image_baseline_app, "fastapi": fastapi_baseline_app, "fastapi-async": fastapi_async_baseline_app}
+"""The baseline server of each case (the others: ``baseline_app``)."""
 
 
 def free_port() -> int:
@@ -436,10 +472,9 @@ def measure(name: str, export_dir: Path, requests: int, rounds: int) -> dict[tup
             "rest": (keel, keel_port, v2_binary_requests(), False),
         }
     else:
-        flag = {"image": "--image-baseline-server", "fastapi": "--fastapi-baseline-server"}.get(
-            name, "--baseline-server"
+        baseline = launch(
+            [str(HERE / "serve.py"), "--baseline-server", name, str(export_dir), str(base_port)], base_port
         )
-        baseline = launch([str(HERE / "serve.py"), flag, str(export_dir), str(base_port)], base_port)
         bodies = image_requests() if name == "image" else v1_requests()
         contenders = {"keel": (keel, keel_port, bodies, False), "baseline": (baseline, base_port, bodies, False)}
     first, second = contenders
@@ -486,16 +521,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1500, help="requests per concurrency level, server and model")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds the requests are split into")
     parser.add_argument("--models", default="small,wide,image,grpc")
-    parser.add_argument("--baseline-server", nargs=2, metavar=("EXPORT_DIR", "PORT"), help=argparse.SUPPRESS)
-    parser.add_argument("--image-baseline-server", nargs=2, metavar=("EXPORT_DIR", "PORT"), help=argparse.SUPPRESS)
-    parser.add_argument("--fastapi-baseline-server", nargs=2, metavar=("EXPORT_DIR", "PORT"), help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-server", nargs=3, metavar=("MODEL", "EXPORT_DIR", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.baseline_server or args.image_baseline_server or args.fastapi_baseline_server:
+    if args.baseline_server:
         import uvicorn
 
-        export_dir, port = args.baseline_server or args.image_baseline_server or args.fastapi_baseline_server
-        make = baseline_app if args.baseline_server else image_baseline_app
-        app = fastapi_baseline_app(export_dir) if args.fastapi_baseline_server else make(export_dir)
+        name, export_dir, port = args.baseline_server
+        app = BASELINES.get(name, baseline_app)(export_dir)
         uvicorn.run(app, host="127.0.0.1", port=int(port), log_level="warning", access_log=False)
         return
     if PINNED:

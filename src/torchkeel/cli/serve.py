@@ -35,6 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="gRPC port, 0: none (default 8001; 8081 under KServe)",
     )
+    parser.add_argument(
+        "--read-timeout-s",
+        type=_seconds,
+        default=30.0,
+        help="each HTTP request must arrive in full (headers and body) within this time, else 408 and the "
+        "connection is closed; inference and responses are not bounded by it (default 30)",
+    )
     _batching_arguments(parser)
     _input_arguments(parser)
     parser.add_argument(
@@ -107,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         warmup_batch_sizes=args.warmup_batch_sizes,
         model_name=args.model_name,
+        read_timeout_s=args.read_timeout_s,
     )
     grpc = f", gRPC on {args.host}:{args.grpc_port}" if args.grpc_port else ""
     started = []
@@ -135,6 +143,17 @@ def _report(repository, where: str) -> None:
     for failed in repository.unavailable:
         print(f"not serving {failed.name} from {failed.path}: {failed.reason}", file=sys.stderr, flush=True)
     print(f"listening on {where} (KServe v2 /v2, v1 /v1, /metrics)", flush=True)
+
+
+def _seconds(text: str) -> float:
+    """A positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def _sizes(text: str) -> tuple[int, ...]:

@@ -1,7 +1,14 @@
 """The HTTP server: routes only. Parsing is in ``protocol``, the models in ``model`` and
 ``repository``, batching in ``batcher``, metrics in ``metrics``, gRPC in ``grpc``, KServe v1
-prediction in ``v1``; what both front ends share in ``server``. KServe v2 /
-Triton REST under ``/v2``, KServe v1 under ``/v1``, Prometheus at ``/metrics``.
+prediction in ``v1``; what both front ends share in ``server``; the connections (a bound on
+the time a request takes to arrive) in ``transport``. KServe v2 / Triton REST under ``/v2``,
+KServe v1 under ``/v1``, Prometheus at ``/metrics``.
+
+The two inference routes, ``POST /v2/models/{name}[/versions/{version}]/infer`` and ``POST
+/v1/models/{name}:predict``, are the whole request path of a client under load: they are
+answered by ``InferenceRoutes`` ahead of Starlette's router and middleware (a split of the
+path, then the model), which is most of what a request costs besides the model. Every other
+request, and those paths with another method, go through the Starlette routes below.
 """
 
 from __future__ import annotations
@@ -11,15 +18,18 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import json
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
+from starlette.middleware import Middleware
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from torchkeel._version import __version__
 from torchkeel.errors import ConfigError
@@ -66,26 +76,57 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
             warming.cancel()
         await server.stop()  # everything already queued is answered first
 
-    async def read_body(request: Request) -> bytes:
+    async def body_of(scope: Scope, receive: Receive) -> bytes:
         """The body, or a 413 the client can read: what is left of an oversized body is read and
         dropped first (see ``_drain``), so that closing the connection does not reset it."""
-        declared = request.headers.get("content-length")
+        declared = header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_body:
             if int(declared) <= max_drain:
-                await _drain(request.stream(), int(declared))
+                await _drain(receive, int(declared))
             raise _too_large(f"the body has {declared} bytes")
-        stream = request.stream()
         chunks, size = [], 0
-        async for chunk in stream:  # a chunked body declares no length: count it
+        while True:  # a chunked body declares no length: count it
+            message = await receive()
+            if message["type"] == "http.disconnect":  # gone, or cut off by the transport's read timeout
+                raise ProtocolError(400, "the client closed the connection before the whole body arrived")
+            chunk = message.get("body", b"")
             size += len(chunk)
             if size > max_body:
-                await _drain(stream, max_drain - size)
+                await _drain(receive, max_drain - size)
                 raise _too_large(f"the body has more than {max_body} bytes")
             chunks.append(chunk)
-        return b"".join(chunks)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def read_body(request: Request) -> bytes:
+        return await body_of(request.scope, request.receive)
 
     def _too_large(what: str) -> ProtocolError:
         return ProtocolError(413, f"{what}; the limit is {max_body} bytes (--max-body-mb)", {"Connection": "close"})
+
+    async def infer_answer(model: ServedModel, scope: Scope, receive: Receive) -> Answer:
+        body = await body_of(scope, receive)
+        parsed = parse_infer(
+            body,
+            header(scope, HEADER_LENGTH_KEY),
+            model.inputs,
+            model.outputs,
+            opts.max_batch_size,
+            opts.allow_nonfinite,
+            one_of=model.is_image_model,
+        )
+        results = await model.infer(parsed)
+        payload, headers = encode_infer(model.name, model.version, parsed, results)
+        return Answer(200, payload, "application/octet-stream" if headers else "application/json", headers)
+
+    async def predict_answer(model: ServedModel, scope: Scope, receive: Receive) -> Answer:
+        return Answer(200, render_json(await v1_predict(model, await body_of(scope, receive), opts)))
+
+    answers = {"v2": infer_answer, "v1": predict_answer}
+
+    async def answered(protocol: str, model: ServedModel, request: Request) -> Response:
+        answer = await model.counted(protocol, lambda: answers[protocol](model, request.scope, request.receive))
+        return Response(answer.payload, answer.status, answer.headers, answer.media_type)
 
     def model_of(request: Request) -> ServedModel:
         return repository.get(request.path_params["name"], request.path_params.get("version"))
@@ -108,26 +149,8 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
     async def repository_index(request: Request) -> Response:
         return JSONResponse(repository.index())
 
-    async def infer(request: Request) -> Response:
-        model = model_of(request)
-
-        async def handle() -> Response:
-            body = await read_body(request)
-            parsed = parse_infer(
-                body,
-                request.headers.get(HEADER_LENGTH),
-                model.inputs,
-                model.outputs,
-                opts.max_batch_size,
-                opts.allow_nonfinite,
-                one_of=model.is_image_model,
-            )
-            results = await model.infer(parsed)
-            payload, headers = encode_infer(model.name, model.version, parsed, results)
-            media = "application/octet-stream" if headers else "application/json"
-            return Response(payload, media_type=media, headers=headers)
-
-        return await model.counted("v2", handle)
+    async def infer(request: Request) -> Response:  # InferenceRoutes answers first: the same answer
+        return await answered("v2", model_of(request), request)
 
     async def v1_models(request: Request) -> Response:
         return JSONResponse({"models": sorted(repository.models)})
@@ -137,12 +160,8 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
         model = repository.get(name)
         if request.method == "GET" and not verb:
             return JSONResponse({"name": model.name, "ready": repository.model_ready(model)})
-        if request.method == "POST" and verb == "predict":
-
-            async def handle() -> Response:
-                return JSONResponse(await v1_predict(model, await read_body(request), opts))
-
-            return await model.counted("v1", handle)
+        if request.method == "POST" and verb == "predict":  # InferenceRoutes answers first: the same answer
+            return await answered("v1", model, request)
         if verb == "predict":
             return error(
                 405,
@@ -178,18 +197,100 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
         routes=routes,
         lifespan=lifespan,
         exception_handlers={404: not_found, 405: not_allowed, ProtocolError: protocol_error},
+        middleware=[Middleware(InferenceRoutes, repository=repository, answers=answers)],
     )
     app.state.server = server
     return app
 
 
-async def _drain(stream: AsyncIterator[bytes], limit_bytes: int, timeout_s: float = DRAIN_S) -> None:
+HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
+
+
+class Answer(NamedTuple):
+    """An inference route's response: status, body, media type, extra headers."""
+
+    status: int
+    payload: bytes
+    media_type: str = "application/json"
+    headers: dict[str, str] | None = None
+
+
+Answerer = Callable[[ServedModel, Scope, Receive], Awaitable[Answer]]
+
+
+class InferenceRoutes:
+    """ASGI middleware: ``POST`` to the inference routes is answered here, ahead of Starlette's
+    router and middleware; anything else goes on to ``app``. ``answers[protocol](model, scope,
+    receive)`` makes the answer, counted by the model as the Starlette routes count it."""
+
+    def __init__(self, app: ASGIApp, repository: ModelRepository, answers: dict[str, Answerer]) -> None:
+        self.app, self.repository, self.answers = app, repository, answers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = inference_route(route_path(scope)) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if route is None:
+            return await self.app(scope, receive, send)
+        protocol, name, version = route
+        try:
+            model = self.repository.get(name, version)
+            answer = await model.counted(protocol, lambda: self.answers[protocol](model, scope, receive))
+        except ProtocolError as exc:
+            answer = Answer(
+                exc.status, render_json(exc.body if exc.body is not None else {"error": str(exc)}), headers=exc.headers
+            )
+        headers = [
+            (b"content-length", str(len(answer.payload)).encode()),
+            (b"content-type", answer.media_type.encode()),
+        ]
+        headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (answer.headers or {}).items()]
+        await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+        await send({"type": "http.response.body", "body": answer.payload})
+
+
+def inference_route(path: str) -> tuple[str, str, str | None] | None:
+    """``("v2" | "v1", model name, version or None)`` for a path of an inference route, else ``None``."""
+    if path.startswith("/v2/models/") and path.endswith("/infer"):
+        parts = path[11:-6].split("/")
+        if len(parts) == 1 and parts[0]:
+            return "v2", parts[0], None
+        if len(parts) == 3 and parts[1] == "versions" and parts[0] and parts[2]:
+            return "v2", parts[0], parts[2]
+    elif path.startswith("/v1/models/") and path.endswith(":predict") and len(path) > 19:
+        name = path[11:-8]
+        if "/" not in name:
+            return "v1", name, None
+    return None
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes see: the request's, less the ``root_path`` the app is mounted under."""
+    path, root = scope["path"], scope.get("root_path")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    """The first value of the request header ``name`` (lower case), or ``None``."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def render_json(content: Any) -> bytes:
+    """JSON as Starlette's ``JSONResponse`` writes it (NaN is refused: a ValueError)."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+async def _drain(receive: Receive, limit_bytes: int, timeout_s: float = DRAIN_S) -> None:
     """Read and drop the rest of a request body: up to ``limit_bytes``, for at most ``timeout_s``."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    with contextlib.suppress(asyncio.TimeoutError, ClientDisconnect, StopAsyncIteration):
+    with contextlib.suppress(asyncio.TimeoutError):
         while limit_bytes > 0:
-            limit_bytes -= len(await asyncio.wait_for(anext(stream), deadline - loop.time()))
+            message = await asyncio.wait_for(receive(), deadline - loop.time())
+            limit_bytes -= len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
@@ -223,12 +324,20 @@ def serve_in_background(export_dirs: str | Path | Sequence[str | Path], options:
 
     import uvicorn
 
+    from torchkeel.serve.transport import bounded_read_protocol
+
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    options = options or ServeOptions()
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(export_dirs, options), host="127.0.0.1", port=port, log_level="warning", access_log=False
+            create_app(export_dirs, options),
+            host="127.0.0.1",
+            port=port,
+            http=bounded_read_protocol(options.read_timeout_s),
+            log_level="warning",
+            access_log=False,
         )
     )
     thread = threading.Thread(target=server.run, name="torchkeel-serve", daemon=True)
@@ -275,7 +384,10 @@ def serve(
 
     import uvicorn
 
+    from torchkeel.serve.transport import bounded_read_protocol
+
     options = dataclasses.replace(options or ServeOptions(), grpc_host=host, http_host=host, http_port=port)
+    protocol = bounded_read_protocol(options.read_timeout_s)  # a bad bound is an error before anything starts
     for flag, number in (("--port", port), ("--grpc-port", options.grpc_port)):
         if number:
             _check_free(host, number, flag)
@@ -284,7 +396,7 @@ def serve(
         on_start(app.state.server.repository)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+        uvicorn.run(app, host=host, port=port, http=protocol, log_level="warning", access_log=False)
     except _Terminated:
         pass
     finally:

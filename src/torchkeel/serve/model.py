@@ -74,6 +74,10 @@ class ServeOptions:
     4, ... up to ``max_batch_size``; ``()``: no warm-up."""
     model_name: str | None = None
     """Serve the one export under this name (KServe's ``--model_name``)."""
+    read_timeout_s: float = 30.0
+    """Each HTTP request must arrive in full (headers and body) within this many seconds of its
+    first byte, else a 408 and the connection is closed (``serve.transport``); inference and the
+    response are not bounded by it."""
 
     def warmup_sizes(self) -> list[int]:
         if self.warmup_batch_sizes is not None:

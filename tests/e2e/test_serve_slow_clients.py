@@ -1,0 +1,149 @@
+"""Slow clients: a request must arrive in full within ``--read-timeout-s``, while other clients are served.
+
+Each slow client is a raw socket that sends part of a request (byte by byte, or once and then
+nothing) and never finishes; the server must answer it 408 (or, when nothing was sent, close)
+within the bound plus slack, and every normal request in that window must succeed.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+from serveproc import Server, exported  # noqa: F401 - exported is a fixture
+
+from torchkeel.serve.app import serve_in_background
+from torchkeel.serve.model import ServeOptions
+
+BOUND_S = 1.5
+SLACK_S = 6.0  # generous: a loaded CI machine; the old server never answers at all
+TRICKLE_S = 0.1  # between the bytes a trickling client sends
+
+V1_BODY = json.dumps({"instances": np.zeros((1, 32)).tolist()}).encode()
+
+
+def post(path: str, body: bytes, length: int | None = None) -> bytes:
+    """A POST's request line, headers and ``body``, declaring ``length`` bytes (default: the body's)."""
+    size = len(body) if length is None else length
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class SlowClient(threading.Thread):
+    """Sends ``at_once``, then ``trickle`` one byte at a time (and then nothing), and reads what
+    comes back until the server closes or ``SLACK_S`` past the bound."""
+
+    def __init__(self, port: int, at_once: bytes = b"", trickle: bytes = b"") -> None:
+        super().__init__(daemon=True)
+        self.port, self.at_once, self.trickle = port, at_once, trickle
+        self.received = b""
+        self.closed_after_s: float | None = None  # None: still open when the client gave up
+
+    def run(self) -> None:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=TRICKLE_S) as sock:
+            start = time.monotonic()
+            sock.sendall(self.at_once)
+            pending = list(self.trickle)
+            while time.monotonic() - start < BOUND_S + SLACK_S:
+                if pending:
+                    try:
+                        sock.send(bytes([pending.pop(0)]))
+                    except OSError:  # closed by the server while we send
+                        pass
+                try:
+                    chunk = sock.recv(65536)
+                except TimeoutError:
+                    continue
+                except ConnectionResetError:
+                    chunk = b""
+                if not chunk:
+                    self.closed_after_s = time.monotonic() - start
+                    return
+                self.received += chunk
+
+    def responses(self) -> list[tuple[int, dict]]:
+        """The (status, JSON body) of each response received, in order."""
+        out, rest = [], self.received
+        while rest:
+            head, _, rest = rest.partition(b"\r\n\r\n")
+            lines = head.decode().split("\r\n")
+            length = next(int(v) for k, _, v in (h.partition(": ") for h in lines[1:]) if k.lower() == "content-length")
+            out.append((int(lines[0].split()[1]), json.loads(rest[:length])))
+            rest = rest[length:]
+        return out
+
+
+def slow_clients(port: int) -> dict[str, SlowClient]:
+    infer = "/v2/models/tiny/infer"
+    first = post("/v1/models/tiny:predict", V1_BODY)
+    return {
+        "sends nothing": SlowClient(port),
+        "headers trickled": SlowClient(port, trickle=post(infer, b"{}")[:-8]),
+        "body stalled": SlowClient(port, at_once=post(infer, b"{", length=1000)),
+        "body trickled": SlowClient(
+            port, at_once=post("/v1/models/tiny:predict", b"", length=len(V1_BODY)), trickle=V1_BODY[:-1]
+        ),
+        "LM route body stalled": SlowClient(port, at_once=post("/v1/completions", b'{"prompt"', length=500)),
+        "keep-alive, second request trickled": SlowClient(port, at_once=first, trickle=post(infer, b"{}")[:-1]),
+    }
+
+
+def check_slow_clients(clients: dict[str, SlowClient]) -> None:
+    for name, client in clients.items():
+        client.join(BOUND_S + SLACK_S + 5)
+        assert client.closed_after_s is not None, f"{name}: still open {BOUND_S + SLACK_S:.1f} s on"
+        statuses = [status for status, _ in client.responses()]
+        if name == "sends nothing":
+            assert statuses == [], name
+            continue
+        assert statuses == ([200, 408] if name.startswith("keep-alive") else [408]), (name, statuses)
+        assert "--read-timeout-s" in client.responses()[-1][1]["error"], name
+
+
+def test_slow_clients_time_out_while_others_are_served(exported):
+    server = Server(exported[0], "--read-timeout-s", str(BOUND_S))
+    try:
+        clients = slow_clients(server.port)
+        for client in clients.values():
+            client.start()
+        statuses: list[int] = []
+        deadline = time.monotonic() + BOUND_S + 1.0  # the window in which the slow clients hold on
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        while time.monotonic() < deadline:  # one keep-alive client at its usual pace
+            connection.request("POST", "/v1/models/tiny:predict", V1_BODY, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            response.read()
+            statuses.append(response.status)
+        connection.close()
+        fresh = [server.request("POST", "/v1/models/tiny:predict", V1_BODY)[0] for _ in range(5)]
+        check_slow_clients(clients)
+        assert set(statuses) == {200} and len(statuses) >= 10, statuses
+        assert fresh == [200] * 5
+        assert server.request("POST", "/v1/models/tiny:predict", V1_BODY)[0] == 200  # still serving
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_slow_inference_or_response_is_not_cut(exported):
+    """The bound is on reading the request only: a forward slower than it still answers."""
+    env = {"TORCHKEEL_TEST_FORWARD_SLEEP_S": str(BOUND_S * 2)}
+    server = Server(exported[0], "--read-timeout-s", str(BOUND_S), "--warmup-batch-sizes", "none", env=env)
+    try:
+        status, body, _ = server.request("POST", "/v1/models/tiny:predict", V1_BODY)
+        assert status == 200 and len(json.loads(body)["predictions"]) == 1
+    finally:
+        assert server.stop() == 0
+
+
+def test_serve_in_background_bounds_the_read_too(exported):
+    with serve_in_background(exported[0], ServeOptions(read_timeout_s=BOUND_S)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        client = SlowClient(port, at_once=post("/v2/models/tiny/infer", b"{", length=1000))
+        client.start()
+        check_slow_clients({"body stalled": client})
