@@ -22,6 +22,7 @@ from serveproc import Server, metric  # noqa: E402
 
 from torchkeel import generate, open_language_model  # noqa: E402
 from torchkeel.export import export_run  # noqa: E402
+from torchkeel.export.export import export_pretrained  # noqa: E402
 
 NAME = "served-lm"
 PROMPTS = ["The function returns", "Return the", "import", "A list of", "If the", "x", "This module", "def"]
@@ -33,6 +34,7 @@ def export(tmp_path_factory):
     tokenizer = trained_tokenizer(corpus(out), out / "tokenizer")
     run = train_lm(out, NAME, GPT2 % 384, f"data.tokenizer={tokenizer}")
     export_run(run, "onnx")
+    export_pretrained(run)
     return out, run
 
 
@@ -428,7 +430,8 @@ V2 = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop"]
 def bodies(draw, fields: list[str], required: dict[str, object]) -> dict:
     """A valid body of some of ``fields``, then 0-2 of its fields (or others) made anything."""
     body = {**required, **{k: draw(VALID[k]) for k in draw(st.lists(st.sampled_from(fields), unique=True))}}
-    for key in draw(st.lists(st.sampled_from([*fields, *required, "logprobs", "best_of", "user", "id"]), max_size=2)):
+    others = st.one_of(st.sampled_from([*fields, *required, "logprobs", "best_of", "user", "id"]), texts)
+    for key in draw(st.lists(others, max_size=2)):
         body[key] = draw(anything)
     return body
 
@@ -443,7 +446,7 @@ def requests(draw) -> tuple[str, dict]:
         return "/v1/chat/completions", {"model": NAME, "messages": draw(messages)}
     parameters = draw(bodies(V2, {"max_tokens": draw(VALID["max_tokens"])}))  # the default, 64, fills the context
     body = {"text_input": draw(VALID["text_input"]), "parameters": parameters}
-    for key in draw(st.lists(st.sampled_from(["text_input", "parameters", "id"]), max_size=1)):
+    for key in draw(st.lists(st.one_of(st.sampled_from(["text_input", "parameters", "id"]), texts), max_size=1)):
         body[key] = draw(anything)
     return f"/v2/models/{NAME}/{kind}", body
 
@@ -465,3 +468,14 @@ def test_generated_request_bodies_are_answered_or_refused_never_5xx(server, case
         assert not any("error" in json.loads(e) for e in events if e != "[DONE]"), (path, body, events[-1])
     else:
         json.loads(raw)
+
+
+def test_an_lm_export_without_a_cache_says_so_and_names_the_export_that_scales(export):
+    """An ONNX LM recomputes every stream's whole sequence per token (no key/value cache): the
+    server says once at start that streams at once do not scale, and to serve the hf export,
+    which decodes with its cache and says nothing."""
+    from torchkeel.serve.app import create_app
+
+    [note] = create_app(export[1] / "export-onnx").state.server.repository.notes()
+    assert note.startswith(f"{NAME}: this onnx export") and "--format hf" in note and "no key/value cache" in note
+    assert create_app(export[1] / "export-hf").state.server.repository.notes() == []

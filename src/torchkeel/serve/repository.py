@@ -23,8 +23,8 @@ from torchkeel.serve.model import VERSION, ServedModel, ServeOptions
 from torchkeel.serve.tensors import ProtocolError
 
 # bench/generate.py: 8 streams at once over the same 8 one after another, tokens/s (docs/language-models.md).
-RECOMPUTE_SCALING = "8 streams at once: 0.5-1.4x the tokens/s of the same 8 one after another"
-CACHED_SCALING = "3.9x"
+RECOMPUTE_SCALING = "8 streams at once were measured at 0.5-1.4x the tokens/s of the same 8 one after another"
+CACHED_SCALING = "4-9.5x"
 
 
 @dataclass
@@ -106,7 +106,7 @@ class ModelRepository:
         export) recomputes every stream's whole sequence for each token, so streams served at
         once gain little over the same streams one after another, where the hf export scales."""
         return [
-            f"{m.name}: a {m.meta['format']} export of a language model has no key/value cache: each new token "
+            f"{m.name}: this {m.meta['format']} export of a language model has no key/value cache: each new token "
             "runs every stream's whole sequence again, so concurrent streams share about one stream's throughput "
             f"({RECOMPUTE_SCALING}); to serve concurrent streams, serve `keel export RUN --format hf` instead, "
             f"decoded with its cache ({CACHED_SCALING})"

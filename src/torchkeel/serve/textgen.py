@@ -298,14 +298,20 @@ def _is_int(value: Any) -> bool:
 
 
 def _param_error(message: str, param: str | None) -> ProtocolError:
-    return ProtocolError(400, message, param=param)
+    return ProtocolError(400, _sendable(message), param=_sendable(param))
 
 
 def _openai_error(status: int, message: str, param: str | None, code: str | None = None) -> ProtocolError:
     """An error in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``)."""
+    message, param = _sendable(message), _sendable(param)
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return ProtocolError(status, message, param=param, body=body)
+
+
+def _sendable(text: str | None) -> str | None:
+    """``text`` as UTF-8 can carry it: a client's field name can hold a lone surrogate (escaped here)."""
+    return text if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _usage(requests: list[GenerationRequest]) -> dict[str, int]:
