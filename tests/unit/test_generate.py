@@ -207,23 +207,36 @@ def test_generate_takes_the_tokenizers_users_have_through_one_adapter(tmp_path):
 
 
 def test_the_generate_code_blocks_of_the_language_models_guide_run_as_written(tmp_path, monkeypatch, capsys):
-    """Each Python block of docs/language-models.md that calls ``generate``, run in a directory
-    that holds what its paths name: the ``--format hf`` export of a text run."""
+    """Each Python block and ``keel generate`` line of docs/language-models.md, run in a directory
+    that holds what their paths name: a text run and its ``--format hf`` and ONNX exports."""
     import re
+    import shlex
     from pathlib import Path
 
     from textrun import train_text_lm
+    from torchkeel.cli.main import main
+    from torchkeel.export import export_run
     from torchkeel.export.export import export_pretrained
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "language-models.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "generate(" in b]
-    assert blocks
-    export_pretrained(train_text_lm(tmp_path / "runs", "gpt2-bytes"))
+    lines = [line.split("#")[0] for line in re.findall(r"^keel generate .*$", text, re.M)]
+    assert blocks and len(lines) >= 4
+    run = train_text_lm(tmp_path / "runs", "gpt2-bytes")
+    export_pretrained(run)
+    export_run(run, "onnx")
     monkeypatch.chdir(tmp_path)
     for n, block in enumerate(blocks):
         capsys.readouterr()
         exec(compile(block, f"docs/language-models.md block {n}", "exec"), {})
         assert capsys.readouterr().out.strip()
+    printed = {}
+    for line in lines:
+        capsys.readouterr()
+        assert main(shlex.split(line)[1:]) == 0, line
+        printed[line.split()[2]] = capsys.readouterr().out
+        assert "def main(" in printed[line.split()[2]]
+    assert printed["runs/gpt2-bytes/export-hf"] == printed["runs/gpt2-bytes/export-onnx"]  # "the same text"
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
