@@ -35,7 +35,10 @@ def test_tensorboard_holds_every_scalar_at_its_step(tiny_config):
         ("train", "lr"),
         ("train", "grad_norm"),
         ("train", "samples_per_s"),
+        ("train", "epoch"),
+        ("train", "wall_s"),
         ("val", "val_loss"),
+        ("val", "wall_s"),
         ("val", "val_accuracy"),
         ("memory", "rss_bytes"),
     ):
@@ -60,6 +63,8 @@ def test_a_plugged_in_logger_gets_the_rows_incidents_and_close(tiny_config):
     train_rows = rows_of(trainer.run_dir, "train")
     logged = [(s, v["train/loss"]) for s, v in logger.metrics if "train/loss" in v]
     assert logged == [(r["step"], r["loss"]) for r in train_rows]
+    every = [(s, v["train/epoch"], v["train/wall_s"]) for s, v in logger.metrics if "train/loss" in v]
+    assert every == [(r["step"], r["epoch"], r["wall_s"]) for r in train_rows]  # every scalar, these two too
     assert [r["kind"] for r in logger.incidents] and {r["kind"] for r in logger.incidents} == {"memory"}
 
 

@@ -38,7 +38,8 @@ def test_every_scalar_the_config_and_the_incidents_reach_mlflow(tiny_config, sto
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "tiny"
     assert client.get_experiment(run.info.experiment_id).name == "tiny"  # the run's name by default
-    for kind, key in (("train", "loss"), ("train", "lr"), ("val", "val_loss"), ("memory", "rss_bytes")):
+    every = ("loss", "lr", "epoch", "wall_s")
+    for kind, key in [("train", k) for k in every] + [("val", "val_loss"), ("val", "epoch"), ("memory", "rss_bytes")]:
         expected = [(r["step"], r[key]) for r in rows_of(trainer.run_dir, kind)]
         got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, f"{kind}/{key}"))
         assert [s for s, _ in got] == [s for s, _ in expected] and expected, key
@@ -62,6 +63,10 @@ def test_a_preempted_run_is_killed_then_resumed_into_the_same_mlflow_run(tiny_co
     assert the_run(store, second)[1] == run_id and client.get_run(run_id).info.status == "FINISHED"
     steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
     assert max(steps) == max(r["step"] for r in rows_of(second.run_dir, "train"))
+    # The run's seconds run on across the resume, to the whole run's wall_s.
+    walls = [m.value for m in sorted(client.get_metric_history(run_id, "train/wall_s"), key=lambda m: m.step)]
+    assert len(walls) == len(steps) and walls == sorted(walls)
+    assert walls[-1] <= second.files.summary["wall_s"] and walls[-1] > first.files.summary["wall_s"]
     assert len(client.search_runs([client.get_experiment_by_name("team").experiment_id])) == 1
 
 

@@ -29,7 +29,7 @@ from torchkeel.config.imports import build_target
 from torchkeel.errors import ConfigError, MissingExtraError
 from torchkeel.train.tracking import MlflowLogger, WandbLogger
 
-_NOT_SCALARS = {"kind", "step", "epoch", "wall_s", "time"}
+_NOT_SCALARS = {"kind", "step", "time"}  # the rest of a row's numbers, epoch and wall_s included, go out
 FLUSH_ROWS, FLUSH_S = 100, 30.0
 
 

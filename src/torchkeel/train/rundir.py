@@ -90,6 +90,21 @@ def check_run_dir(out_dir: str | Path, name: str, *, resume: bool = False, overw
     return run_dir
 
 
+def earlier_wall_s(run_dir: Path) -> float:
+    """Seconds the earlier processes of a run took, for its resumed process to count on from: the
+    latest ``wall_s`` they recorded, in ``summary.json`` (a process that ended) or in a row of
+    ``metrics.jsonl`` (one that was killed: its time after its last row written is lost). Read
+    before the rows after the checkpoint are dropped, so that a killed process's work after its
+    checkpoint, which the resumed one does again, still counts."""
+    metrics, summary = run_dir / "metrics.jsonl", run_dir / "summary.json"
+    recorded = [row.get("wall_s") for row in read_metrics(metrics)] if metrics.exists() else []
+    try:
+        recorded.append(json.loads(summary.read_text()).get("wall_s"))
+    except (OSError, ValueError, AttributeError):  # none, or not a summary
+        pass
+    return max((float(s) for s in recorded if isinstance(s, (int, float)) and not isinstance(s, bool)), default=0.0)
+
+
 def _set_aside(run_dir: Path) -> PreviousRun:
     """Move the run ``--overwrite`` replaces to ``.<name>.previous`` (refusing what is not a run)."""
     if not any((run_dir / marker).exists() for marker in RUN_MARKERS):
@@ -145,6 +160,7 @@ class RunFiles:
         self._loggers = RunLoggers([])
         self._previous: PreviousRun | None = None
         self._start = time.perf_counter()
+        self._earlier_s = 0.0  # the earlier processes' seconds, of a resumed run (rank 0)
         self.summary: dict[str, Any] = {}
         self.row_hooks: list[Callable[[dict[str, Any]], None]] = []
 
@@ -157,6 +173,8 @@ class RunFiles:
             return
         text = yaml.safe_dump(config, sort_keys=False)
         _, self._previous = prepare_run_dir(self.run_dir.parent, self.run_dir.name, overwrite=overwrite, resume=resume)
+        if resume_step is not None:
+            self._earlier_s = earlier_wall_s(self.run_dir)  # before the rows after the checkpoint go
         write_text_atomic(self.run_dir / "config.yaml", text)
         for name in ("metrics.jsonl", "incidents.jsonl"):
             drop_rows_after(self.run_dir / name, resume_step or 0)
@@ -174,10 +192,17 @@ class RunFiles:
 
     @property
     def wall_s(self) -> float:
+        """Seconds the run has taken so far: this process's, and on rank 0 of a resumed run its
+        earlier processes' (``earlier_wall_s``)."""
+        return self._earlier_s + self.process_wall_s
+
+    @property
+    def process_wall_s(self) -> float:
+        """Seconds since this process opened the run."""
         return time.perf_counter() - self._start
 
     def log(self, row: dict[str, Any]) -> None:
-        """A ``metrics.jsonl`` row (stamped with ``wall_s``), to every logger and the console (rank
+        """A ``metrics.jsonl`` row (stamped with the run's ``wall_s``), to every logger and the console (rank
         0), and to ``row_hooks`` on every rank: the Trainer logs the same rows at the same steps on
         every rank, which an engine that needs every rank to report (Ray Train) relies on."""
         row["wall_s"] = round(self.wall_s, 4)
@@ -232,8 +257,14 @@ class RunFiles:
             self.incident(kind, step, message, **details)
 
     def totals(self) -> dict[str, Any]:
-        """The summary's share: incidents by kind, seconds since ``open()``, the run directory."""
-        return {"incidents": dict(self.incidents.counts), "wall_s": round(self.wall_s, 3), "run_dir": str(self.run_dir)}
+        """The summary's share: incidents by kind, the run's seconds (``wall_s``: every process of
+        it; ``process_wall_s``: this one, since ``open()``), the run directory."""
+        return {
+            "incidents": dict(self.incidents.counts),
+            "wall_s": round(self.wall_s, 3),
+            "process_wall_s": round(self.process_wall_s, 3),
+            "run_dir": str(self.run_dir),
+        }
 
     def record(self, step: int, found: Observed) -> None:
         """Log and record what the protections found at ``step``; then raise the error they give, if any."""
