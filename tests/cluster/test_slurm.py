@@ -454,11 +454,80 @@ def test_a_real_slurm_job_is_warned_saves_requeues_and_finishes(work, tmp_path):
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm_env, check=True)
         wait_for(lambda: job_state(job, slurm_env).get("JobState") == "COMPLETED", 240, "the requeued job to finish")
     text = log.read_text()
-    assert "time limit in 60 s: saving a checkpoint, then requeueing" in text
+    assert "time limit in 60 s: passing SIGUSR1 to the job step" in text
+    assert f"keel: asked Slurm to requeue job {job}" in text
     assert f"resumed: step {stopped['steps']}" in text and "status completed" in text
-    # The warning, the save and the requeue are the normal end of a time-limited start.
-    assert "Traceback" not in text and "srun: error" not in text, text[-4000:]
+    # The step of the first start exits 143 (srun says so): a stopped run is not a success.
+    assert "Traceback" not in text, text[-4000:]
     found, weights = final(work, "slurm")
     _, expected = final(work, "steady")
     assert found.step == 3000 and stopped["steps"] < 3000
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
+
+
+def submit(work, slurm_env, arguments: list[str]) -> str:
+    """``arguments`` run in ``work`` (``keel slurm ... --submit`` or ``sbatch SCRIPT``); the job id."""
+    done = subprocess.run(
+        arguments, cwd=work, env=env(SLURM_CONF=slurm_env["SLURM_CONF"]), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return re.search(r"Submitted batch job (\d+)", done.stdout).group(1)
+
+
+def signal_the_step_and_wait_for_the_end(work, slurm_env, job: str, name: str) -> dict[str, str]:
+    """Once run ``name`` logged step 20: ``scancel --signal=TERM JOBID``, without ``--batch`` (the
+    job step is signalled, not the batch shell); ``scontrol show job``'s fields once the job was
+    requeued or has ended."""
+    metrics = work / "runs" / name / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and '"step": 20,' in metrics.read_text(), 180, f"{name} to train under Slurm")
+    subprocess.run(["scancel", "--signal=TERM", job], env=slurm_env, check=True)
+
+    def ended() -> bool:
+        state = job_state(job, slurm_env)
+        return state.get("Restarts") == "1" or state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED")
+
+    wait_for(ended, 120, f"job {job} to be requeued or to end")
+    state = job_state(job, slurm_env)
+    subprocess.run(["scancel", job], env=slurm_env)  # a requeued job would start again
+    return state
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(missing()), reason=f"Slurm is not installed here (missing: {', '.join(missing())})")
+def test_a_real_keel_slurm_job_whose_step_gets_sigterm_is_requeued_not_completed(work, tmp_path):
+    """As a person stops a job step: ``scancel --signal=TERM JOBID``. Before, Slurm recorded the
+    job COMPLETED with exit code 0 after a third of the run."""
+    with slurm_cluster(tmp_path / "slurm") as slurm_env:
+        flags = ["--nodes", "1", "--gpus-per-node", "0", "--time", "00:10:00", "--warn-s", "60"]
+        keel = [sys.executable, "-m", "torchkeel.cli.main", "slurm", "cfg.yaml", "name=slurm-term"]
+        job = submit(work, slurm_env, [*keel, "train.max_steps=3000", *flags, "-o", "term.sbatch", "--submit"])
+        state = signal_the_step_and_wait_for_the_end(work, slurm_env, job, "slurm-term")
+    stopped = summary(work, "slurm-term")
+    assert stopped["status"] == "preempted" and stopped["steps"] < 3000
+    assert state["Restarts"] == "1" and state["JobState"] != "COMPLETED", state
+    text = (work / f"slurm-term-{job}.out").read_text()
+    assert f"keel: asked Slurm to requeue job {job}" in text and "Traceback" not in text, text[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(missing()), reason=f"Slurm is not installed here (missing: {', '.join(missing())})")
+@pytest.mark.parametrize("requeue", ["--requeue", "--no-requeue"])
+def test_a_real_plain_sbatch_of_srun_keel_train_is_requeued_or_fails_never_completed(work, tmp_path, requeue):
+    """A user's own batch script, ``srun keel train cfg.yaml``: rank 0 requeues the job itself. A
+    job that may not be requeued (``--no-requeue``) ends FAILED with the step's exit code 143."""
+    name = f"plain{requeue.replace('-', '_')}"
+    keel = Path(sys.executable).parent / "keel"
+    script_path = work / f"{name}.sbatch"
+    script_path.write_text(
+        f"#!/bin/bash\n#SBATCH {requeue}\n#SBATCH --output={name}-%j.out\n"
+        f"srun {keel} train cfg.yaml --no-progress name={name} train.max_steps=3000\n"
+    )
+    with slurm_cluster(tmp_path / "slurm") as slurm_env:
+        job = submit(work, slurm_env, ["sbatch", str(script_path)])
+        state = signal_the_step_and_wait_for_the_end(work, slurm_env, job, name)
+    assert summary(work, name)["status"] == "preempted"
+    if requeue == "--requeue":
+        assert state["Restarts"] == "1" and state["JobState"] != "COMPLETED", state
+    else:
+        assert state["JobState"] == "FAILED" and state["ExitCode"] == "143:0", state
+        assert "could not requeue" in (work / f"{name}-{job}.out").read_text()
