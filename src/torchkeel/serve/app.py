@@ -278,7 +278,10 @@ def header(scope: Scope, name: bytes) -> str | None:
 
 def render_json(content: Any) -> bytes:
     """JSON as Starlette's ``JSONResponse`` writes it (NaN is refused: a ValueError)."""
-    return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    return _JSON.encode(content).encode()
+
+
+_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # built once, not per call
 
 
 async def _drain(receive: Receive, limit_bytes: int, timeout_s: float = DRAIN_S) -> None:

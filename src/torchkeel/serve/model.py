@@ -196,29 +196,13 @@ class ServedModel:
 
     async def counted(self, protocol: str, work: Callable[[], Awaitable[T]]) -> T:
         """Run one request's ``work``, counted in the metrics; every failure leaves as a ProtocolError."""
-        with self._counting(protocol):
+        with _Counting(self.metrics, protocol):  # the warm-up's scratch metrics while it lasts
             return await work()
 
     def counted_in_thread(self, protocol: str, work: Callable[[], T]) -> T:
         """``counted`` for a handler thread (gRPC's): the same metrics and statuses."""
-        with self._counting(protocol):
+        with _Counting(self.metrics, protocol):
             return work()
-
-    @contextlib.contextmanager
-    def _counting(self, protocol: str) -> Iterator[None]:
-        start, metrics = time.perf_counter(), self.metrics  # the warm-up's scratch ones while it lasts
-        metrics.request_started()
-        failure = None
-        try:
-            yield
-        except asyncio.CancelledError:
-            failure = "CANCELED"
-            raise
-        except Exception as exc:  # noqa: BLE001 - mapped to a status by _failed
-            failure, error = _failed(exc)
-            raise error from None
-        finally:
-            metrics.request_done(protocol, time.perf_counter() - start, failure)
 
     async def predict(self, batch: Batch) -> np.ndarray:
         """The model's output rows for a batch of (preprocessed) inputs: one array, or the
@@ -294,6 +278,31 @@ class ServedModel:
         for name, k in request.classification.items():
             results[name] = classification(results[name], self.labels, k)
         return results
+
+
+class _Counting:
+    """One request in ``metrics``: started on entry; on exit done, with Triton's failure reason,
+    and a failure other than a ``ProtocolError`` replaced by the one the client gets. (A class,
+    not a generator context manager: this runs on every request.)"""
+
+    __slots__ = ("metrics", "protocol", "start")
+
+    def __init__(self, metrics: Any, protocol: str) -> None:
+        self.metrics, self.protocol = metrics, protocol
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+        self.metrics.request_started()
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, traceback: Any) -> None:
+        failure = error = None
+        if isinstance(exc, asyncio.CancelledError):
+            failure = "CANCELED"
+        elif isinstance(exc, Exception):
+            failure, error = _failed(exc)
+        self.metrics.request_done(self.protocol, time.perf_counter() - self.start, failure)
+        if error is not None and error is not exc:
+            raise error from None
 
 
 def _failed(exc: Exception) -> tuple[str, ProtocolError]:
