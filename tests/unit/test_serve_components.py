@@ -426,3 +426,26 @@ def test_drift_per_channel_for_images():
     for _ in range(zeroed.min_samples):
         zeroed.observe(np.zeros((1, 2, 4, 4)))  # a CDN that zeroed every pixel
     assert zeroed.read()["alert"]
+
+
+@pytest.mark.parametrize(
+    "path, route",
+    [
+        ("/v2/models/tiny/infer", ("v2", "tiny", None)),
+        ("/v2/models/tiny/versions/1/infer", ("v2", "tiny", "1")),
+        ("/v1/models/tiny:predict", ("v1", "tiny", None)),
+        ("/v2/models//infer", None),
+        ("/v2/models/tiny/versions//infer", None),
+        ("/v2/models/a/b/infer", None),
+        ("/v2/models/tiny/generate", None),
+        ("/v1/models/:predict", None),
+        ("/v1/models/a/b:predict", None),
+        ("/v1/models/tiny", None),
+        ("/v1/completions", None),
+    ],
+)
+def test_inference_route_answers_the_two_inference_routes_only(path, route):
+    """The paths answered ahead of Starlette's router: its two inference routes, and nothing else."""
+    from torchkeel.serve.app import inference_route
+
+    assert inference_route(path) == route
