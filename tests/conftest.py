@@ -21,6 +21,16 @@ def _own_cache(tmp_path_factory):
         os.environ["XDG_CACHE_HOME"] = previous
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _outside_any_slurm_job():
+    """A suite run inside a Slurm batch job: the keel train processes the tests stop with SIGTERM
+    must not ask Slurm to requeue the suite's own job (tests that want a job id set their own)."""
+    job = os.environ.pop("SLURM_JOB_ID", None)
+    yield
+    if job is not None:
+        os.environ["SLURM_JOB_ID"] = job
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     # Identical results between two runs in one process need the same thread count; tests also
