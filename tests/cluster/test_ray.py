@@ -6,23 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
-import subprocess
-import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[train]')")
 
-from distrun import env, final, max_difference, train, write_config  # noqa: E402
+from distrun import final, max_difference, train, write_config  # noqa: E402
 from ray.exceptions import ActorDiedError  # noqa: E402
 from ray.train import WorkerGroupError  # noqa: E402
 
-import torchkeel  # noqa: E402
 from torchkeel.errors import ConfigError  # noqa: E402
 from torchkeel.integrations.ray import RankFailed, RayJobFailed, ended_first, fit  # noqa: E402
 
@@ -136,34 +131,6 @@ def test_the_rank_whose_process_died_ended_first_not_a_peer_whose_collective_bro
     # Ray names only rank 0: its error followed another rank's end, and the line does not say it ended first.
     line = ended_first(WorkerGroupError("Training failed", {0: RankFailed.of(while_handling)}))
     assert line.startswith(f"rank 0 on {socket.gethostname()} failed after another rank went away: ValueError"), line
-
-
-def plain(line: str) -> str:
-    """A console line without Ray's colours, ``(Actor pid=N)`` prefix and dedup note."""
-    line = re.sub(r"\x1b\[[0-9;]*m", "", line)
-    line = re.sub(r"^\(\S+(?: pid=\d+)?(?:, ip=\S+)?\) ", "", line)
-    return re.sub(r"\s*\[repeated \d+x across cluster\].*$", "", line).strip()
-
-
-def test_keel_train_ray_prints_each_of_its_lines_once_and_no_line_of_rays_again_and_again(tmp_path):
-    """``keel train --ray`` starts its own Ray: each line keel prints in a worker reaches the console
-    once (Ray Train's print patch logged it a second time), and Ray does not repeat itself (its
-    placement-group cleaner warned every second that the state API, not in ray[train], did not answer)."""
-    write_config(tmp_path)
-    paths = env()
-    paths["PYTHONPATH"] = os.pathsep.join([str(Path(torchkeel.__file__).parents[1]), paths["PYTHONPATH"]])
-    done = subprocess.run(
-        [sys.executable, "-m", "torchkeel.cli.main", "train", "cfg.yaml", "--ray", "2", "train.max_steps=12"],
-        cwd=tmp_path,
-        env=paths,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [plain(line) for line in (done.stdout + done.stderr).splitlines() if line.strip()]
-    assert any(line.startswith("keel: ") for line in lines), lines
-    assert [line for line, n in Counter(lines).items() if n > 1] == [], lines
 
 
 PARQUET_CONFIG = """

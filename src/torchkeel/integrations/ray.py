@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torch.distributed import DistNetworkError
+
 from torchkeel.config.load import load_config
 from torchkeel.distributed.group import CollectiveTimeout
 from torchkeel.errors import ConfigError, KeelError
@@ -243,8 +245,9 @@ def ended_first(error: BaseException) -> str | None:
 
 
 _OWN_ERROR, _DIED, _AFTER_PEER = 0, 1, 2
-# What a collective (gloo, NCCL, the store) raises when the rank at its other end went away.
-_PEER_GONE = re.compile(r"(closed|reset) by peer|broken pipe|connection refused|ended first", re.IGNORECASE)
+# What a collective raises when the rank at its other end went away (gloo, NCCL; "ended first":
+# keel's own line for it, in a failed rank's summary).
+_PEER_GONE = re.compile(r"(closed|reset) by peer|remote process exited|ended first", re.IGNORECASE)
 
 
 def _standing(failure: BaseException) -> int:
@@ -257,13 +260,14 @@ def _standing(failure: BaseException) -> int:
 
 def after_peer(error: BaseException) -> bool:
     """Whether ``error``, or an error it was raised from or while handling, is a collective that
-    lost the rank at its other end (``CollectiveTimeout`` included): then ``error`` is a
-    consequence of that rank's end (Ray may destroy the group while the rank is still handling it)."""
+    lost the rank at its other end (``CollectiveTimeout`` and the store's ``DistNetworkError``
+    included): then ``error`` is a consequence of that rank's end (Ray may destroy the group
+    while this rank is still handling it)."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, CollectiveTimeout) or _PEER_GONE.search(str(current)):
+        if isinstance(current, (CollectiveTimeout, DistNetworkError)) or _PEER_GONE.search(str(current)):
             return True
         current = current.__cause__ or current.__context__
     return False
