@@ -154,7 +154,8 @@ def test_a_bound_that_is_not_a_positive_number_is_a_usage_error(exported, tmp_pa
 
     for bad in ("0", "-1", "inf", "soon"):
         result = run_keel("serve", str(exported[0]), "--read-timeout-s", bad, cwd=tmp_path, timeout=60)
-        assert result.returncode == 2 and "--read-timeout-s" in result.stderr, (bad, result.stderr[-500:])
+        assert result.returncode == 2, (bad, result.stderr[-500:])
+        assert "--read-timeout-s" in result.stderr and "number of seconds" in result.stderr, result.stderr[-500:]
 
 
 def test_serve_in_background_bounds_the_read_too(exported):
