@@ -60,7 +60,7 @@ def test_kserve_v1_predict(server, exported):
     assert status == 200 and len(top) == 2 and len(top[0]["labels"]) == 2
     assert top[0]["labels"][0] == str(int(eager_rows(exported[1], x)[0].argmax()))
     status, body, _ = server.request("GET", "/v1/models/tiny")
-    assert status == 200 and json.loads(body) == {"name": "tiny", "ready": True}
+    assert status == 200 and {"name": "tiny", "ready": True}.items() <= json.loads(body).items()
 
 
 def test_64_concurrent_clients_each_get_their_own_answer(server, exported):

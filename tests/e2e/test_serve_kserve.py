@@ -55,7 +55,7 @@ def test_storage_uri_and_model_name_as_kserve_passes_them(exported):
     srv = Server([], "--host", "127.0.0.1", "--model_name", "digits", env={"STORAGE_URI": f"file://{exported[0]}"})
     try:
         status, body, _ = srv.request("GET", "/v1/models/digits")
-        assert status == 200 and json.loads(body) == {"name": "digits", "ready": True}
+        assert status == 200 and {"name": "digits", "ready": True}.items() <= json.loads(body).items()
         status, body, _ = srv.request("POST", "/v2/models/digits/infer", BODY)
         assert status == 200 and json.loads(body)["model_name"] == "digits"
         assert srv.request("GET", "/v1/models/tiny")[0] == 404
@@ -243,7 +243,7 @@ def test_behind_keel_serve_the_requests_go_again_through_the_socket_before_ready
         assert probes[-1] and not any(probes[:-1])
         assert app.state.server.metrics.answered() == (0, 0, 0)  # not counted
         status, text = _get(port, "/v1/models/tiny")
-        assert status == 200 and json.loads(text) == {"name": "tiny", "ready": True}
+        assert status == 200 and {"name": "tiny", "ready": True}.items() <= json.loads(text).items()
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         connection.request("POST", "/v2/models/tiny/infer", BODY, {"Content-Type": "application/json"})
         assert connection.getresponse().status == 200

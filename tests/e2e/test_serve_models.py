@@ -83,7 +83,7 @@ def test_the_index_lists_each_model_with_its_state_and_a_broken_one_does_not_sto
     )
     status, body, _ = server.request("GET", "/v2/models/nope")
     assert status == 404 and "['colours', 'tiny']" in json.loads(body)["error"]
-    assert json.loads(server.request("GET", "/v1/models")[1]) == {"models": ["colours", "tiny"]}
+    assert json.loads(server.request("GET", "/v1/models")[1])["models"] == ["colours", "tiny"]  # and OpenAI's data
 
 
 def test_each_model_has_its_own_metrics_and_drift(server, exported):

@@ -142,6 +142,8 @@ def _report(repository, where: str) -> None:
         print(f"serving {model.name} (version {model.version}, {kind}) from {model.path}", flush=True)
     for failed in repository.unavailable:
         print(f"not serving {failed.name} from {failed.path}: {failed.reason}", file=sys.stderr, flush=True)
+    for note in repository.notes():  # once, at start: e.g. an LM export that does not scale with streams
+        print(f"note: {note}", file=sys.stderr, flush=True)
     print(f"listening on {where} (KServe v2 /v2, v1 /v1, /metrics)", flush=True)
 
 

@@ -43,7 +43,7 @@ from torchkeel.serve.protocol import (
 from torchkeel.serve.repository import ModelRepository
 from torchkeel.serve.server import Server
 from torchkeel.serve.tensors import ProtocolError
-from torchkeel.serve.textgen import generation_routes
+from torchkeel.serve.textgen import generation_routes, v1_model_card, v1_model_list
 from torchkeel.serve.v1 import v1_predict
 from torchkeel.serve.warmup import warm_over_socket, warm_requests
 
@@ -153,13 +153,13 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
         return await answered("v2", model_of(request), request)
 
     async def v1_models(request: Request) -> Response:
-        return JSONResponse({"models": sorted(repository.models)})
+        return JSONResponse(v1_model_list(repository))  # KServe v1's and OpenAI's list in one body
 
     async def v1_model(request: Request) -> Response:
         name, _, verb = request.path_params["spec"].partition(":")
-        model = repository.get(name)
         if request.method == "GET" and not verb:
-            return JSONResponse({"name": model.name, "ready": repository.model_ready(model)})
+            return JSONResponse(v1_model_card(repository, name))  # KServe v1's and OpenAI's model
+        model = repository.get(name)
         if request.method == "POST" and verb == "predict":  # InferenceRoutes answers first: the same answer
             return await answered("v1", model, request)
         if verb == "predict":
