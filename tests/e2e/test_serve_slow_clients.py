@@ -14,6 +14,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 from serveproc import Server, exported  # noqa: F401 - exported is a fixture
 
 from torchkeel.serve.app import serve_in_background
@@ -164,3 +165,74 @@ def test_serve_in_background_bounds_the_read_too(exported):
         client = SlowClient(port, at_once=post("/v2/models/tiny/infer", b"{", length=1000))
         client.start()
         check_slow_clients({"body stalled": client})
+
+
+STALLED_CALLS = 24  # more than the old threaded server's 16 handler threads
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # an empty SETTINGS frame
+HEADERS_BEGUN = b"\x00\x00\x01\x01\x00\x00\x00\x00\x01\x82"  # HEADERS on stream 1, without END_HEADERS
+
+
+def never_sent(release: threading.Event):
+    """A request stream whose message never comes: the call's headers go out, then nothing."""
+    release.wait(BOUND_S + SLACK_S + 10)
+    yield from ()
+
+
+def sent_late(delay_s: float):
+    """A request stream whose one message (an empty ServerLiveRequest) comes ``delay_s`` late."""
+    time.sleep(delay_s)
+    yield b""
+
+
+def test_stalled_grpc_calls_end_while_others_are_served(exported):
+    import grpc
+    import tritonclient.grpc as tritongrpc
+
+    server = Server(exported[0], "--read-timeout-s", str(BOUND_S), grpc=True)
+    release = threading.Event()
+    channels = [grpc.insecure_channel(server.grpc_url) for _ in range(3)]  # several connections stall
+    client = tritongrpc.InferenceServerClient(server.grpc_url)
+    connections = {  # raw connections that stall before any call
+        "sends nothing": SlowClient(server.grpc_port),
+        "preface only": SlowClient(server.grpc_port, at_once=PREFACE),
+        "headers begun": SlowClient(server.grpc_port, at_once=PREFACE + SETTINGS + HEADERS_BEGUN),
+    }
+    try:
+        start = time.monotonic()
+        for connection in connections.values():
+            connection.start()
+        stalled = [
+            channels[i % len(channels)].stream_unary(INFER).future(never_sent(release)) for i in range(STALLED_CALLS)
+        ]
+        time.sleep(0.3)  # their headers are in
+        inputs = [tritongrpc.InferInput("input", [1, 32], "FP32")]
+        inputs[0].set_data_from_numpy(np.zeros((1, 32), dtype=np.float32))
+        served = 0
+        while time.monotonic() - start < BOUND_S + 1.0:  # a normal client at its usual pace meanwhile
+            result = client.infer("tiny", inputs, client_timeout=SLACK_S)
+            assert result.as_numpy("output").shape[0] == 1
+            served += 1
+        for call in stalled:  # each ends within the bound, told why
+            call.exception(timeout=max(0.1, start + BOUND_S + SLACK_S - time.monotonic()))
+            assert call.done(), f"a stalled call still open {BOUND_S + SLACK_S:.1f} s on"
+            assert call.code() == grpc.StatusCode.DEADLINE_EXCEEDED, call.code()
+            assert "--read-timeout-s" in call.details(), call.details()
+        for name, connection in connections.items():
+            connection.join(BOUND_S + SLACK_S + 5)
+            assert connection.closed_after_s is not None, f"{name}: still open {BOUND_S + SLACK_S:.1f} s on"
+        assert served >= 10, served
+        live = channels[0].stream_unary("/inference.GRPCInferenceService/ServerLive")
+        assert live(sent_late(BOUND_S / 3), timeout=SLACK_S) == b"\x08\x01"  # late, but in time: live=true
+        with pytest.raises(grpc.RpcError) as empty:
+            live(iter(()), timeout=SLACK_S)
+        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT, empty.value
+        time.sleep(BOUND_S + 0.5)  # the client's connection idles past the bound: closed, and it reconnects
+        assert client.is_server_live() and client.infer("tiny", inputs).as_numpy("output").shape[0] == 1
+    finally:
+        release.set()
+        client.close()
+        for channel in channels:
+            channel.close()
+        assert server.stop() == 0

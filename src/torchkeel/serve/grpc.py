@@ -7,10 +7,12 @@ metrics (``protocol="grpc"``) and shutdown. A client mistake is ``INVALID_ARGUME
 field named; an unknown model ``NOT_FOUND``; a full queue, or a model that failed to load,
 ``UNAVAILABLE``; a failing model ``INTERNAL``.
 
-grpcio's threaded server, not ``grpc.aio``: on one core it costs less per call than the asyncio
-server (about 150–200 µs of CPU for an empty call against 250–330 µs here). Its handler threads parse the request,
-preprocess images, and hand the batch to the event loop's batcher (``submit_threadsafe``, one
-wake-up per burst), then wait for their rows.
+grpcio's asyncio server (``grpc.aio``) on the HTTP server's event loop: a ModelInfer call awaits
+the batcher directly (images are preprocessed on the image threads, as REST's), and a call
+waiting for its request message holds no thread, only its stream. Every method is served as a
+stream of requests of which the first is read against ``read_timeout_s`` (the HTTP bound): a
+call whose message has not arrived in full by then ends ``DEADLINE_EXCEEDED``; a connection
+that does not complete its HTTP/2 handshake within it is closed.
 
 The message classes come from ``proto/predict_v2.binpb`` (compiled from ``predict_v2.proto``)
 in a descriptor pool of their own: the same ``inference.*`` messages of tritonclient, or of any
@@ -19,12 +21,14 @@ other library, may live in the same process without a clash.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import grpc.aio
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
@@ -38,7 +42,6 @@ if TYPE_CHECKING:
     from torchkeel.serve.server import Server
 
 SERVICE = "inference.GRPCInferenceService"
-HANDLER_THREADS = 16
 DESCRIPTOR_SET = Path(__file__).parent / "proto" / "predict_v2.binpb"
 STATUS = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -88,31 +91,25 @@ def messages() -> SimpleNamespace:
 pb = messages()
 
 
-def start_grpc(server: Server) -> grpc.Server:
-    """Listen on ``options.grpc_host:grpc_port`` and serve ``server``'s models (their batchers started).
-
-    ``HANDLER_THREADS`` calls are handled at once (they wait together for their batch); more
-    wait in gRPC's own queue. More threads only add contention for the GIL.
+async def start_grpc(server: Server) -> grpc.aio.Server:
+    """Listen on ``options.grpc_host:grpc_port`` and serve ``server``'s models (their batchers
+    started), on the running event loop.
 
     Raises:
         ConfigError: the port cannot be bound.
     """
     options = server.options
-    max_body = int(options.max_body_mb * 2**20)
-    threads = ThreadPoolExecutor(max_workers=HANDLER_THREADS, thread_name_prefix="torchkeel-grpc")
-    service = grpc.server(
-        threads,
+    bound_ms = max(1, round(options.read_timeout_s * 1000))
+    service = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", max_body),
+            ("grpc.max_receive_message_length", int(options.max_body_mb * 2**20)),
             ("grpc.max_send_message_length", -1),
             ("grpc.so_reuseport", 0),
+            ("grpc.server_handshake_timeout_ms", bound_ms),
+            ("grpc.max_connection_idle_ms", bound_ms),
         ],
     )
-    handlers = _Service(server).handlers()
-    if hasattr(service, "add_registered_method_handlers"):  # grpcio >= 1.63: matched in C, per method
-        service.add_registered_method_handlers(SERVICE, handlers)
-    else:
-        service.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    service.add_registered_method_handlers(SERVICE, _Service(server).handlers())
     host = f"[{options.grpc_host}]" if ":" in options.grpc_host else options.grpc_host
     address = f"{host}:{options.grpc_port}"
     try:
@@ -121,14 +118,18 @@ def start_grpc(server: Server) -> grpc.Server:
         bound = 0
     if not bound:
         raise ConfigError(f"--grpc-port {options.grpc_port}: cannot listen on {address}; choose another port")
-    service.start()
+    await service.start()
     return service
 
 
 class _Service:
     def __init__(self, server: Server) -> None:
         self.repository, self.options = server.repository, server.options
-        self.wait_s = server.options.queue_timeout_ms / 1000 + 300  # the queue's timeout, then the forward's
+        self.read_timeout_s = server.options.read_timeout_s
+        self.late = (
+            f"the request message did not arrive in full within {self.read_timeout_s:g} s (--read-timeout-s); "
+            "send it with the call, or raise the bound"
+        )
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         calls = {
@@ -140,34 +141,51 @@ class _Service:
             "ModelInfer": (self.model_infer, pb.ModelInferRequest),
         }
         return {
-            name: grpc.unary_unary_rpc_method_handler(
-                call, request_deserializer=request.FromString, response_serializer=_serialize
+            name: grpc.stream_unary_rpc_method_handler(
+                self._bounded(call), request_deserializer=request.FromString, response_serializer=_serialize
             )
             for name, (call, request) in calls.items()
         }
 
-    def _model(self, name: str, version: str, context: grpc.ServicerContext) -> ServedModel:
+    def _bounded(self, call: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]) -> Any:
+        """``call`` as a stream-unary handler whose request must arrive within ``read_timeout_s``
+        (a unary client's call is the same on the wire; grpc reads a unary request before the
+        handler runs, with no bound)."""
+
+        async def handle(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                async with asyncio.timeout(self.read_timeout_s):
+                    request = await context.read()
+            except TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self.late)
+            if request is grpc.aio.EOF:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request message")
+            return await call(request, context)
+
+        return handle
+
+    async def _model(self, name: str, version: str, context: grpc.aio.ServicerContext) -> ServedModel:
         try:
             return self.repository.get(name, version)
         except ProtocolError as exc:
-            context.abort(STATUS[exc.status], str(exc))
+            await context.abort(STATUS[exc.status], str(exc))
             raise  # abort raises; never reached
 
-    def server_live(self, request: Any, context: grpc.ServicerContext) -> Any:
+    async def server_live(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return pb.ServerLiveResponse(live=True)
 
-    def server_ready(self, request: Any, context: grpc.ServicerContext) -> Any:
+    async def server_ready(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return pb.ServerReadyResponse(ready=self.repository.ready)
 
-    def model_ready(self, request: Any, context: grpc.ServicerContext) -> Any:
-        model = self._model(request.name, request.version, context)
+    async def model_ready(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        model = await self._model(request.name, request.version, context)
         return pb.ModelReadyResponse(ready=self.repository.model_ready(model))
 
-    def server_metadata(self, request: Any, context: grpc.ServicerContext) -> Any:
+    async def server_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return pb.ServerMetadataResponse(name="torchkeel", version=__version__, extensions=EXTENSIONS)
 
-    def model_metadata(self, request: Any, context: grpc.ServicerContext) -> Any:
-        meta = self._model(request.name, request.version, context).metadata()
+    async def model_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        meta = (await self._model(request.name, request.version, context)).metadata()
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=meta["name"],
@@ -177,19 +195,17 @@ class _Service:
             outputs=[tensor(**t) for t in meta["outputs"]],
         )
 
-    def model_infer(self, request: Any, context: grpc.ServicerContext) -> Any:
-        model = self._model(request.model_name, request.model_version, context)
-        remaining = context.time_remaining()
-        wait_s = min(self.wait_s, remaining) if remaining is not None else self.wait_s
+    async def model_infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        model = await self._model(request.model_name, request.model_version, context)
 
-        def work() -> Any:
+        async def work() -> Any:
             parsed = infer_request(request, model, self.options.max_batch_size, self.options.allow_nonfinite)
-            return infer_response(model, parsed, model.infer_in_thread(parsed, wait_s))
+            return infer_response(model, parsed, await model.infer(parsed))
 
         try:
-            return model.counted_in_thread("grpc", work)
+            return await model.counted("grpc", work)
         except ProtocolError as exc:
-            context.abort(STATUS.get(exc.status, grpc.StatusCode.UNKNOWN), str(exc))
+            await context.abort(STATUS.get(exc.status, grpc.StatusCode.UNKNOWN), str(exc))
 
 
 def _serialize(message: Any) -> bytes:

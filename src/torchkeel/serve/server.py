@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,12 +35,11 @@ class Server:
             for model in self.repository.models.values():
                 self.warmed[model.name] = await warm(model)
         if self.options.grpc_port:
-            self.grpc = start_grpc(self)
+            self.grpc = await start_grpc(self)
 
     async def stop(self) -> None:
         """gRPC stops accepting and finishes its calls, then every queued request is answered."""
-        if self.grpc is not None:  # its calls wait for the batchers, which run on this loop: wait aside
-            stopped = self.grpc.stop(grace=self.options.queue_timeout_ms / 1000)
-            await asyncio.get_running_loop().run_in_executor(None, stopped.wait)
+        if self.grpc is not None:  # its calls in flight await the batchers, on this loop
+            await self.grpc.stop(grace=self.options.queue_timeout_ms / 1000)
         await self.repository.stop()
         self.images.shutdown(wait=True)
