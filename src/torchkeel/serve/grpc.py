@@ -125,11 +125,7 @@ async def start_grpc(server: Server) -> grpc.aio.Server:
 class _Service:
     def __init__(self, server: Server) -> None:
         self.repository, self.options = server.repository, server.options
-        self.read_timeout_s = server.options.read_timeout_s
-        self.late = (
-            f"the request message did not arrive in full within {self.read_timeout_s:g} s (--read-timeout-s); "
-            "send it with the call, or raise the bound"
-        )
+        self.reads = BoundedReads(server.options.read_timeout_s)
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         calls = {
@@ -149,15 +145,12 @@ class _Service:
 
     def _bounded(self, call: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]) -> Any:
         """``call`` as a stream-unary handler whose request must arrive within ``read_timeout_s``
-        (a unary client's call is the same on the wire; grpc reads a unary request before the
-        handler runs, with no bound)."""
+        (a unary client's call is the same on the wire; grpc would read a unary request before
+        the handler runs, with no bound)."""
+        reads = self.reads
 
         async def handle(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                async with asyncio.timeout(self.read_timeout_s):
-                    request = await context.read()
-            except TimeoutError:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self.late)
+            request = await reads.read(context)
             if request is grpc.aio.EOF:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its request message")
             return await call(request, context)
@@ -206,6 +199,57 @@ class _Service:
             return await model.counted("grpc", work)
         except ProtocolError as exc:
             await context.abort(STATUS.get(exc.status, grpc.StatusCode.UNKNOWN), str(exc))
+
+
+class BoundedReads:
+    """Reads each call's request message; a call whose message is not in full ``seconds`` after
+    its start ends ``DEADLINE_EXCEEDED``.
+
+    One timer for all the calls waiting (a timer per call costs more than the rest of the
+    bookkeeping): it runs every ``seconds / 8`` while a call waits, so a late call ends within
+    ``1.125 × seconds`` of its start (``seconds`` at least).
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.waiting: dict[asyncio.Task[Any], float] = {}  # deadlines, in the order the calls came
+        self.sweeping = False
+        self.late = (
+            f"the request message did not arrive in full within {seconds:g} s (--read-timeout-s); "
+            "send it with the call, or raise the bound"
+        )
+
+    async def read(self, context: grpc.aio.ServicerContext) -> Any:
+        """The call's first request message, or ``grpc.aio.EOF`` when the client sent none."""
+        task = asyncio.current_task()
+        assert task is not None
+        loop = task.get_loop()
+        self.waiting[task] = loop.time() + self.seconds
+        if not self.sweeping:
+            self.sweeping = True
+            loop.call_later(self.seconds / 8, self._sweep, loop)
+        try:
+            return await context.read()
+        except asyncio.CancelledError:
+            if task in self.waiting:  # cancelled by grpc (the client left or stopped), not late
+                raise
+            task.uncancel()
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self.late)
+        finally:
+            self.waiting.pop(task, None)
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        now, late = loop.time(), []
+        for task, deadline in self.waiting.items():
+            if deadline > now:
+                break
+            late.append(task)
+        for task in late:
+            del self.waiting[task]
+            task.cancel()
+        self.sweeping = bool(self.waiting)
+        if self.sweeping:
+            loop.call_later(self.seconds / 8, self._sweep, loop)
 
 
 def _serialize(message: Any) -> bytes:
