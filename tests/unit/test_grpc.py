@@ -205,3 +205,66 @@ def test_responses_read_back_with_tritonclient_including_classifications():
         [b"2.000000:1:b", b"0.100000:0:a"],
         [b"3.000000:0:a", b"1.000000:2:c"],
     ]
+
+
+def test_bounded_reads_end_late_calls_and_forget_the_ones_their_client_left():
+    """A message in time is read; one that never comes ends DEADLINE_EXCEEDED within the bound
+    (+ one sweep); a call its client cancels while its message is owed leaves nothing waiting."""
+    import asyncio
+
+    import grpc
+    import grpc.aio
+
+    from torchkeel.serve.grpc import BoundedReads
+
+    bound_s = 0.4
+    reads = BoundedReads(bound_s)
+
+    async def echo(requests, context):
+        request = await reads.read(context)
+        return b"eof" if request is grpc.aio.EOF else request
+
+    async def scenario() -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("t.S", {"Echo": grpc.stream_unary_rpc_method_handler(echo)}),)
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        release = asyncio.Event()
+
+        async def late(delay_s: float):
+            await asyncio.sleep(delay_s)
+            yield b"hi"
+
+        async def never():
+            await release.wait()
+            yield b"too late"
+
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.stream_unary("/t.S/Echo")
+                assert await call(late(bound_s / 3), timeout=10) == b"hi"
+                start = asyncio.get_running_loop().time()
+                with pytest.raises(grpc.aio.AioRpcError) as stalled:
+                    await call(never(), timeout=10)
+                waited = asyncio.get_running_loop().time() - start
+                assert stalled.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert "--read-timeout-s" in stalled.value.details()
+                assert bound_s <= waited < bound_s * 1.125 + 2.0, waited
+                left = call(never(), timeout=10)
+                await asyncio.sleep(bound_s / 4)
+                assert len(reads.waiting) == 1
+                left.cancel()
+                for _ in range(100):  # the server sees the cancel
+                    if not reads.waiting:
+                        break
+                    await asyncio.sleep(0.01)
+                assert reads.waiting == {}
+                await asyncio.sleep(bound_s)  # the sweep found nothing late and stopped
+                assert not reads.sweeping
+        finally:
+            release.set()
+            await server.stop(None)
+
+    asyncio.run(scenario())
