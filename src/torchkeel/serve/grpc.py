@@ -12,7 +12,9 @@ the batcher directly (images are preprocessed on the image threads, as REST's), 
 waiting for its request message holds no thread, only its stream. Every method is served as a
 stream of requests of which the first is read against ``read_timeout_s`` (the HTTP bound): a
 call whose message has not arrived in full by then ends ``DEADLINE_EXCEEDED``; a connection
-that does not complete its HTTP/2 handshake within it is closed.
+that does not complete its HTTP/2 handshake within it, or has no call in progress for as long,
+is closed. (The threaded server cost about as much CPU per call, and batched concurrent calls
+better, but waited for each request message on one of its threads.)
 
 The message classes come from ``proto/predict_v2.binpb`` (compiled from ``predict_v2.proto``)
 in a descriptor pool of their own: the same ``inference.*`` messages of tritonclient, or of any
