@@ -286,10 +286,13 @@ def test_grpc_starts_after_the_request_warmup(exported):
     async def warm(model):
         calls.append((model.name, model.ready, server.grpc))
 
-    asyncio.run(server.start(warm=warm))
-    assert calls == [("tiny", True, None)]  # warmed once its forward warm-up made it ready, before gRPC
-    assert server.grpc is not None and server.repository.ready
-    asyncio.run(server.stop())
+    async def start_and_stop() -> None:  # gRPC runs on the loop it started on
+        await server.start(warm=warm)
+        assert calls == [("tiny", True, None)]  # warmed once its forward warm-up made it ready, before gRPC
+        assert server.grpc is not None and server.repository.ready
+        await server.stop()
+
+    asyncio.run(start_and_stop())
 
 
 def test_sigterm_while_64_clients_send_answers_every_request_it_accepted(exported):

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_seconds,
         default=30.0,
         help="each HTTP request must arrive in full (headers and body) within this time, else 408 and the "
-        "connection is closed; inference and responses are not bounded by it (default 30)",
+        "connection is closed; each gRPC call's request message likewise, else DEADLINE_EXCEEDED; inference "
+        "and responses are not bounded by it (default 30)",
     )
     _batching_arguments(parser)
     _input_arguments(parser)

@@ -11,7 +11,6 @@ prepared the training samples, then batched like any request.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -76,8 +75,9 @@ class ServeOptions:
     """Serve the one export under this name (KServe's ``--model_name``)."""
     read_timeout_s: float = 30.0
     """Each HTTP request must arrive in full (headers and body) within this many seconds of its
-    first byte, else a 408 and the connection is closed (``serve.transport``); inference and the
-    response are not bounded by it."""
+    first byte, else a 408 and the connection is closed (``serve.transport``); each gRPC call's
+    request message likewise, else ``DEADLINE_EXCEEDED`` (``serve.grpc.BoundedReads``); inference
+    and the response are not bounded by it."""
 
     def warmup_sizes(self) -> list[int]:
         if self.warmup_batch_sizes is not None:
@@ -199,11 +199,6 @@ class ServedModel:
         with _Counting(self.metrics, protocol):  # the warm-up's scratch metrics while it lasts
             return await work()
 
-    def counted_in_thread(self, protocol: str, work: Callable[[], T]) -> T:
-        """``counted`` for a handler thread (gRPC's): the same metrics and statuses."""
-        with _Counting(self.metrics, protocol):
-            return work()
-
     async def predict(self, batch: Batch) -> np.ndarray:
         """The model's output rows for a batch of (preprocessed) inputs: one array, or the
         arrays by input name for a model of several inputs."""
@@ -253,19 +248,6 @@ class ServedModel:
     def feed(self, arrays: dict[str, np.ndarray]) -> Batch:
         """What the batcher takes: the one input's array, or every input's by name."""
         return {t.name: arrays[t.name] for t in self.tensors} if self.has_named_inputs else arrays[self.tensor.name]
-
-    def infer_in_thread(self, request: InferRequest, timeout_s: float) -> dict[str, np.ndarray]:
-        """``infer`` from a handler thread (gRPC's): images are preprocessed right here, off the
-        event loop already, and the batch joins the same queue as REST's."""
-        images = self._images_of(request)
-        batch = self._preprocessed(*images) if images is not None else self.feed(request.inputs)
-        if not self.ready:
-            raise QueueFull("the model is not ready")
-        try:
-            outputs = self.batcher.submit_threadsafe(batch).result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise QueueTimeout(f"no answer within {timeout_s:.1f} s") from None
-        return self._results(request, outputs)
 
     def _images_of(self, request: InferRequest) -> tuple[list[bytes], list[str]] | None:
         if IMAGE_INPUT not in request.inputs or self.preprocess is None:
