@@ -43,7 +43,7 @@ def one_rank(work):
     return final(work, "one")[1]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])  # FSDP2: make test-slow
 def test_synced_batch_norm_on_two_ranks_gives_the_parameters_of_one(work, one_rank, strategy):
     name = f"sync-{strategy}"
     result = run_ok(work, 2, f"name={name}", MODEL, f"dist.strategy={strategy}", "dist.sync_batchnorm=true")
@@ -66,6 +66,7 @@ def test_per_rank_batch_norm_is_said_once_at_the_start_and_differs_from_one_rank
     assert "batch_norm" not in dist_row(work, "plain") and "sync_batchnorm" not in plain.stderr
 
 
+@pytest.mark.slow  # 2 torchrun jobs; the default suite has the synced and per-rank runs
 def test_a_checkpoint_of_plain_batch_norm_resumes_synced_on_two_ranks(work, one_rank):
     """One process's checkpoint of step 10 (``BatchNorm1d`` keys) loads into the synced layers."""
     shutil.copytree(work / "runs" / "one", work / "runs" / "one-to-two")
