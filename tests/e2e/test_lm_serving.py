@@ -479,3 +479,36 @@ def test_an_lm_export_without_a_cache_says_so_and_names_the_export_that_scales(e
     [note] = create_app(export[1] / "export-onnx").state.server.repository.notes()
     assert note.startswith(f"{NAME}: this onnx export") and "--format hf" in note and "no key/value cache" in note
     assert create_app(export[1] / "export-hf").state.server.repository.notes() == []
+
+
+def test_a_long_prompt_is_tokenized_while_other_clients_are_served(server):
+    """Tokenizing a prompt of megabytes takes a while: off the event loop, so that health probes
+    and other clients are answered meanwhile (the prompt itself is then refused for its length)."""
+    body = json.dumps({"model": NAME, "prompt": "word " * 1_000_000, "max_tokens": 2})
+    outcome: dict[str, object] = {}
+
+    def long_request() -> None:
+        outcome["status"], outcome["answer"] = post(server, "/v1/completions", body)
+
+    worker = threading.Thread(target=long_request)
+    started = time.monotonic()
+    worker.start()
+    answered = [started]
+    while worker.is_alive() and time.monotonic() - started < 120:
+        assert server.request("GET", "/v2/health/live")[0] == 200
+        answered.append(time.monotonic())
+    worker.join(timeout=60)
+    duration = time.monotonic() - started
+    assert outcome["status"] == 400 and outcome["answer"]["error"]["param"] == "prompt", outcome
+    longest_wait = max(b - a for a, b in zip(answered, answered[1:]))
+    assert longest_wait < duration / 2, (longest_wait, duration, len(answered))
+
+
+def test_a_default_max_tokens_is_what_the_prompt_leaves_room_for(server):
+    """A client that sends no max_tokens gets the default, or fewer where the model's positions end."""
+    status, answer = post(server, f"/v2/models/{NAME}/generate", {"text_input": "x"})
+    assert status == 200 and answer["text_output"] is not None, answer
+    status, answer = post(server, "/v1/completions", {"model": NAME, "prompt": [1] * 60, "temperature": 0})
+    assert status == 200 and answer["usage"]["completion_tokens"] <= 4, answer
+    status, answer = post(server, "/v1/completions", {"model": NAME, "prompt": [1] * 64})
+    assert status == 400 and answer["error"]["param"] == "prompt", answer  # the prompt alone fills the context

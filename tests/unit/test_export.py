@@ -292,6 +292,7 @@ def test_an_export_whose_config_and_tokenizer_would_disagree_exits_2_naming_the_
         ({}, {"eos_token_id": 5}, "eos_token_id=5, but the tokenizer's eos token '<|endoftext|>' is id 256"),
         ({}, {"eos_token_id": [5, 6]}, "eos_token_id=[5, 6], but the tokenizer's eos token"),
         ({}, {"bos_token_id": 999}, "bos_token_id=999, which is not a token of the tokenizer (257 ids)"),
+        ({}, {"pad_token_id": -1}, "pad_token_id=-1, which is not a token of the tokenizer (257 ids)"),
     ],
 )
 def test_special_tokens_keep_the_config_ids_and_name_a_disagreement(named, model_ids, expected):

@@ -204,6 +204,11 @@ def test_generate_takes_the_tokenizers_users_have_through_one_adapter(tmp_path):
     assert all(len(g.tokens) == 12 or g.finish_reason == "stop" for g in outs[0])
     with pytest.raises(TypeError, match="generate takes a torchkeel, transformers or tokenizers tokenizer, got dict"):
         generate(model, {}, "x", max_new_tokens=2)
+    for tokenizer in tokenizers:  # text no tokenizer reads is a GenerationError naming where, for every kind
+        with pytest.raises(GenerationError, match=r"prompt\[1\] holds a lone surrogate '\\ud800' at character 0"):
+            generate(model, tokenizer, ["x", "\ud800x"], max_new_tokens=2)
+        with pytest.raises(GenerationError, match=r"stop\[0\] holds a lone surrogate"):
+            generate(model, tokenizer, "x", max_new_tokens=2, stop=["\udfff"])
 
 
 def test_the_generate_code_blocks_of_the_language_models_guide_run_as_written(tmp_path, monkeypatch, capsys):

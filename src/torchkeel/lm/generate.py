@@ -69,6 +69,11 @@ def generate(
         raise GenerationError("num_return_sequences", f"must be >= 1, got {num_return_sequences}")
     decoder = decoder if decoder is not None else decoder_for(model)
     tokenizer = text_tokenizer(tokenizer)
+    for where, text in [
+        *((f"prompt[{i}]", p) for i, p in enumerate(prompts)),
+        *((f"stop[{i}]", s) for i, s in enumerate(stop)),
+    ]:
+        _check_text(where, text)
     encoded = [[int(i) for i in tokenizer.encode(text)] for text in prompts]
     if max_new_tokens is None:
         room = decoder.max_length - max(map(len, encoded)) if decoder.max_length is not None else DEFAULT_NEW_TOKENS
@@ -88,3 +93,16 @@ def generate(
             model.train()
     texts = [text for text in prompts for _ in range(num_return_sequences)]
     return [Generation(p, r.text, list(r.tokens), r.finish_reason or "length") for p, r in zip(texts, rows)]
+
+
+def _check_text(where: str, text: object) -> None:
+    """A ``GenerationError`` naming ``where`` for what no tokenizer reads: not a string, or a lone
+    surrogate (a ``"\\ud800"`` escape that is not half of a pair)."""
+    if not isinstance(text, str):
+        raise GenerationError(where, f"must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise GenerationError(
+            where, f"holds a lone surrogate {text[exc.start]!r} at character {exc.start}; give valid text"
+        ) from None

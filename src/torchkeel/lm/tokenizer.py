@@ -139,7 +139,7 @@ def special_tokens(
             )
         ident = own if own is not None else given[0] if isinstance(given, list) else given
         ident = eos_id if ident is None else int(ident)
-        token = vocab.id_to_token(ident)
+        token = vocab.id_to_token(ident) if ident >= 0 else None  # a negative id is no token (and no u32)
         if token is None:
             raise ConfigError(
                 f"{where} sets {kind}_token_id={given!r}, which is not a token of the tokenizer "

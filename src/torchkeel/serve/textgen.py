@@ -64,7 +64,8 @@ def generation_routes(repository: ModelRepository, read_body: Callable[[Request]
 
         async def submit() -> GenerationRequest:
             engine = engine_of(model)
-            prompt, params = _v2_request(await body_of(request), engine)
+            body = await body_of(request)
+            prompt, params = await asyncio.to_thread(_v2_request, body, engine)  # tokenizing: off the loop
             return engine.submit(prompt, params)
 
         async def answer() -> Response:
@@ -91,23 +92,28 @@ def generation_routes(repository: ModelRepository, read_body: Callable[[Request]
                 exc.status, str(exc), "model", "model_not_found" if exc.status == 404 else None
             ) from None
 
-        def submit() -> tuple[list[GenerationRequest], dict[str, Any], dict[str, Any]]:
+        def parsed() -> tuple[GenerationEngine, list[list[int]], SamplingParams, int, dict[str, Any]]:
             try:
                 engine = engine_of(model)
                 prompts, params, n, options = _openai_request(body, engine)
             except ProtocolError as exc:
                 raise _openai_error(exc.status, str(exc), exc.param) from None
+            options["echo"] = [engine.tokenizer.decode(p) if options["echo"] else "" for p in prompts]
+            return engine, prompts, params, n, options
+
+        async def submit() -> tuple[list[GenerationRequest], dict[str, Any], dict[str, Any]]:
+            # A long prompt takes its tokenizer a while: in a thread, the loop goes on serving others.
+            engine, prompts, params, n, options = await asyncio.to_thread(parsed)
             head = {
                 "id": f"cmpl-{uuid.uuid4().hex}",
                 "object": "text_completion",
                 "created": int(time.time()),
                 "model": model.name,
             }
-            echo = [engine.tokenizer.decode(p) if options["echo"] else "" for p in prompts]
-            return [engine.submit(prompt, params, n) for prompt in prompts], head, {**options, "echo": echo, "n": n}
+            return [engine.submit(prompt, params, n) for prompt in prompts], head, {**options, "n": n}
 
         async def answer() -> Response:
-            requests, head, options = submit()
+            requests, head, options = await submit()
             choices = []
             for p, submitted in enumerate(requests):
                 for row in await submitted.finished():
@@ -118,7 +124,7 @@ def generation_routes(repository: ModelRepository, read_body: Callable[[Request]
             return JSONResponse({**head, "choices": choices, "usage": _usage(requests)})
 
         async def stream() -> tuple[AsyncIterator[str], list[GenerationRequest]]:
-            requests, head, options = submit()
+            requests, head, options = await submit()
             return _openai_events(head, requests, options), requests
 
         if body.get("stream") is True:
@@ -128,8 +134,8 @@ def generation_routes(repository: ModelRepository, read_body: Callable[[Request]
     async def chat(request: Request) -> Response:
         raise _openai_error(
             404,
-            "/v1/chat/completions needs a chat template, and a model trained here carries none; "
-            "send the text as prompt to /v1/completions",
+            "/v1/chat/completions is not served yet; apply the model's chat template (model.json names "
+            "its file) to the messages and send the text as prompt to /v1/completions",
             None,
             "not_found",
         )
@@ -185,8 +191,9 @@ def _v2_request(body: dict[str, Any], engine: GenerationEngine) -> tuple[list[in
     values = {**V2_PARAMETERS, **given}
     names = {k: f"parameters.{k}" for k in ("temperature", "top_k", "top_p", "seed", "stop")}
     names.update(max_new_tokens="parameters.max_tokens", prompt="text_input")
-    prompt = [int(i) for i in engine.tokenizer.encode(text)]
-    return prompt, _params(values, values["max_tokens"], len(prompt), engine, names)
+    prompt = _encode(engine, text)
+    max_tokens = given["max_tokens"] if "max_tokens" in given else _room(values["max_tokens"], len(prompt), engine)
+    return prompt, _params(values, max_tokens, len(prompt), engine, names)
 
 
 def _openai_request(
@@ -217,13 +224,34 @@ def _openai_request(
     given = _prompt_list(body.get("prompt"))
     prompts = [_prompt_ids(p, engine, where) for p, where in zip(given, _prompt_names(given))]
     values = {k: v for k in ("temperature", "top_p", "seed", "stop") if (v := body.get(k)) is not None}
-    max_tokens = body.get("max_tokens") if body.get("max_tokens") is not None else 16
     settings = {"temperature": 1.0, "top_p": 1.0, **values}
-    params = [  # each prompt checked
-        _params(settings, max_tokens, len(ids), engine, {"max_new_tokens": "max_tokens", "prompt": where})
+    params = [  # each prompt checked; a default max_tokens is what the longest prompt leaves room for
+        _params(
+            settings,
+            body["max_tokens"] if body.get("max_tokens") is not None else _room(16, max(map(len, prompts)), engine),
+            len(ids),
+            engine,
+            {"max_new_tokens": "max_tokens", "prompt": where},
+        )
         for ids, where in zip(prompts, _prompt_names(given))
     ][0]
     return prompts, params, n, flags
+
+
+def _room(default: int, prompt_tokens: int, engine: GenerationEngine) -> int:
+    """A ``max_tokens`` the client did not send: ``default``, or fewer where the model's positions
+    end after the prompt (at least 1: a prompt that alone fills them is then refused for its length)."""
+    if engine.max_length is None:
+        return default
+    return max(1, min(default, engine.max_length - prompt_tokens))
+
+
+def _encode(engine: GenerationEngine, text: str) -> list[int]:
+    """The token ids of ``text``, through the tokenizer's batch call where it has one (a
+    ``tokenizers`` tokenizer's releases the GIL: a long prompt then holds up no other request)."""
+    tokenizer = engine.tokenizer
+    batch = getattr(tokenizer, "encode_batch", None)
+    return [int(i) for i in (batch([text])[0] if batch is not None else tokenizer.encode(text))]
 
 
 def _prompt_list(prompt: Any) -> list[Any]:
@@ -256,7 +284,7 @@ def _text(value: Any, where: str, param: str | None = None) -> str:
 
 def _prompt_ids(prompt: Any, engine: GenerationEngine, where: str) -> list[int]:
     if isinstance(prompt, str):
-        return [int(i) for i in engine.tokenizer.encode(_text(prompt, where, "prompt"))]
+        return _encode(engine, _text(prompt, where, "prompt"))
     if isinstance(prompt, list) and all(_is_int(i) for i in prompt):
         vocab = engine.tokenizer.vocab_size
         bad = [i for i in prompt if not 0 <= i < vocab]

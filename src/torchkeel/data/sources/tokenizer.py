@@ -69,6 +69,14 @@ class FileTokenizer:
         # fork of DataLoader workers would have to switch off (with a warning).
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """``encode`` of each text, in the library's batch call, which releases the GIL while it
+        runs (``encode`` holds it): a server's other threads and event loop go on meanwhile. It
+        starts the library's thread pool, so it is for a process that forks no DataLoader
+        workers afterwards (a server), not for training."""
+        found = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(one.ids, dtype=np.int64) for one in found]
+
     def decode(self, ids: Any) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
