@@ -65,6 +65,7 @@ _EXPORTS = {
     "read_metrics": "torchkeel.train.runlog",
     "MetricSet": "torchkeel.train.metricset",
     "Objective": "torchkeel.train.objective",
+    "StepOutput": "torchkeel.train.objective",
     "Precision": "torchkeel.train.precision",
     "make_precision": "torchkeel.train.precision",
     "build_scheduler": "torchkeel.train.schedule",

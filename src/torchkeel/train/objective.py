@@ -40,6 +40,24 @@ class LossOutput:
     targets: Any = None
 
 
+@dataclass
+class StepOutput:
+    """What a step function returns when a bare loss is not enough.
+
+    ``loss`` is a mean, or a sum over ``count`` elements when ``count`` is given (accumulation
+    then weighs each micro-batch by its count). ``metrics`` are logged like the loss. ``state``
+    is what the next batch's call receives (an RNN's hidden state, carried across batches).
+    ``logits`` are the predictions the configured metrics score, with ``targets`` their labels.
+    """
+
+    loss: torch.Tensor
+    count: torch.Tensor | float | None = None
+    metrics: dict[str, Any] | None = None
+    state: Any = None
+    logits: Any = None
+    targets: Any = None
+
+
 class LabelOutOfRange(DataError):
     """A class-index target is outside ``[0, num_classes)``."""
 
