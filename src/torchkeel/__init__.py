@@ -70,6 +70,7 @@ _EXPORTS = {
     "make_precision": "torchkeel.train.precision",
     "build_scheduler": "torchkeel.train.schedule",
     "lr_at": "torchkeel.train.schedule",
+    "TargetSchedule": "torchkeel.train.schedule",
     "seed_everything": "torchkeel.rng",
     "StepResult": "torchkeel.train.step",
     "StepSettings": "torchkeel.train.step",

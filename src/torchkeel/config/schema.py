@@ -17,7 +17,8 @@ from torchkeel.config.validate import check_config
 Device = Literal["auto", "cpu", "cuda", "mps"]
 PrecisionName = Literal["fp32", "bf16", "fp16"]
 Decay = Literal["cosine", "linear", "constant"]
-OptimName = Literal["adamw", "adam", "sgd"]
+DecayFilter = Literal["all", "matrices", "transformers"]
+ScheduleStyle = Literal["torchkeel", "nanogpt", "transformers"]
 
 
 @dataclass
@@ -59,10 +60,10 @@ class LossConfig:
     args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for ``target``."""
     step_fn: Optional[str] = None
-    """``module:callable`` ``(model, batch)`` returning ``loss``, ``(loss, {name: value})``,
-    ``(loss_sum, count)`` or ``(loss_sum, count, {name: value})``; replaces ``loss(model(input),
-    target)`` in training and validation (several inputs, a loss of your own). Without one, a
-    dict batch is ``model(**batch)`` and its ``loss`` (a transformers-style model)."""
+    """``module:callable`` ``(model, batch)`` returning a scalar ``loss``, ``(loss, {name: value})``
+    or a ``torchkeel.StepOutput`` (``StepOutput(loss_sum, count=n)``: a sum over ``n`` elements);
+    replaces ``loss(model(input), target)`` in training and validation (several inputs, a loss of
+    your own). Without one, a dict batch is ``model(**batch)`` and its ``loss`` (a transformers-style model)."""
     count_key: Optional[str] = None
     """A batch key that counts the elements the loss is a mean over; accumulation weighs
     micro-batches by it instead of by samples. A key named ``labels`` (or ending in ``labels``)
@@ -74,30 +75,80 @@ class LossConfig:
     """With a label ``count_key``: the model predicts the next token, so each row's first label is
     not counted. ``null``: true for a transformers model whose loss is its causal-LM loss
     (``*ForCausalLM``, ``*LMHeadModel``), false otherwise."""
+    output: Union[int, str, None] = None
+    """Where the loss is in what the model returns: an index into a tuple, list or transformers
+    ``ModelOutput`` (``1`` for nanoGPT's ``(logits, loss)``), or a key or attribute (``loss``).
+    The model computes its loss: an ``(input, target)`` batch runs as ``model(input, target)``, a
+    dict batch as ``model(**batch)``. ``null``: ``loss.target`` on the model's output (a dict
+    batch: the ``loss`` the model returns)."""
+    logits: Union[int, str, None] = None
+    """Where the predictions are in what the model returns, for ``metrics`` (and for
+    ``loss.target`` without ``loss.output``): an index or a key. ``null``: ``logits`` of a dict or
+    ``ModelOutput``; none for a tuple."""
+
+
+@dataclass
+class ParamGroupConfig:
+    params: Union[str, list[str]] = ""
+    """Shell-style pattern(s) (``fnmatch``: ``*`` matches any characters, dots included) matched
+    against each parameter's dotted name in ``model.named_parameters()`` (``lm_head.*``, ``*.bias``)."""
+    lr: Optional[float] = None
+    """Learning rate of the group (``null``: ``optim.lr``); the schedule scales it like the others."""
+    weight_decay: Optional[float] = None
+    """Weight decay of the group (``null``: ``optim.weight_decay``); ``optim.decay_filter`` still
+    takes it off the parameters it excludes."""
 
 
 @dataclass
 class OptimConfig:
-    name: OptimName = "adamw"
-    """Built-in optimizer; ignored when ``target`` is set."""
+    name: str = "adamw"
+    """Any optimizer class of ``torch.optim`` by name, case-insensitive (``adamw``, ``Adadelta``,
+    ``RMSprop``, ``nadam``...); ignored when ``target`` is set."""
     target: Optional[str] = None
-    """``module:callable`` called as ``target(params, lr=..., weight_decay=..., **args)``."""
+    """``module:callable`` called as ``target(params, lr=..., weight_decay=..., **args)``; ``params``
+    are param-group dicts when ``groups`` or ``decay_filter`` split them."""
     args: dict[str, Any] = field(default_factory=dict)
-    """Further keyword arguments (``betas``, ``momentum``, ...)."""
+    """Further keyword arguments of the optimizer (``betas``, ``momentum``, ``rho``...)."""
     lr: float = 1e-3
     """Peak learning rate, reached at the end of warmup."""
     weight_decay: float = 0.0
-    """Weight decay applied to every trainable parameter."""
+    """Weight decay, on the parameters ``decay_filter`` keeps (not passed to an optimizer that
+    takes none while it is 0)."""
+    decay_filter: DecayFilter = "all"
+    """Which parameters get weight decay: ``all``; ``matrices`` (tensors of 2 or more dimensions,
+    as nanoGPT); ``transformers`` (all but biases and norm weights, transformers' Trainer's rule)."""
+    groups: list[ParamGroupConfig] = field(default_factory=list)
+    """Parameter groups with their own ``lr`` / ``weight_decay``: each parameter joins the first
+    group whose ``params`` pattern matches its name; the rest keep ``lr`` and ``weight_decay``."""
 
 
 @dataclass
 class ScheduleConfig:
     warmup_steps: int = 0
-    """Optimizer steps of linear warmup from ``lr/warmup_steps`` to ``lr``."""
+    """Optimizer steps of linear warmup to ``lr`` (the formula: ``style``); before ``target`` too."""
     decay: Decay = "cosine"
-    """Shape of the decay from ``lr`` to ``min_lr`` over the remaining steps."""
+    """Shape of the built-in decay from ``lr`` to ``min_lr`` over the remaining steps."""
     min_lr: float = 0.0
-    """Learning rate at the last step (cosine and linear decay)."""
+    """Learning rate where the built-in decay ends (cosine and linear decay)."""
+    style: ScheduleStyle = "torchkeel"
+    """Warmup formula and default decay end: ``torchkeel`` (lr·(s+1)/W, ends at the last step),
+    ``nanogpt`` (lr·(s+1)/(W+1), ends at the last step), ``transformers`` (lr·s/W, ends one step
+    past the last, as ``get_cosine_schedule_with_warmup``); see docs/config.md."""
+    decay_steps: Optional[int] = None
+    """Optimizer step (0-based) where the built-in decay reaches ``min_lr`` and stays (nanoGPT's
+    ``lr_decay_iters``; ``null``: as ``style`` says)."""
+    target: Optional[str] = None
+    """Instead of the built-in decay: ``module:callable`` of a scheduler class or factory, called
+    as ``target(optimizer, **args)`` (``torch.optim.lr_scheduler:StepLR``)."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for ``target`` (``step_size: 1``, ``gamma: 0.7``)."""
+    interval: Literal["step", "epoch"] = "step"
+    """When ``target`` steps: after each optimizer step, or at each epoch's end."""
+    monitor: Optional[str] = None
+    """A validation metric (``val_loss``): ``target`` steps after each validation with its value
+    (``ReduceLROnPlateau``), whatever ``interval`` says."""
+    mode: Optional[Literal["min", "max"]] = None
+    """With ``monitor``: passed as the target's ``mode`` (``null``: the target's own default)."""
 
 
 @dataclass
@@ -121,6 +172,20 @@ class EmaConfig:
 
 
 @dataclass
+class CarryConfig:
+    enabled: bool = False
+    """Carry a state across batches (an RNN's hidden state: truncated backpropagation through
+    time): ``loss.step_fn`` is ``(model, batch, state)`` and returns ``StepOutput(loss,
+    state=new_state)``; the state is detached after each micro-batch and saved in checkpoints
+    (each rank its own). Turns ``oom.auto_split`` off (a split batch would split the state's rows)."""
+    reset: Literal["epoch", "never"] = "epoch"
+    """When the training state starts again from ``None``: at each epoch's start, or never."""
+    eval: bool = True
+    """Validation carries its own state across its batches, from ``None`` at each validation
+    (false: each validation batch gets ``None``)."""
+
+
+@dataclass
 class TrainConfig:
     max_epochs: Optional[int] = 1
     """Stop after this many epochs (``null``: no epoch limit; then ``max_steps`` is required)."""
@@ -139,13 +204,29 @@ class TrainConfig:
     for every transformer block, found by structure (a transformers model does its own), or a
     list of class names. ``dist.activation_checkpointing`` is its old name."""
     val_every: int = 0
-    """Validate every N optimizer steps; 0 validates at the end of each epoch. Always at the end."""
+    """The old name of ``val.every_steps``; setting both is an error."""
     log_every: int = 10
     """Write a metrics row (and a progress line) every N optimizer steps."""
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     """End training when the validation metric stops improving."""
     ema: EmaConfig = field(default_factory=EmaConfig)
     """An exponential moving average of the weights, used for validation and export."""
+    carry: CarryConfig = field(default_factory=CarryConfig)
+    """A state carried from each batch to the next (truncated backpropagation through time)."""
+
+
+@dataclass
+class ValConfig:
+    at_start: bool = False
+    """Validate once before the first step, logged at step 0 (the untrained model; not again on a resume)."""
+    batch_size: Optional[int] = None
+    """The validation loader's batch, of the whole job like ``train.batch_size`` (``null``: ``train.batch_size``)."""
+    max_batches: Optional[int] = None
+    """Validate on the first N batches only, the same ones each time (``null``: the whole set);
+    under torchrun, each rank's first N."""
+    every_steps: int = 0
+    """Validate every N optimizer steps instead of at each epoch's end (0: at each epoch's end).
+    The run always ends with a validation. ``train.val_every`` is its old name."""
 
 
 @dataclass
@@ -339,6 +420,8 @@ class KeelConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    val: ValConfig = field(default_factory=ValConfig)
+    """When and on how much of the validation data the run validates."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     oom: OomConfig = field(default_factory=OomConfig)

@@ -31,6 +31,7 @@ def _check_train(cfg: Any) -> None:
     _positive("train.accumulate", t.accumulate)
     _positive("train.log_every", t.log_every)
     _at_least("train.val_every", t.val_every, 0)
+    _check_val(cfg.val, t)
     _at_least("train.early_stop.patience", t.early_stop.patience, 0)
     _at_least("train.early_stop.min_delta", t.early_stop.min_delta, 0)
     if not 0 <= t.ema.decay < 1:
@@ -41,6 +42,22 @@ def _check_train(cfg: Any) -> None:
             "train.ema does not work with dist.strategy=fsdp yet (the average would need the "
             "full weights on every rank); use dist.strategy=ddp or set train.ema.decay=0"
         )
+    if t.carry.enabled and cfg.loss.step_fn is None:
+        raise ConfigError(
+            "train.carry.enabled is true but loss.step_fn is not set; set loss.step_fn to a "
+            "step_fn(model, batch, state) that returns torchkeel.StepOutput(loss, state=new_state)"
+        )
+
+
+def _check_val(v: Any, t: Any) -> None:
+    """val.*: sizes and cadence; ``train.val_every`` is the old name of ``val.every_steps``."""
+    _at_least("val.every_steps", v.every_steps, 0)
+    if v.every_steps and t.val_every:
+        raise ConfigError("val.every_steps and train.val_every (its old name) are both set; keep val.every_steps")
+    if v.batch_size is not None:
+        _positive("val.batch_size", v.batch_size)
+    if v.max_batches is not None:
+        _positive("val.max_batches", v.max_batches)
 
 
 def _check_model(cfg: Any) -> None:
@@ -145,6 +162,14 @@ def _check_optim(cfg: Any) -> None:
             f"schedule.min_lr ({cfg.schedule.min_lr}) is above optim.lr ({cfg.optim.lr}); "
             "set schedule.min_lr <= optim.lr"
         )
+    _check_schedule(cfg.schedule)
+    for i, group in enumerate(cfg.optim.groups):
+        if not group.params:
+            raise ConfigError(f"optim.groups[{i}].params is empty: give a name pattern such as 'lm_head.*'")
+        if group.lr is not None and group.lr < 0:
+            raise ConfigError(f"optim.groups[{i}].lr must be >= 0, got {group.lr}")
+        if group.weight_decay is not None:
+            _at_least(f"optim.groups[{i}].weight_decay", group.weight_decay, 0)
     if t.max_epochs is None and t.max_steps is None:
         raise ConfigError("set train.max_epochs or train.max_steps: training needs a limit")
     if t.max_epochs is not None:
@@ -155,6 +180,31 @@ def _check_optim(cfg: Any) -> None:
         raise ConfigError(f"train.clip_grad_norm must be > 0 or null (no clipping), got {t.clip_grad_norm}")
     if not cfg.name or "/" in cfg.name or cfg.name in (".", ".."):
         raise ConfigError(f"name {cfg.name!r} is not a valid run name; use letters, digits, '-', '_'")
+
+
+def _check_schedule(s: Any) -> None:
+    """schedule.*: the built-in decay's keys, or a ``target`` with its stepping keys, not both."""
+    if s.decay_steps is not None:
+        _at_least("schedule.decay_steps", s.decay_steps, 1)
+    if s.target is None:
+        extra = [k for k, set_ in (("args", s.args), ("monitor", s.monitor), ("mode", s.mode)) if set_]
+        extra += ["interval"] if s.interval != "step" else []
+        if extra:
+            raise ConfigError(
+                f"schedule.{extra[0]} belongs to a schedule.target (e.g. torch.optim.lr_scheduler:StepLR); "
+                f"set schedule.target or remove schedule.{extra[0]} (the built-in schedule steps per optimizer step)"
+            )
+        return
+    built_in = [
+        k for k, set_ in (("decay", s.decay != "cosine"), ("min_lr", s.min_lr), ("decay_steps", s.decay_steps)) if set_
+    ]
+    if built_in:
+        raise ConfigError(
+            f"schedule.{built_in[0]} shapes the built-in decay, which schedule.target={s.target!r} replaces; "
+            f"remove schedule.{built_in[0]} (give the target its own settings under schedule.args)"
+        )
+    if s.mode is not None and s.monitor is None:
+        raise ConfigError("schedule.mode goes with schedule.monitor (the metric it judges); set both or neither")
 
 
 def _check_checkpoint(cfg: Any) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,24 +12,25 @@ import torch
 
 from torchkeel.checkpoint import load_model_weights, load_weights
 from torchkeel.config.imports import build_target, resolve_target
-from torchkeel.config.schema import KeelConfig, LossConfig, ModelConfig
+from torchkeel.config.schema import CarryConfig, KeelConfig, LossConfig, ModelConfig
 from torchkeel.data.build import Loaders, build_loaders
 from torchkeel.distributed.job import TrainingJob
 from torchkeel.distributed.rank import RankInfo
 from torchkeel.errors import ConfigError
 from torchkeel.rng import seed_everything
 from torchkeel.train.accumulate import total_steps
+from torchkeel.train.carry import CarriedState, refuse_state
 from torchkeel.train.compile import CompiledOrEager, Reporter
 from torchkeel.train.ema import WeightAverage
 from torchkeel.train.hf import build_hf_model, check_tokens_fit
 from torchkeel.train.hooks import TrainerHooks
 from torchkeel.train.metricset import MetricSet
 from torchkeel.train.objective import Objective
-from torchkeel.train.optim import build_optimizer
+from torchkeel.train.optim import optimizer_over, param_groups
 from torchkeel.train.precision import Precision
 from torchkeel.train.profiling import StepProfiler
 from torchkeel.train.recompute import checkpoint_activations
-from torchkeel.train.schedule import build_scheduler
+from torchkeel.train.schedule import build_schedule
 from torchkeel.train.step import StepSettings
 
 
@@ -51,6 +52,10 @@ class Training:
     total_steps: int
     scheduler: Any
     profiler: StepProfiler
+    carry: CarriedState | None = None
+    """The state carried across batches (``train.carry``), which checkpoints hold."""
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+    """The optimizer's groups as built (``ParamGroup.row``): reported once at the run's start."""
 
 
 def build_training(
@@ -77,25 +82,23 @@ def build_training(
         val_data=val_data,
         rank=rank.rank,
         world_size=rank.world_size,
+        val_batch_size=cfg.val.batch_size,
     )
     model = _model(cfg, model, data, device)
     forward_model = _forward_model(cfg, job, model, report)
-    objective = build_objective(cfg.loss, loss_fn, model)
+    objective = build_objective(cfg.loss, loss_fn, model, carry=cfg.train.carry)
     val_scores = MetricSet.from_config(cfg.metrics, device)
     train_scores = MetricSet.from_config(cfg.metrics, device, on="train")
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # FSDP2's DTensors by name
+    params = [p for _, p in named]
     ema = WeightAverage(model, cfg.train.ema.decay, cfg.train.ema.start_step) if cfg.train.ema.decay else None
-    optimizer = build_optimizer(cfg.optim, params)
+    groups = param_groups(cfg.optim, named, model)
+    optimizer = optimizer_over(cfg.optim, groups)
     # The schedule's length: exact when no sample is bad (every epoch's plan is known); the
     # loop itself ends with the data, and the last step's learning rate is the floor.
     steps = total_steps(data.train.num_batches, cfg.train.accumulate, cfg.train.max_epochs, cfg.train.max_steps)
-    scheduler = build_scheduler(
-        optimizer,
-        warmup_steps=cfg.schedule.warmup_steps,
-        total_steps=steps,
-        decay=cfg.schedule.decay,
-        min_lr=cfg.schedule.min_lr,
-    )
+    has_val = data.val is not None
+    scheduler = build_schedule(cfg.schedule, optimizer, total_steps=steps, peak_lr=cfg.optim.lr, has_validation=has_val)
     profiler = StepProfiler(cfg.profile, Path(cfg.out_dir) / cfg.name / "profile", model, rank.rank)
     return Training(
         data,
@@ -110,6 +113,8 @@ def build_training(
         steps,
         scheduler,
         profiler,
+        carry=objective.step_fn if isinstance(objective.step_fn, CarriedState) else None,
+        param_groups=[g.row() for g in groups],
     )
 
 
@@ -159,7 +164,7 @@ def step_settings(
         scheduler=training.scheduler,
         clip_grad_norm_max=cfg.train.clip_grad_norm,
         check_finite=cfg.guard.enabled,
-        split_on_oom=cfg.oom.auto_split,
+        split_on_oom=cfg.oom.auto_split and not cfg.train.carry.enabled,  # a split would split the state
         sync=job.sync,
         on_outputs=scores.update if scores is not None else None,
         agree=agree,
@@ -214,10 +219,15 @@ def build_model(cfg: ModelConfig) -> torch.nn.Module:
 
 
 def build_objective(
-    cfg: LossConfig, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, model: torch.nn.Module | None = None
+    cfg: LossConfig,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    model: torch.nn.Module | None = None,
+    *,
+    carry: CarryConfig | None = None,
 ) -> Objective:
-    """The ``Objective``: ``loss.step_fn`` if set, else ``loss_fn`` (or ``loss.target``), with
-    ``loss.count_key``; ``model`` decides ``loss.shift_labels: null``."""
+    """The ``Objective``: ``loss.step_fn`` if set (carrying a state across batches with
+    ``carry.enabled``), else ``loss_fn`` (or ``loss.target``), with ``loss.count_key``;
+    ``model`` decides ``loss.shift_labels: null``."""
     shift = cfg.shift_labels if cfg.shift_labels is not None else model is not None and predicts_next_token(model)
     counting = dict(
         count_key=cfg.count_key,
@@ -225,9 +235,19 @@ def build_objective(
         shift_labels=shift,
         token_loss=shift or (model is not None and _predicts_masked_token(model)),
     )
+    if cfg.step_fn is not None and (cfg.output is not None or cfg.logits is not None):
+        key = "loss.output" if cfg.output is not None else "loss.logits"
+        raise ConfigError(
+            f"{key} names part of what the model returns, and loss.step_fn calls the model itself; unset "
+            f"{key} and return torchkeel.StepOutput(loss, logits=..., targets=...) from the step function"
+        )
     if cfg.step_fn is not None:
-        return Objective(step_fn=resolve_target(cfg.step_fn, "loss.step_fn"), **counting)
-    return Objective(loss_fn if loss_fn is not None else build_loss(cfg), **counting)
+        step_fn = resolve_target(cfg.step_fn, "loss.step_fn")
+        if carry is not None and carry.enabled:
+            return Objective(step_fn=CarriedState(step_fn, reset=carry.reset, eval=carry.eval), **counting)
+        return Objective(step_fn=refuse_state(step_fn), **counting)
+    loss = loss_fn if loss_fn is not None else build_loss(cfg)
+    return Objective(loss, output=cfg.output, logits=cfg.logits, **counting)
 
 
 def build_loss(cfg: LossConfig) -> Callable[[Any, Any], torch.Tensor]:

@@ -33,20 +33,21 @@ from torchkeel.distributed.shared import check_shared_directory, spans_nodes
 from torchkeel.errors import CheckpointError
 from torchkeel.rng import capture_rng, restore_rng
 from torchkeel.train.cadence import SaveCadence
+from torchkeel.train.carry import CarriedState
 from torchkeel.train.counters import RunCounters, TrainingParts
 from torchkeel.train.early_stop import EarlyStopping
 from torchkeel.train.incidents import IncidentLog
 from torchkeel.train.protect import BadSampleReport, Protections
 from torchkeel.train.resume import check_resume_config, check_resume_inputs, find_checkpoint
 from torchkeel.train.rundir import RunFiles
-from torchkeel.train.schedule import set_lr_at
+from torchkeel.train.schedule import replan
 
 
 @dataclass
 class RunState:
     """What a checkpoint carries besides the weights, from the components that own it: where the
     run stands, the protections' and early stopping's state, the incidents so far, the position in
-    the data (``loader``)."""
+    the data (``loader``), the state carried across batches (``carry``, each rank's own)."""
 
     counters: RunCounters
     protections: Protections
@@ -54,6 +55,7 @@ class RunState:
     incidents: IncidentLog
     stopper: EarlyStopping | None
     loader: Loader
+    carry: CarriedState | None = None
 
     def progress(self) -> dict[str, Any]:
         return {
@@ -214,8 +216,13 @@ class RunCheckpoints:
         job, is_main = self.job, self.job.rank.is_main
         with job.watch("saving a checkpoint", step):
             # Under torchrun every rank's RNG and position; in one process capture_training_state's suffice.
+            carry = run.carry.state_dict() if run.carry is not None else None
             ranks = job.gather(
-                {"rng": capture_rng() if job.active else None, "data": run.loader.state_dict(read_ahead)}
+                {
+                    "rng": capture_rng() if job.active else None,
+                    "data": run.loader.state_dict(read_ahead),
+                    "carry": carry,
+                }
             )
             state: dict[str, Any] = {}
             if is_main:
@@ -232,6 +239,8 @@ class RunCheckpoints:
                 )
                 if len(ranks) > 1:
                     state["ranks"] = {"rng": [r["rng"] for r in ranks]}
+                if run.carry is not None:
+                    state["carry"] = [r["carry"] for r in ranks]  # one per rank, in rank order
                 if parts.ema is not None:
                     state["ema"] = parts.ema.state_dict()
             kwargs = {"step": step, "epoch": epoch, "metrics": run.counters.val_metrics, "meta": meta}
@@ -276,10 +285,12 @@ class RunCheckpoints:
             load_sharded(found, parts.model, parts.optimizer)
         progress = restore_training_state(found.state, parts.model, parts.optimizer, parts.scheduler, parts.scaler)
         if parts.scheduler is not None and parts.optimizer is not None:
-            set_lr_at(parts.scheduler, parts.optimizer, parts.scheduler.last_epoch)  # this run's plan from now
+            replan(parts.scheduler, parts.optimizer)  # this run's plan from now (the built-in schedule)
         if parts.ema is not None and found.state.get("ema") is not None:
             parts.ema.load_state_dict(found.state["ema"])  # else the average starts afresh from these weights
         run.load(progress, found.state.get("protections") or {})
+        if run.carry is not None:
+            _restore_carry(run.carry, found.state.get("carry") or [], job, warn)
         per_rank_rng = (found.state.get("ranks") or {}).get("rng") or []
         world = job.rank.world_size
         if len(per_rank_rng) == world > 1:
@@ -304,3 +315,20 @@ class RunCheckpoints:
         """Let a save in flight land (a complete state), and stop the background writer."""
         if self.saver is not None:
             self.saver.join()
+
+
+def _restore_carry(
+    carry: CarriedState, saved: list[dict[str, Any]], job: TrainingJob, warn: Callable[[str], None] | None
+) -> None:
+    """Each rank continues its own carried state; from a checkpoint of another number of ranks
+    (whose rows were other streams) or without one, the state starts afresh, as ``warn`` hears."""
+    world = job.rank.world_size
+    if len(saved) == world:
+        carry.load_state_dict(saved[job.rank.rank], job.device)
+        return
+    carry.load_state_dict({"train": None})
+    if warn is not None:
+        where = f"{len(saved)} ranks" if saved else "no carried state"
+        warn(
+            f"train.carry: the checkpoint holds {where}, this run has {world} rank(s): the carried state starts afresh"
+        )

@@ -18,7 +18,7 @@ import torch
 
 from torchkeel.checkpoint.format import snapshot
 from torchkeel.config.schema import GuardConfig
-from torchkeel.train.schedule import set_lr_at
+from torchkeel.train.schedule import scale_schedule
 
 
 class Action(enum.Enum):
@@ -106,11 +106,11 @@ def _state_of(obj: Any) -> dict[str, Any]:
 def apply_lr_scale(scheduler: Any, optimizer: torch.optim.Optimizer, scale: float) -> None:
     """Set every group's schedule to ``scale`` × its initial learning rate, from this step on.
 
-    Works on a ``LambdaLR`` (the trainer's schedule): its base rates are scaled and the current
-    rates recomputed, so the backoff survives a checkpoint through the scheduler's state.
+    Works on a ``LambdaLR`` (the built-in schedule: its base rates are scaled and the current
+    rates recomputed) and a ``TargetSchedule``, so the backoff survives a checkpoint through the
+    scheduler's state.
     """
-    scheduler.base_lrs = [group["initial_lr"] * scale for group in optimizer.param_groups]
-    set_lr_at(scheduler, optimizer, scheduler.last_epoch)
+    scale_schedule(scheduler, optimizer, scale)
 
 
 @dataclass

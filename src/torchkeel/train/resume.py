@@ -26,6 +26,7 @@ EXACT = (
     "train.batch_size",
     "train.accumulate",
     "train.clip_grad_norm",
+    "train.carry",
 )
 # ... except how data is loaded, not which: these never change the batches.
 NOT_EXACT = (
@@ -38,6 +39,10 @@ NOT_EXACT = (
 )
 # The schedule is planned over the run's length: a change re-plans the learning rate from here.
 REPLANS = ("train.max_epochs", "train.max_steps")
+# Restored as the checkpoint holds them, whatever the config says now: a change could not apply.
+# The optimizer's state is per param group; a schedule.target is rebuilt from its saved state
+# (its arguments included), so every schedule.* key is kept when either config has a target.
+KEPT = ("optim.groups", "optim.decay_filter")
 
 
 def find_checkpoint(store: CheckpointStore, resume: str | Path, warn: Callable[[str], None]) -> Checkpoint | None:
@@ -105,6 +110,9 @@ def check_resume_config(
     # path to the same files does not change what the run computes.
     by_files = set(manifest.get("inputs") or {})
     breaking = [key for key, _, _ in changes if breaks_exactness(key) and key not in by_files]
+    target = (current.get("schedule") or {}).get("target")
+    if allow:
+        _refuse_kept(changes, target or (saved.get("schedule") or {}).get("target"), checkpoint)
     if breaking and not allow:
         shown = "; ".join(f"{k}: {_short(o)} -> {_short(n)}" for k, o, n in changes if k in breaking)
         raise ConfigError(
@@ -115,12 +123,31 @@ def check_resume_config(
     lines = []
     for key, old, new in changes:
         note = ""
-        if key in REPLANS:
+        if key in REPLANS and target is not None:
+            note = " (schedule.target follows its own arguments: nothing to re-plan)"
+        elif key in REPLANS:
             note = " (the learning-rate schedule is planned anew over the new length, from this step on)"
         elif key in breaking:
             note = " (allowed by --allow-config-change: the run is no longer the uninterrupted one)"
         lines.append(f"config differs from the checkpoint's: {key}: {_short(old)} -> {_short(new)}{note}")
     return lines
+
+
+def _refuse_kept(changes: list[tuple[str, Any, Any]], target: str | None, checkpoint: str | Path) -> None:
+    """Even with ``--allow-config-change``: a change of what the checkpoint restores as it holds it."""
+    kept = [k for k, _, _ in changes if k in KEPT or (target is not None and k.startswith("schedule."))]
+    if not kept:
+        return
+    why = (
+        f"schedule.target {target!r} is restored from the checkpoint's saved scheduler, arguments included"
+        if kept[0].startswith("schedule.")
+        else "the checkpoint's optimizer state is kept per parameter group"
+    )
+    raise ConfigError(
+        f"--resume: {kept[0]} differs from checkpoint '{checkpoint}', and {why}, so the change cannot apply "
+        "even with --allow-config-change; resume with the checkpoint's value, or start a new run (another "
+        "name) from its weights with model.init_from"
+    )
 
 
 def check_resume_inputs(

@@ -91,10 +91,18 @@ def drop_rows_after(path: Path, step: int) -> None:
     write_text_atomic(path, "".join(kept))
 
 
-def train_row(result: Any, counters: Any, lr: float, rates: dict[str, float], scores: Any = None) -> dict[str, Any]:
+def train_row(
+    result: Any,
+    counters: Any,
+    lr: float,
+    rates: dict[str, float],
+    scores: Any = None,
+    clip_frac: float | None = None,
+) -> dict[str, Any]:
     """The ``metrics.jsonl`` row of a logged step (a ``StepResult``; ``counters``: a ``RunCounters``).
     Reads the loss on the host when the guard did not, and computes ``scores`` (a ``MetricSet``:
-    on every rank at the same steps, since torchmetrics syncs here)."""
+    on every rank at the same steps, since torchmetrics syncs here). ``clip_frac``: the share of
+    the window's steps that clipping rescaled (``ClipRate.window_frac``; ``None``: not clipping)."""
     loss, grad_norm = result.loss_value, result.grad_norm_value
     if loss is None:  # the guard is off: read them now (host sync, log steps only)
         loss, grad_norm = result.loss.item(), result.grad_norm.item()
@@ -108,6 +116,7 @@ def train_row(result: Any, counters: Any, lr: float, rates: dict[str, float], sc
         "loss": loss,
         "lr": lr,
         "grad_norm": grad_norm,
+        **({"clip_frac": clip_frac} if clip_frac is not None else {}),
         "samples": counters.samples,
         **rates,
         **metrics,
@@ -197,8 +206,9 @@ class Progress:
             self.bar.close()
 
 
-# Rows for the file and the report only (the worker trial, the job and a resume have lines of their own).
-_FILE_ONLY = ("memory", "data_workers", "dist", "resume")
+# Rows for the file and the report only (the worker trial, the job, a resume and the clipping
+# warning have lines of their own).
+_FILE_ONLY = ("memory", "data_workers", "dist", "resume", "clipping", "param_groups")
 # Rows other than training steps get a line of their own, with a prefix.
 _PREFIXES = {"val": "validation: "}
 

@@ -1,11 +1,45 @@
-"""Learning-rate schedule by optimizer step: linear warmup, then cosine, linear or constant decay."""
+"""Learning-rate schedules: the built-in warmup then cosine, linear or constant decay by optimizer
+step, or a scheduler of the user's (``schedule.target``) after the same warmup.
+
+The built-in schedule, of 0-based optimizer step ``s``, peak ``lr``, ``W`` warmup steps, decay
+end ``D`` (``decay_steps``; by default the run's last step ``T - 1``, or ``T`` in the
+``transformers`` style)::
+
+    s < W:   lr * (s + 1) / W          style torchkeel (the last warmup step reaches lr)
+             lr * (s + 1) / (W + 1)    style nanogpt  (nanoGPT's get_lr)
+             lr * s / W                style transformers (get_*_schedule_with_warmup)
+    s >= W:  p = min((s - W) / max(D - W, 1), 1)
+             cosine:   min_lr + (lr - min_lr) * 0.5 * (1 + cos(pi * p))
+             linear:   lr - (lr - min_lr) * p
+             constant: lr
+
+Who steps what: ``train_step`` calls ``scheduler.step()`` after each applied optimizer step; the
+Trainer calls ``epoch_ended`` at each epoch's end and ``validated`` after each validation, which
+step a ``TargetSchedule`` as its ``interval`` and ``monitor`` say (the built-in one ignores them).
+"""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
+
+from torchkeel.config.imports import build_target
+from torchkeel.config.schema import ScheduleConfig
+from torchkeel.errors import ConfigError
+
+
+def warmup_fraction(step: int, warmup_steps: int, style: str = "torchkeel") -> float:
+    """The share of the peak rate warmup step ``step < warmup_steps`` uses, in ``style``'s formula."""
+    if style == "nanogpt":
+        return (step + 1) / (warmup_steps + 1)
+    if style == "transformers":
+        return step / warmup_steps
+    return (step + 1) / warmup_steps
 
 
 def lr_at(
@@ -16,19 +50,23 @@ def lr_at(
     total_steps: int,
     decay: str = "cosine",
     min_lr: float = 0.0,
+    style: str = "torchkeel",
+    decay_steps: int | None = None,
 ) -> float:
-    """Learning rate of optimizer step ``step`` (0-based).
+    """Learning rate of optimizer step ``step`` (0-based), by the formula in this module's docstring.
 
-    Warmup: step ``s < warmup_steps`` uses ``lr * (s + 1) / warmup_steps``, so the last warmup
-    step reaches ``lr``. Decay then runs from ``lr`` at step ``warmup_steps`` to ``min_lr`` at
-    step ``total_steps - 1`` and stays there.
+    Example: nanoGPT's ``get_lr(it)`` with ``warmup_iters=W``, ``lr_decay_iters=D`` is
+    ``lr_at(it, lr=learning_rate, min_lr=min_lr, warmup_steps=W, decay_steps=D, total_steps=T, style="nanogpt")``.
     """
     if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
+        return lr * warmup_fraction(step, warmup_steps, style)
     if decay == "constant":
         return lr
-    span = max(total_steps - 1 - warmup_steps, 1)
-    progress = min((step - warmup_steps) / span, 1.0)
+    if decay_steps is not None:
+        end = decay_steps
+    else:  # transformers' schedules end one step past the last (num_training_steps)
+        end = total_steps if style == "transformers" else total_steps - 1
+    progress = min((step - warmup_steps) / max(end - warmup_steps, 1), 1.0)
     if decay == "linear":
         return lr - (lr - min_lr) * progress
     if decay == "cosine":
@@ -43,31 +81,241 @@ def build_scheduler(
     total_steps: int,
     decay: str = "cosine",
     min_lr: float = 0.0,
+    style: str = "torchkeel",
+    decay_steps: int | None = None,
+    peak_lr: float | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` that follows ``lr_at`` for every param group, relative to its own initial lr.
 
-    Call ``scheduler.step()`` once per optimizer step. ``min_lr`` is absolute for the first
-    param group; other groups keep the same ratio.
+    Call ``scheduler.step()`` once per optimizer step. ``min_lr`` is absolute for a group whose
+    rate is ``peak_lr`` (``None``: the first group's); other groups keep the same ratio.
     """
-    base_lr = optimizer.param_groups[0]["lr"]
+    base_lr = peak_lr if peak_lr is not None else optimizer.param_groups[0]["lr"]
     factor = functools.partial(
         _factor,
         warmup_steps=warmup_steps,
         total_steps=total_steps,
         decay=decay,
         min_ratio=min_lr / base_lr,
+        style=style,
+        decay_steps=decay_steps,
     )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _factor(step: int, *, warmup_steps: int, total_steps: int, decay: str, min_ratio: float) -> float:
-    return lr_at(step, lr=1.0, warmup_steps=warmup_steps, total_steps=total_steps, decay=decay, min_lr=min_ratio)
+def _factor(step: int, *, min_ratio: float, **plan: Any) -> float:
+    return lr_at(step, lr=1.0, min_lr=min_ratio, **plan)
 
 
-def end_at_floor(scheduler: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer) -> None:
+class TargetSchedule:
+    """A scheduler of the user's (``schedule.target``), after ``warmup_steps`` of warmup.
+
+    During warmup each group's rate is the target's first rate times ``warmup_fraction``; from
+    step ``warmup_steps`` on the target takes over at its own first rate, and only then counts
+    what steps it: each optimizer step (``interval="step"``), each epoch's end (``"epoch"``), or
+    each validation with the value of ``monitor`` (``ReduceLROnPlateau``). A validation before
+    the first optimizer step does not step it. Its state (the target's, the steps taken) goes
+    into checkpoints, so a resumed run continues exactly.
+
+    Example (a hand loop)::
+
+        schedule = TargetSchedule(optimizer, lambda o: StepLR(o, step_size=1, gamma=0.7), interval="epoch")
+        for epoch in range(epochs):
+            for batch in loader:
+                ...; optimizer.step(); schedule.step()
+            schedule.epoch_ended()
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        make: Callable[[torch.optim.Optimizer], Any],
+        *,
+        warmup_steps: int = 0,
+        style: str = "torchkeel",
+        interval: str = "step",
+        monitor: str | None = None,
+    ) -> None:
+        self.optimizer, self.warmup_steps, self.style = optimizer, warmup_steps, style
+        self.interval, self.monitor = interval, monitor
+        self.scheduler = make(optimizer)
+        self.num_steps = 0
+        """Applied optimizer steps so far."""
+        self.lr_scale = 1.0
+        self._target_lrs = [group["lr"] for group in optimizer.param_groups]
+        self._warm()
+
+    @property
+    def is_warming_up(self) -> bool:
+        return self.num_steps < self.warmup_steps
+
+    def step(self) -> None:
+        """After each applied optimizer step."""
+        self.num_steps += 1
+        if self.num_steps <= self.warmup_steps:
+            self._warm()
+        elif self.interval == "step" and self.monitor is None:
+            self.scheduler.step()
+
+    def epoch_ended(self) -> None:
+        """At each epoch's end."""
+        if self.interval == "epoch" and self.monitor is None and not self.is_warming_up:
+            self.scheduler.step()
+
+    def validated(self, metrics: Mapping[str, float]) -> None:
+        """After each validation, with its metrics.
+
+        Raises:
+            ConfigError: ``monitor`` is not among ``metrics``.
+        """
+        if self.monitor is None or self.is_warming_up or self.num_steps == 0:
+            return
+        if self.monitor not in metrics:
+            raise ConfigError(
+                f"schedule.monitor={self.monitor!r} is not a validation metric; this run logs "
+                f"{', '.join(sorted(metrics)) or 'none'}"
+            )
+        self.scheduler.step(float(metrics[self.monitor]))
+
+    def scale_lr(self, scale: float) -> None:
+        """Rates ``scale`` × the target's, from now on (a rollback's back-off): the current rates
+        and the target's base rates are multiplied by ``scale`` over the scale in force."""
+        ratio, self.lr_scale = scale / self.lr_scale, scale
+        self._target_lrs = [lr * ratio for lr in self._target_lrs]
+        for group in self.optimizer.param_groups:
+            group["lr"] *= ratio
+        if hasattr(self.scheduler, "base_lrs"):
+            self.scheduler.base_lrs = [lr * ratio for lr in self.scheduler.base_lrs]
+
+    def _warm(self) -> None:
+        """Warmup's rates for the step to come; at its end, the target's own first rates back."""
+        if self.num_steps > self.warmup_steps:
+            return
+        share = warmup_fraction(self.num_steps, self.warmup_steps, self.style) if self.is_warming_up else 1.0
+        for group, lr in zip(self.optimizer.param_groups, self._target_lrs):
+            group["lr"] = lr * share
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "num_steps": self.num_steps,
+            "lr_scale": self.lr_scale,
+            "target_lrs": list(self._target_lrs),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.num_steps, self.lr_scale = state["num_steps"], state["lr_scale"]
+        self._target_lrs = list(state["target_lrs"])
+
+
+def build_schedule(
+    cfg: ScheduleConfig,
+    optimizer: torch.optim.Optimizer,
+    *,
+    total_steps: int,
+    peak_lr: float,
+    has_validation: bool = True,
+) -> torch.optim.lr_scheduler.LambdaLR | TargetSchedule:
+    """The run's schedule: the built-in one (a ``LambdaLR``), or ``schedule.target`` after warmup.
+
+    Raises:
+        ConfigError: the target is not a scheduler; a metric-stepped one without ``monitor``,
+            ``monitor`` without validation data or with a scheduler that takes no metric.
+    """
+    if cfg.target is None:
+        return build_scheduler(
+            optimizer,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=total_steps,
+            decay=cfg.decay,
+            min_lr=cfg.min_lr,
+            style=cfg.style,
+            decay_steps=cfg.decay_steps,
+            peak_lr=peak_lr,
+        )
+    if cfg.monitor is not None and not has_validation:
+        raise ConfigError(f"schedule.monitor={cfg.monitor!r} needs validation data: set data.val (or pass val_data)")
+    schedule = TargetSchedule(
+        optimizer,
+        functools.partial(_make_target, cfg),
+        warmup_steps=cfg.warmup_steps,
+        style=cfg.style,
+        interval=cfg.interval,
+        monitor=cfg.monitor,
+    )
+    takes_metric = _steps_on_a_metric(schedule.scheduler)
+    if takes_metric and cfg.monitor is None:
+        raise ConfigError(
+            f"schedule.target={cfg.target!r} steps on a metric: set schedule.monitor (e.g. val_loss), "
+            "and schedule.mode if higher is better"
+        )
+    if cfg.monitor is not None and not takes_metric:
+        raise ConfigError(
+            f"schedule.target={cfg.target!r} takes no metric in step(); remove schedule.monitor "
+            "(or use torch.optim.lr_scheduler:ReduceLROnPlateau)"
+        )
+    return schedule
+
+
+def _make_target(cfg: ScheduleConfig, optimizer: torch.optim.Optimizer) -> Any:
+    """``schedule.target(optimizer, **args)`` (with ``mode=schedule.mode`` when set), checked."""
+    extra = {"mode": cfg.mode} if cfg.mode is not None else {}
+    if extra and "mode" in cfg.args:
+        raise ConfigError("schedule.mode and schedule.args.mode are both set; keep schedule.mode")
+    scheduler = build_target(cfg.target, cfg.args, "schedule", call_args=(optimizer,), call_kwargs=extra)
+    if not all(callable(getattr(scheduler, m, None)) for m in ("step", "state_dict", "load_state_dict")):
+        raise ConfigError(
+            f"schedule.target={cfg.target!r} returned {type(scheduler).__name__}; it must return a "
+            "learning-rate scheduler (step(), state_dict(), load_state_dict()), e.g. torch.optim.lr_scheduler:StepLR"
+        )
+    return scheduler
+
+
+def _steps_on_a_metric(scheduler: Any) -> bool:
+    """Whether ``scheduler.step`` needs a value (``ReduceLROnPlateau.step(metrics)``), not an epoch."""
+    try:
+        params = list(inspect.signature(scheduler.step).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0].name != "epoch" and params[0].default is inspect.Parameter.empty
+
+
+def epoch_ended(scheduler: Any) -> None:
+    """At each epoch's end: steps a ``TargetSchedule`` with ``interval="epoch"``."""
+    if isinstance(scheduler, TargetSchedule):
+        scheduler.epoch_ended()
+
+
+def validated(scheduler: Any, metrics: Mapping[str, float]) -> None:
+    """After each validation: steps a ``TargetSchedule`` with a ``monitor``."""
+    if isinstance(scheduler, TargetSchedule):
+        scheduler.validated(metrics)
+
+
+def end_at_floor(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     """Set every group's learning rate to where its schedule ends (``min_lr``, or ``lr`` for a
-    constant schedule), for a run whose last step comes before the planned one."""
-    set_lr_at(scheduler, optimizer, 2**62)
+    constant schedule), for a run whose last step comes before the planned one. A
+    ``TargetSchedule`` follows its own arguments: nothing to do."""
+    if not isinstance(scheduler, TargetSchedule):
+        set_lr_at(scheduler, optimizer, 2**62)
+
+
+def replan(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """After a resume: the built-in schedule's rates from this run's plan at the step reached
+    (``set_lr_at``); a ``TargetSchedule`` continues from its saved state as it is."""
+    if not isinstance(scheduler, TargetSchedule):
+        set_lr_at(scheduler, optimizer, scheduler.last_epoch)
+
+
+def scale_schedule(scheduler: Any, optimizer: torch.optim.Optimizer, scale: float) -> None:
+    """Every group's schedule at ``scale`` × its initial learning rate, from this step on (a
+    rollback's back-off); it survives a checkpoint through the scheduler's state."""
+    if isinstance(scheduler, TargetSchedule):
+        scheduler.scale_lr(scale)
+        return
+    scheduler.base_lrs = [group["initial_lr"] * scale for group in optimizer.param_groups]
+    set_lr_at(scheduler, optimizer, scheduler.last_epoch)
 
 
 def set_lr_at(scheduler: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer, step: int) -> None:

@@ -25,6 +25,7 @@ from torchkeel.train.accumulate import Lookahead, iter_groups
 from torchkeel.train.build import build_training, resolve_device, step_settings
 from torchkeel.train.cadence import LoopCadence
 from torchkeel.train.checkpointing import ResumeChanges, RunCheckpoints, RunState
+from torchkeel.train.clipping import ClipRate
 from torchkeel.train.counters import Agreed, RunCounters, TrainingParts
 from torchkeel.train.early_stop import EarlyStopping
 from torchkeel.train.hooks import TrainerHooks
@@ -34,8 +35,8 @@ from torchkeel.train.preempt import StopSignals
 from torchkeel.train.protect import BadSampleReport, Protections
 from torchkeel.train.rundir import RunFiles
 from torchkeel.train.runlog import Progress, Throughput, train_row
-from torchkeel.train.schedule import end_at_floor
-from torchkeel.train.step import StepResult
+from torchkeel.train.schedule import end_at_floor, epoch_ended, validated
+from torchkeel.train.step import StepResult, train_step
 from torchkeel.train.validate import evaluate
 
 
@@ -87,8 +88,10 @@ class Trainer:
         self.model, self.forward_model, self.objective, self.params = t.model, t.forward_model, t.objective, t.params
         self.val_scores, self.train_scores, self.ema, self.profiler = t.val_scores, t.train_scores, t.ema, t.profiler
         self.optimizer, self.scheduler, self.total_steps = t.optimizer, t.scheduler, t.total_steps
+        self.param_groups = t.param_groups
+        self.carry = t.carry
         self.steps = step_settings(cfg, t, self.precision, self.job, agree=self._agree, hooks=hooks)
-        self.cadence = LoopCadence(cfg.train)
+        self.cadence, self.clips = LoopCadence(cfg.train, cfg.val), ClipRate(cfg.train.clip_grad_norm)
         self.parts = TrainingParts(self.model, self.optimizer, self.scheduler, self.precision.scaler, self.ema)
         self.checkpoints = RunCheckpoints(cfg.checkpoint, self.run_dir / "checkpoints", self.job, hook=hooks.checkpoint)
         self.store = self.checkpoints.store
@@ -101,7 +104,7 @@ class Trainer:
         self.resume, self.overwrite, self.show_progress = resume, overwrite, progress
         self.allow = ResumeChanges(config=allow_config_change, data=allow_data_change)
         held = (self.counters, self.protections, self.bad_samples, self.files.incidents, self.stopper)
-        self.state = RunState(*held, self.train_loader)
+        self.state = RunState(*held, self.train_loader, self.carry)
         self._ahead = Lookahead(())  # the epoch's groups, one read ahead
         self._best_unsaved = False
 
@@ -138,6 +141,9 @@ class Trainer:
             for warning in self.job.warnings(cfg.train.batch_size) if is_main else []:
                 self.files.console.warn(warning)
         self.files.data_ready(self.data.tuning, [] if found is not None else self.data.empty_files)
+        if self.carry is not None and cfg.oom.auto_split:
+            self.files.note("train.carry: oom.auto_split is off (a split batch would split the carried state's rows)")
+        self._report_param_groups(logged=found is not None)
         if found is not None:
             self._restore(found, changes)
         with self.files.ending(self._totals, lambda: {"bad_sample": len(self.bad_samples.shown)}) as summary:
@@ -162,6 +168,8 @@ class Trainer:
         c = self.counters
         self._throughput = Throughput(c)
         self.protections.take_snapshot(c.step)
+        if self.cadence.validates_at_start(c.step):
+            self._validate()  # the untrained model, at step 0 (val.at_start)
         if self.stopper is not None and self.stopper.stop_reason:
             return  # resumed from the checkpoint where it stopped early: nothing left to do
         # An epoch ends when its data does (on every rank together); only max_steps stops mid-epoch.
@@ -177,6 +185,8 @@ class Trainer:
     def _train_epoch(self) -> bool:
         """The current epoch from where the run stands; True when the run ends in it."""
         c = self.counters
+        if self.carry is not None and c.batch_in_epoch == 0:  # mid-epoch, a resume continues the saved state
+            self.carry.start_epoch()
         batches = self.data.checked(self.train_loader.epoch(c.epoch, start_batch=c.batch_in_epoch))
         self.protections.input_bound.start()
         # One group is read ahead, so that the epoch's last step is known when it is taken.
@@ -191,7 +201,9 @@ class Trainer:
             agreed: Agreed = result.agreed
             self._after_step(result, group, agreed)
             if plan.log:
-                self.files.log(train_row(result, c, lr, self._throughput.rates(c), self.train_scores))
+                rates = self._throughput.rates(c)
+                self.files.log(train_row(result, c, lr, rates, self.train_scores, self.clips.window_frac()))
+            self._say_clipping(plan.is_last)
             if plan.validate:
                 self._validate()
                 if self._after_validation(at_epoch_end=last_of_epoch):
@@ -213,6 +225,7 @@ class Trainer:
         c.micro_batch_size = result.micro_batch_size  # under torchrun the smallest that fit on any rank
         if self.ema is not None and result.status == "ok":  # a skipped step is not averaged in
             self.ema.update(c.step)
+        self.clips.add(c.step, result)
         self.files.console.advance(1)
         if agreed.bad_samples:
             self.files.record(c.step, self.bad_samples.collect(self.train_loader, self._ahead.read_ahead))
@@ -221,13 +234,14 @@ class Trainer:
             self.files.record(c.step, found)
 
     def _end_epoch(self) -> bool:
-        """The epoch's data ended: validate (without ``train.val_every``), count it, save as
+        """The epoch's data ended: validate (without ``val.every_steps``), count it, save as
         the cadence says; True when early stopping ends the run."""
         c = self.counters
         self._ahead = Lookahead(())
         if self.cadence.validates_at_epoch_end:
             self._validate()
         c.epoch, c.batch_in_epoch = c.epoch + 1, 0
+        epoch_ended(self.scheduler)  # a schedule.target with interval: epoch
         if self.cadence.validates_at_epoch_end and self._after_validation(at_epoch_end=True):
             return True
         self.checkpoints.at_epoch_end(c.step, wanted=self._best_unsaved)
@@ -239,9 +253,8 @@ class Trainer:
         self.profiler.before_step(step)
         try:
             with self.job.watch_step(step):
-                return self.steps.run(
-                    self.forward_model, self.optimizer, group, self.objective, self.counters.micro_batch_size
-                )
+                model, micro_batch_size = self.forward_model, self.counters.micro_batch_size
+                return train_step(model, self.optimizer, group, self.objective, self.steps, micro_batch_size)
         except LabelOutOfRange as exc:
             origin = self.train_loader.origin(self._ahead.first + exc.micro_batch, exc.sample)
             exc.add_note(f"step {step}, micro-batch {exc.micro_batch}: {origin or 'origin unknown'}")
@@ -258,6 +271,8 @@ class Trainer:
         c.validated_at = c.step
         if self.val_loader is None:
             return
+        if self.carry is not None:
+            self.carry.start_eval()
         with self.job.watch("validation", c.step):
             model = self.ema.module if self.ema is not None else self.job.evaluation_model(self.model)
             c.val_metrics = evaluate(
@@ -268,9 +283,32 @@ class Trainer:
                 precision=self.precision,
                 across_ranks=True,
                 metrics=self.val_scores,
+                max_batches=self.config.val.max_batches,
             )
             self.files.record(self.counters.step, self.bad_samples.collect(self.val_loader))
         self.files.log({"kind": "val", "step": c.step, "epoch": c.epoch, **c.val_metrics})
+        validated(self.scheduler, c.val_metrics)  # a schedule.target with a monitor (ReduceLROnPlateau)
+
+    def _say_clipping(self, is_last: bool) -> None:
+        """Once, in the files and on the console: clipping rescaled most of the run's first steps."""
+        warning = self.clips.early_warning(self.counters.step, is_last)
+        if warning is not None:
+            self.files.log(warning.row())
+            if self.rank.is_main:
+                self.files.console.warn(warning.message)
+
+    def _report_param_groups(self, logged: bool) -> None:
+        """The optimizer's groups, once: on the console when the config splits them, and as a
+        ``param_groups`` row of ``metrics.jsonl`` (unless a resumed run ``logged`` it already)."""
+        rows = self.param_groups
+        if len(rows) > 1 or any(r["group"] != "default" for r in rows):
+            for r in rows:
+                self.files.say(
+                    f"optimizer group {r['group']}: {r['num_tensors']} tensors, {r['num_params']:,} parameters, "
+                    f"lr {r['lr']:g}, weight_decay {r['weight_decay']:g}"
+                )
+        if not logged:
+            self.files.log({"kind": "param_groups", "step": 0, "groups": rows})
 
     def _compile_event(self, kind: str, message: str, details: dict[str, Any]) -> None:
         self.files.compile_event(self.counters.step, kind, message, details)
@@ -282,7 +320,9 @@ class Trainer:
             return False
         # A mid-epoch validation at the epoch's last batch leaves the save to the epoch end.
         save, self._best_unsaved = self.stopper.after(
-            self.counters.val_metrics, self.counters.step, defer=at_epoch_end and bool(self.config.train.val_every)
+            self.counters.val_metrics,
+            self.counters.step,
+            defer=at_epoch_end and not self.cadence.validates_at_epoch_end,
         )
         if save:
             self.checkpoints.save_now()
