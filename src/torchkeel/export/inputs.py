@@ -115,7 +115,7 @@ def run_inputs(config: KeelConfig, model: torch.nn.Module, limit: int) -> RunInp
     model's inputs from how the run's objective calls it."""
     train_data, val_data = resolve_data(config.data)
     make = loader_factory(config.data, batch_size=config.train.batch_size, seed=config.seed, device=torch.device("cpu"))
-    objective = build_objective(config.loss, None, model)
+    objective = build_objective(config.loss, None, model, carry=config.train.carry)
     parity_data = val_data if val_data is not None else train_data
     calls = _calls(model, objective, make(parity_data, 0, train=False), limit, PARITY_BATCHES)
     reference_calls = _calls(model, objective, make(train_data, 0), REFERENCE_SAMPLES, 1)
