@@ -44,7 +44,7 @@ def token_mean(model, batch):
 def token_sum(model, batch):
     """The same loss as a sum and its count: the weights come from the step function."""
     losses, count = _token_losses(model, batch)
-    return losses.sum(), count
+    return tk.StepOutput(losses.sum(), count=count)
 
 
 def sequences(num: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -181,14 +181,14 @@ def test_a_dict_batch_is_model_of_the_batch_and_its_loss():
     model = StrictLM()
     out = Objective(nn.CrossEntropyLoss())(model, batch, torch.device("cpu"))
     assert torch.equal(out.loss, model(**batch)["loss"]) and out.outputs.shape == (2, 5, VOCAB)
-    with pytest.raises(tk.DataError, match=r"without a loss; put the labels in the batch"):
+    with pytest.raises(tk.ConfigError, match=r"without a loss; put the labels in the batch.*set loss\.output"):
         Objective(nn.CrossEntropyLoss())(
             model, {k: batch[k] for k in ("input_ids", "attention_mask")}, torch.device("cpu")
         )
 
 
 def test_a_step_function_that_returns_something_else_is_named():
-    with pytest.raises(tk.DataError, match="loss.step_fn returned str"):
+    with pytest.raises(tk.ConfigError, match="loss.step_fn returned str"):
         Objective(step_fn=lambda model, batch: "loss")(nn.Identity(), {"x": torch.ones(1)}, torch.device("cpu"))
 
 

@@ -59,6 +59,12 @@ class MetricSet:
         return cls(built, device, prefix=f"{on}_")
 
     def update(self, outputs: Any, targets: Any) -> None:
+        if outputs is None:  # a model that returns a tuple, or a step function that gave no logits
+            raise ConfigError(
+                f"metrics ({', '.join(self.metrics)}) score the model's predictions, and none were found: set "
+                "loss.logits to where they are in what the model returns (an index or a key), or return "
+                "torchkeel.StepOutput(loss, logits=..., targets=...) from loss.step_fn"
+            )
         for metric in self.metrics.values():
             metric.update(outputs, targets)
 

@@ -2,11 +2,15 @@
 
 The default is ``loss_fn(model(input), target)``, a mean over the batch's samples; a dict batch
 (what a tokenized transformers dataset gives) is ``model(**batch)`` and the ``loss`` it returns.
-A step function ``(model, batch) -> ...`` covers the rest (several inputs, contrastive losses)
-and may return:
+A model that computes its own loss names it with ``output`` (``loss.output``: an index into the
+tuple it returns, or a key); an ``(input, target)`` batch then runs as ``model(input, target)``
+(nanoGPT's ``forward(idx, targets)``). ``logits`` (``loss.logits``) names its predictions, which
+the configured metrics score (``torchkeel.train.outputs`` finds both, and names a mismatch).
 
-- ``loss`` — a mean; ``loss, {name: value}`` — with metrics to log;
-- ``loss_sum, count`` (or ``loss_sum, count, {name: value}``) — a sum over ``count`` elements.
+A step function ``(model, batch) -> ...`` covers the rest (several inputs, contrastive losses)
+and returns a scalar ``loss`` (a mean), ``(loss, {name: value})``, or a ``StepOutput``: with
+``count``, a sum over ``count`` elements. Any other tuple is refused: ``(loss_sum, count)`` and
+``(loss, logits)`` look alike, and guessing trains the wrong thing.
 
 Accumulation weighs each micro-batch by its count — samples, the batch's ``count_key`` (its
 labels other than ``ignore_index``, or a count to sum), or the count the step function returned
@@ -25,7 +29,8 @@ from typing import Any
 import torch
 
 from torchkeel.batch import map_tensors, num_samples, take, to_device
-from torchkeel.errors import DataError
+from torchkeel.errors import ConfigError, DataError, KeelError, first_line
+from torchkeel.train.outputs import Where, default_logits, describe, is_scalar, pick, pick_loss, suggest
 
 
 @dataclass
@@ -77,13 +82,20 @@ class Objective:
 
     Args:
         loss_fn: ``loss(output, target)``, a mean over samples.
-        step_fn: ``(model, batch) -> loss | (loss, metrics) | (loss_sum, count[, metrics])``.
+        step_fn: ``(model, batch) -> loss | (loss, metrics) | StepOutput``.
         count_key: a batch key that counts the elements the loss is a mean over; weights
             micro-batches by it instead of by samples. A label key (``labels``, ``*labels``)
             counts its elements other than ``ignore_index`` (after dropping each row's first
             label with ``shift_labels``, as a next-token loss does); any other key is summed.
         token_loss: the loss is a per-token negative log-likelihood (a language model's):
             validation logs ``val_perplexity``.
+        output: where the loss is in what the model returns (an index, a key or an attribute):
+            the model computes it, called as ``model(input, target)`` or ``model(**batch)``.
+        logits: where the predictions are in what the model returns, for the metrics (and for
+            ``loss_fn`` without ``output``); ``None``: ``logits`` of a dict or transformers output.
+
+    Raises (when called):
+        ConfigError: what the model or ``step_fn`` returned does not fit; names the key to set.
     """
 
     def __init__(
@@ -95,11 +107,16 @@ class Objective:
         ignore_index: int = -100,
         shift_labels: bool = False,
         token_loss: bool = False,
+        output: Where | None = None,
+        logits: Where | None = None,
     ) -> None:
         if (loss_fn is None) == (step_fn is None):
             raise ValueError("Objective needs exactly one of loss_fn and step_fn")
+        if step_fn is not None and (output is not None or logits is not None):
+            raise ValueError("output and logits name parts of the model's return; a step_fn returns a StepOutput")
         self.loss_fn, self.step_fn, self.count_key = loss_fn, step_fn, count_key
         self.ignore_index, self.shift_labels = ignore_index, shift_labels
+        self.output, self.logits = output, logits
         self.token_loss = token_loss or shift_labels
         """The loss is a mean negative log-likelihood per token (a causal or masked LM): validation
         logs its perplexity."""
@@ -140,23 +157,64 @@ class Objective:
             return self._stand_in(model, batch, device, non_blocking)
         self._last = batch
         if self.step_fn is not None:
-            return _step_output(self.step_fn(model, to_device(batch, device, non_blocking)))
+            return step_output(self.step_fn(model, to_device(batch, device, non_blocking)))
         if not isinstance(batch, (tuple, list)) and isinstance(batch, Mapping):
-            out = _model_loss(model, to_device(batch, device, non_blocking))
+            batch = to_device(batch, device, non_blocking)
+            out = self._model_loss(model(**batch), batch)
             return _next_token_pairs(out) if self.shift_labels else out
         inputs, targets = batch
+        if self.output is not None:  # the model computes its loss: nanoGPT's forward(idx, targets)
+            inputs = to_device(inputs, device, non_blocking)
+            targets_on_device = to_device(targets, device, non_blocking)
+            return self._model_loss(model(inputs, targets_on_device), targets_on_device)
         outputs = model(to_device(inputs, device, non_blocking))
+        if self.logits is not None:
+            outputs = pick(outputs, self.logits, "loss.logits")
         targets_on_device = to_device(targets, device, non_blocking)
-        if device.type == "cpu":  # an out-of-range label raises here: name it then, free otherwise
-            try:
-                loss = self.loss_fn(outputs, targets_on_device)
-            except (IndexError, RuntimeError):
-                check_labels(outputs, targets, self.loss_fn)
+        try:
+            loss = self._loss(outputs, targets, targets_on_device, device)
+        except KeelError:
+            raise
+        except Exception as exc:  # a loss given a tuple or dict: name the keys that pick from it
+            if isinstance(outputs, torch.Tensor):
                 raise
-        else:  # on an accelerator it would be a device-side assert that kills the context
+            raise ConfigError(_not_a_prediction(outputs, exc)) from exc
+        if not is_scalar(loss):
+            raise ConfigError(
+                f"loss.target returned {describe(loss)}; it must return the batch's mean loss, one number "
+                "(reduction='mean'), or set loss.step_fn"
+            )
+        return LossOutput(loss.reshape(()), outputs=outputs, targets=targets_on_device)
+
+    def _loss(self, outputs: Any, targets: Any, targets_on_device: Any, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":  # on an accelerator a bad label is a device-side assert that kills the context
             check_labels(outputs, targets, self.loss_fn)
-            loss = self.loss_fn(outputs, targets_on_device)
-        return LossOutput(loss, outputs=outputs, targets=targets_on_device)
+            return self.loss_fn(outputs, targets_on_device)
+        try:  # an out-of-range label raises here on the CPU: name it then, free otherwise
+            return self.loss_fn(outputs, targets_on_device)
+        except (IndexError, RuntimeError):
+            check_labels(outputs, targets, self.loss_fn)
+            raise
+
+    def _model_loss(self, out: Any, batch_or_targets: Any) -> LossOutput:
+        """The loss the model returned (at ``output``; a dict batch's default: its ``loss``) and its
+        predictions (at ``logits``), paired with the labels."""
+        is_dict_batch = isinstance(batch_or_targets, Mapping)
+        call = "model(**batch)" if is_dict_batch else "model(inputs, targets)"
+        if self.output is None and is_scalar(_attribute_or_key(out, "loss")):
+            loss = _attribute_or_key(out, "loss")
+        elif self.output is None:
+            raise ConfigError(
+                f"a dict batch ({', '.join(map(str, batch_or_targets))}) runs as model(**batch), and the model "
+                f"returned {describe(out)} without a loss; put the labels in the batch (labels=...), set "
+                f"loss.output to where the loss is (loss.output: {suggest(out, 'loss.output')}), or set "
+                "loss.step_fn to compute the loss yourself"
+            )
+        else:
+            loss = pick_loss(out, self.output, call)
+        logits = pick(out, self.logits, "loss.logits") if self.logits is not None else default_logits(out)
+        targets = batch_or_targets.get("labels") if is_dict_batch else batch_or_targets
+        return LossOutput(loss.reshape(()), outputs=logits, targets=targets)
 
     def _stand_in(self, model: torch.nn.Module, batch: Any, device: torch.device, non_blocking: bool) -> LossOutput:
         """The loss of two rows, times zero: the first row of the last batch this objective ran, twice
@@ -228,22 +286,21 @@ def is_label_key(key: str) -> bool:
     return key.endswith("labels")
 
 
-def _model_loss(model: torch.nn.Module, batch: Mapping[str, Any]) -> LossOutput:
-    """``model(**batch)`` and the ``loss`` it returns (an attribute or a key, as transformers' outputs)."""
-    out = model(**batch)
-    loss = getattr(out, "loss", None)
-    if loss is None and isinstance(out, Mapping):
-        loss = out.get("loss")
-    if not isinstance(loss, torch.Tensor):
-        raise DataError(
-            f"a dict batch ({', '.join(map(str, batch))}) runs as model(**batch), and the model returned "
-            f"{type(out).__name__} without a loss; put the labels in the batch (labels=...), or set "
-            "loss.step_fn to compute the loss yourself"
-        )
-    logits = getattr(out, "logits", None)
-    if logits is None and isinstance(out, Mapping):
-        logits = out.get("logits")
-    return LossOutput(loss, outputs=logits, targets=batch.get("labels"))
+def _attribute_or_key(out: Any, name: str) -> Any:
+    """``out.name`` or ``out[name]`` (a transformers output has both; a plain dict only the key)."""
+    if isinstance(out, Mapping):
+        return out.get(name)
+    return None if isinstance(out, (tuple, list, torch.Tensor)) else getattr(out, name, None)
+
+
+def _not_a_prediction(outputs: Any, exc: Exception) -> str:
+    """What to set when ``loss_fn`` could not take what the model returned (a tuple, a dict)."""
+    return (
+        f"loss.target could not take what model(inputs) returned, {describe(outputs)} "
+        f"({type(exc).__name__}: {first_line(exc, 120)}); set loss.output to where the model's own loss is "
+        f"(loss.output: {suggest(outputs, 'loss.output')}; the model is then called as model(inputs, targets)), "
+        f"or loss.logits to where its predictions are (loss.logits: {suggest(outputs, 'loss.logits')})"
+    )
 
 
 def _next_token_pairs(out: LossOutput) -> LossOutput:
@@ -295,16 +352,45 @@ def _is_class_loss(loss_fn: Any) -> bool:
     )
 
 
-def _step_output(result: Any) -> LossOutput:
-    if isinstance(result, torch.Tensor):
-        return LossOutput(result)
-    if isinstance(result, tuple) and len(result) in (2, 3):
-        loss, second, *rest = result
-        if isinstance(second, Mapping) and not rest:
-            return LossOutput(loss, metrics=dict(second))
-        if isinstance(second, (torch.Tensor, int, float)) and (not rest or isinstance(rest[0], Mapping)):
-            return LossOutput(loss, is_sum=True, count=second, metrics=dict(rest[0]) if rest else {})
-    raise DataError(
-        f"loss.step_fn returned {type(result).__name__}; return loss, (loss, {{name: value}}), "
-        "(loss_sum, count) or (loss_sum, count, {name: value})"
-    )
+def step_output(result: Any) -> LossOutput:
+    """A step function's result as a ``LossOutput``: a scalar loss, ``(loss, {name: value})`` or a
+    ``StepOutput`` (its ``state`` is the carrying wrapper's business, not the loss's).
+
+    Raises:
+        ConfigError: anything else — another tuple (``(loss_sum, count)`` and ``(loss, logits)``
+            look alike: never guessed), a loss that is not one number, a count that is not.
+    """
+    if isinstance(result, StepOutput):
+        count = result.count
+        is_number = isinstance(count, (int, float)) and not isinstance(count, bool)
+        if count is not None and not (is_number or is_scalar(count)):
+            raise ConfigError(
+                f"loss.step_fn returned StepOutput(count={describe(count)}); count must be one number: the "
+                "elements the loss_sum is over"
+            )
+        loss = _step_loss(result.loss, f"StepOutput(loss={describe(result.loss)})")
+        metrics = dict(result.metrics or {})
+        return LossOutput(loss, count is not None, count, metrics, outputs=result.logits, targets=result.targets)
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping):
+        return LossOutput(_step_loss(result[0], describe(result)), metrics=dict(result[1]))
+    if isinstance(result, (tuple, list)):
+        raise ConfigError(
+            f"loss.step_fn returned {describe(result)}; a tuple is read only as (loss, {{name: value}}): return "
+            "torchkeel.StepOutput(loss_sum, count=n) for a sum over n elements, or "
+            "StepOutput(loss, logits=..., targets=...) to give the metrics predictions"
+        )
+    return LossOutput(_step_loss(result, describe(result)))
+
+
+def _step_loss(loss: Any, returned: str) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(
+            f"loss.step_fn returned {returned}; return a scalar loss tensor, (loss, {{name: value}}) or "
+            "torchkeel.StepOutput(loss, count=..., metrics=...)"
+        )
+    if not is_scalar(loss):
+        raise ConfigError(
+            f"loss.step_fn returned {returned}: a loss of {loss.numel()} numbers; return one: their mean, "
+            "or their sum as torchkeel.StepOutput(loss_sum, count=n)"
+        )
+    return loss.reshape(())
