@@ -66,6 +66,7 @@ _EXPORTS = {
     "MetricSet": "torchkeel.train.metricset",
     "Objective": "torchkeel.train.objective",
     "StepOutput": "torchkeel.train.objective",
+    "CarriedState": "torchkeel.train.carry",
     "Precision": "torchkeel.train.precision",
     "make_precision": "torchkeel.train.precision",
     "build_scheduler": "torchkeel.train.schedule",

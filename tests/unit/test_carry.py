@@ -166,13 +166,11 @@ def test_the_trainer_and_a_hand_loop_with_carried_state_equal_a_plain_tbptt_loop
         assert torch.equal(trainer.model.state_dict()[name], value), name
 
     # The component alone, in a hand-written loop.
-    from torchkeel.train.carry import CarriedState
-
     torch.manual_seed(0)
     train, _ = make_data()
     model = TinyLM()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    carry = CarriedState(lm_step)
+    carry = tk.CarriedState(lm_step)
     objective, hand = Objective(step_fn=carry), []
     for _ in range(2):
         carry.start_epoch()
