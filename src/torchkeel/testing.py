@@ -168,7 +168,7 @@ def slowed(forward: Callable[[Any], Any], seconds: float) -> Callable[[Any], Any
 class OomInjector:
     """Fault injection: raises ``torch.OutOfMemoryError`` for micro-batches above ``max_samples``.
 
-    Pass it as ``TrainerHooks(before_forward=OomInjector(16))`` to ``train_step(hooks=)`` or
+    Pass it as ``TrainerHooks(before_forward=OomInjector(16))`` to ``StepSettings(hooks=)`` or
     ``Trainer(hooks=)`` to exercise the split path on a CPU.
     """
 

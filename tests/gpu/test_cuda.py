@@ -26,11 +26,9 @@ def test_fp16_step_uses_a_grad_scaler_and_reports_true_norms():
         opt,
         group,
         nn.functional.cross_entropy,
-        params=list(model.parameters()),
-        precision=precision,
-        device=CUDA,
-        clip_grad_norm_max=1.0,
-        check_finite=True,
+        tk.StepSettings(
+            params=list(model.parameters()), precision=precision, device=CUDA, clip_grad_norm_max=1.0, check_finite=True
+        ),
     )
     assert result.status in ("ok", "overflow") and result.grad_norm_value is not None
 

@@ -34,9 +34,7 @@ def train(model, optimizer, batch_size, accumulate, epochs=2):
                 optimizer,
                 group,
                 nn.functional.cross_entropy,
-                params=params,
-                precision=tk.Precision(),
-                device=torch.device("cpu"),
+                tk.StepSettings(params=params, precision=tk.Precision(), device=torch.device("cpu")),
             )
     return len(steps)
 
@@ -93,7 +91,7 @@ def test_the_whole_batch_step_equals_the_general_loop_bitwise(summed):
         x, y = batch
         losses = nn.functional.cross_entropy(model(x), y, reduction="none")
         if summed:
-            return losses.sum(), torch.tensor(float(len(y))), {"top": losses.max()}
+            return tk.StepOutput(losses.sum(), count=torch.tensor(float(len(y))), metrics={"top": losses.max()})
         return losses.mean(), {"top": losses.max()}
 
     torch.manual_seed(3)
@@ -109,10 +107,9 @@ def test_the_whole_batch_step_equals_the_general_loop_bitwise(summed):
             optimizer,
             [batch],
             Objective(step_fn=step_fn),
-            params=params,
-            precision=tk.Precision(),
-            device=torch.device("cpu"),
-            clip_grad_norm_max=1.0,
+            tk.StepSettings(
+                params=params, precision=tk.Precision(), device=torch.device("cpu"), clip_grad_norm_max=1.0
+            ),
             micro_batch_size=micro_batch_size,
         )
         results.append((result, [p.detach().clone() for p in params]))

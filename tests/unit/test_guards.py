@@ -40,15 +40,15 @@ def test_a_nonfinite_step_changes_nothing_bit_for_bit():
     opt = torch.optim.AdamW(params, lr=1e-2)
     sched = tk.build_scheduler(opt, warmup_steps=2, total_steps=10)
     good = [(torch.randn(6, 4), torch.randint(0, 3, (6,)))]
-    step = dict(
+    step = tk.StepSettings(
         params=params, precision=tk.Precision(), device=CPU, clip_grad_norm_max=1.0, scheduler=sched, check_finite=True
     )
     for _ in range(2):
-        assert tk.train_step(model, opt, good, nn.functional.cross_entropy, **step).status == "ok"
+        assert tk.train_step(model, opt, good, nn.functional.cross_entropy, step).status == "ok"
     before = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), sched.state_dict().copy())
     bad_inputs = torch.randn(6, 4)
     bad_inputs[2, 1] = float("nan")
-    result = tk.train_step(model, opt, [(bad_inputs, torch.randint(0, 3, (6,)))], nn.functional.cross_entropy, **step)
+    result = tk.train_step(model, opt, [(bad_inputs, torch.randint(0, 3, (6,)))], nn.functional.cross_entropy, step)
     assert result.status == "nonfinite" and result.loss_value != result.loss_value  # NaN
     for key, value in before[0].items():
         assert torch.equal(model.state_dict()[key], value)
@@ -273,11 +273,13 @@ def test_a_single_sample_that_does_not_fit_is_a_clear_error():
             opt,
             batch,
             nn.functional.cross_entropy,
-            params=list(model.parameters()),
-            precision=tk.Precision(),
-            device=CPU,
-            split_on_oom=True,
-            hooks=TrainerHooks(before_forward=OomInjector(0)),
+            tk.StepSettings(
+                params=list(model.parameters()),
+                precision=tk.Precision(),
+                device=CPU,
+                split_on_oom=True,
+                hooks=TrainerHooks(before_forward=OomInjector(0)),
+            ),
         )
 
 
@@ -294,11 +296,13 @@ def test_other_errors_pass_through_unchanged():
             opt,
             [(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))],
             nn.functional.cross_entropy,
-            params=list(model.parameters()),
-            precision=tk.Precision(),
-            device=CPU,
-            split_on_oom=True,
-            hooks=TrainerHooks(before_forward=broken),
+            tk.StepSettings(
+                params=list(model.parameters()),
+                precision=tk.Precision(),
+                device=CPU,
+                split_on_oom=True,
+                hooks=TrainerHooks(before_forward=broken),
+            ),
         )
 
 

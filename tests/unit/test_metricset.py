@@ -16,7 +16,7 @@ from torchkeel.checkpoint import CheckpointStore
 from torchkeel.errors import ConfigError
 from torchkeel.report import build_report as tk_report
 from torchkeel.train.metricset import MetricSet
-from torchkeel.train.step import train_step
+from torchkeel.train.step import StepSettings, train_step
 
 F1 = "{name: f1, target: 'torchmetrics.classification:MulticlassF1Score', args: {num_classes: 4}}"
 # Two features for four classes: the classes overlap, so F1 stays well below 1 and moves.
@@ -141,12 +141,14 @@ def test_train_metrics_cover_the_steps_between_logged_rows(tiny_config):
             again.optimizer,
             [batch],
             again.objective,
-            params=again.params,
-            precision=again.precision,
-            device=again.device,
-            clip_grad_norm_max=1.0,
-            scheduler=again.scheduler,
-            on_outputs=on_outputs,
+            StepSettings(
+                params=again.params,
+                precision=again.precision,
+                device=again.device,
+                clip_grad_norm_max=1.0,
+                scheduler=again.scheduler,
+                on_outputs=on_outputs,
+            ),
         )
     assert sum(counted) == 5 * 16
     assert train_rows[0]["train_acc"] == pytest.approx(metric.compute().item(), abs=1e-6)

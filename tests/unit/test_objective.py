@@ -66,7 +66,11 @@ def train(objective, optimizer_name: str, micro: int, steps=3, num=60) -> dict[s
         samples = sequences(num, seed=step)  # 60 = 16 + 16 + 16 + 12: a short last micro-batch
         group = [collate(samples[i : i + micro]) for i in range(0, num, micro)]
         tk.train_step(
-            model, optimizer, group, objective, params=params, precision=Precision("cpu"), device=torch.device("cpu")
+            model,
+            optimizer,
+            group,
+            objective,
+            tk.StepSettings(params=params, precision=Precision("cpu"), device=torch.device("cpu")),
         )
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -49,10 +49,9 @@ def one_step(precision, clip):
         opt,
         [(x, y)],
         nn.functional.cross_entropy,
-        params=list(model.parameters()),
-        precision=precision,
-        device=torch.device("cpu"),
-        clip_grad_norm_max=clip,
+        tk.StepSettings(
+            params=list(model.parameters()), precision=precision, device=torch.device("cpu"), clip_grad_norm_max=clip
+        ),
     )
     return model, result
 

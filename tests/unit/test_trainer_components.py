@@ -21,7 +21,7 @@ from torchkeel.train.objective import Objective
 from torchkeel.train.protect import BadSampleReport, Protections
 from torchkeel.train.rundir import RunFiles
 from torchkeel.train.runlog import Progress
-from torchkeel.train.step import StepResult, train_step
+from torchkeel.train.step import StepResult, StepSettings, train_step
 
 CPU = torch.device("cpu")
 
@@ -203,10 +203,9 @@ def test_train_step_agrees_on_flags_read_once_the_backward_is_done():
         optimizer,
         [batch],
         nn.MSELoss(),
-        params=list(model.parameters()),
-        precision=tk.Precision(),
-        device=CPU,
-        agree=lambda: [signal[0], False],
+        StepSettings(
+            params=list(model.parameters()), precision=tk.Precision(), device=CPU, agree=lambda: [signal[0], False]
+        ),
     )
     assert out.agreed == [True, False]
     assert (
@@ -215,9 +214,7 @@ def test_train_step_agrees_on_flags_read_once_the_backward_is_done():
             optimizer,
             [batch],
             nn.MSELoss(),
-            params=list(model.parameters()),
-            precision=tk.Precision(),
-            device=CPU,
+            StepSettings(params=list(model.parameters()), precision=tk.Precision(), device=CPU),
         ).agreed
         == []
     )

@@ -37,7 +37,7 @@ class TrainingJob:
         job = TrainingJob(cfg.dist, RankInfo.from_env(), device)
         try:
             forward_model = job.wrap(model, precision="fp32", batch_size=64, accumulate=1)
-            ...  # train_step(forward_model, ..., sync=job.sync)
+            ...  # train_step(forward_model, ..., StepSettings(..., sync=job.sync))
         finally:
             job.close()
     """

@@ -59,7 +59,7 @@ class TrainingParts:
 
 class Agreed(NamedTuple):
     """What every rank decides together after a step, agreed in the step's own all-gather
-    (``train_step(agree=)``): each flag is true when it was true on any rank."""
+    (``StepSettings(agree=)``): each flag is true when it was true on any rank."""
 
     stop: bool = False
     """A stop signal (SIGTERM, SIGINT, a Slurm warning) arrived."""

@@ -15,7 +15,7 @@ from torchkeel.train.memory import MemoryReader
 
 @dataclass(frozen=True)
 class TrainerHooks:
-    """What ``Trainer(hooks=)`` and ``train_step(hooks=)`` call at their seams.
+    """What ``Trainer(hooks=)`` and ``StepSettings(hooks=)`` call at their seams.
 
     ``checkpoint(point)`` runs at each named point of a checkpoint write (a kill there tests
     atomicity); ``before_forward(num_samples)`` before each forward piece of a step (an injected

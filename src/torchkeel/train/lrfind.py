@@ -26,7 +26,7 @@ from torchkeel.distributed.rank import RankInfo
 from torchkeel.errors import ConfigError, MissingExtraError
 from torchkeel.train.build import build_training, resolve_device
 from torchkeel.train.precision import make_precision
-from torchkeel.train.step import train_step
+from torchkeel.train.step import StepSettings, train_step
 
 SMOOTHING = 0.9
 DIVERGED = 4.0
@@ -75,6 +75,9 @@ def find_lr(
     try:
         built = build_training(cfg, job, model, train_data, None, loss_fn)
         precision = make_precision(cfg.precision, device)
+        settings = StepSettings(
+            built.params, precision, device, clip_grad_norm_max=cfg.train.clip_grad_norm, check_finite=True
+        )
         batches = _forever(built.data.train)
         found = RangeTest()
         best, average = math.inf, 0.0
@@ -82,17 +85,8 @@ def find_lr(
             lr = min_lr * (max_lr / min_lr) ** (i / (steps - 1))
             for group in built.optimizer.param_groups:
                 group["lr"] = lr
-            result = train_step(
-                built.forward_model,
-                built.optimizer,
-                [next(batches) for _ in range(cfg.train.accumulate)],
-                built.objective,
-                params=built.params,
-                precision=precision,
-                device=device,
-                clip_grad_norm_max=cfg.train.clip_grad_norm,
-                check_finite=True,
-            )
+            micro_batches = [next(batches) for _ in range(cfg.train.accumulate)]
+            result = train_step(built.forward_model, built.optimizer, micro_batches, built.objective, settings)
             loss = result.loss_value
             if loss is None or not math.isfinite(loss):
                 found.stopped = f"the loss became non-finite at lr {lr:.1e}"

@@ -1,18 +1,22 @@
 """The forward and backward passes of one step's micro-batches, each loss weighted by its share.
 
-``train_step`` (``torchkeel.train.step``) calls ``until_it_fits``: the passes over the group,
-redone in smaller pieces after an out-of-memory error, and under torchrun agreed by every rank
-in one all-gather. How a piece's loss is weighted is written once, in ``weighted_loss``; a step
+``forward_backward`` is the one place a micro-batch's forward and backward are written, and
+``train_step`` (``torchkeel.train.step``) calls it once per step. It runs the group's pieces in
+order: each micro-batch whole, or cut to ``micro_batch_size``. After an out-of-memory error
+(with ``split_on_oom``) it drops the gradients and runs them again in pieces of half the size,
+until they fit. Under torchrun every rank finishes each attempt (a rank that ran out of memory
+runs empty pieces, so that no rank waits on it) and the ranks agree in one all-gather
+(``_settle``) on the job's loss and counts, the flags of ``agree()``, and whether they all redo
+the step. How a piece's loss is weighted is written once, in ``weighted_loss``; a step
 function's summed losses are divided by their count once it is known (``divide_grads``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,7 +25,9 @@ from torchkeel.distributed.parallel import GradSync, empty_like_batch
 from torchkeel.errors import SampleTooLarge
 from torchkeel.train.objective import LabelOutOfRange, Objective
 from torchkeel.train.oom import free_memory, smaller_size
-from torchkeel.train.precision import Precision
+
+if TYPE_CHECKING:
+    from torchkeel.train.step import StepSettings
 
 _NOTHING = nullcontext()
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
@@ -45,84 +51,123 @@ def clear_grads(optimizer: torch.optim.Optimizer) -> None:
 
 
 @dataclass
-class Sums:
-    """What the forward and backward of a group's pieces add up to on this rank."""
+class Passes:
+    """What the forward and backward passes of one step came to."""
 
     loss: torch.Tensor
-    """The mean loss (in one process); this rank's weighted sum under ``sync``."""
+    """The mean loss over the group (the job's under torchrun), detached."""
     metrics: dict[str, torch.Tensor] | None
-    count: torch.Tensor | None = None
-    """This rank's count (``sync`` only: the global divisor is known after the all-gather)."""
-
-
-@dataclass
-class Attempt:
-    """The passes of a step as they ended: the sums, the micro-batch size that fit, the agreed
-    flags, the job's samples and tokens, and the out-of-memory splits it took."""
-
-    sums: Sums
     micro_batch_size: int | None
+    """The micro-batch size that fit (``None``: whole micro-batches)."""
     agreed: Any
-    redo: bool = False
-    """Some rank ran out of memory: every rank redoes the step."""
-    samples: int = 0
-    tokens: int = 0
-    num_splits: int = 0
+    """``agree()``'s flags, each OR-ed over the ranks (as read, in one process)."""
+    num_samples: int
+    num_tokens: int
+    num_oom_splits: int = 0
+    outputs: list[tuple[Any, Any]] = field(default_factory=list)
+    """``(outputs, targets)`` of each piece with samples (kept only when ``on_outputs`` is set)."""
 
 
-@dataclass
-class Work:
-    """What every attempt at one step's forward and backward shares (a redo after an
-    out-of-memory error changes only the micro-batch size)."""
-
-    model: torch.nn.Module
-    group: Sequence[Any]
-    sizes: Sequence[int]
-    weights: Sequence[float]
-    objective: Objective
-    precision: Precision
-    device: torch.device
-    params: Sequence[torch.nn.Parameter]
-    before_forward: Callable[[int], None] | None = None
-    seen: list[tuple[Any, Any]] | None = None
-
-
-def until_it_fits(
-    work: Work,
+def forward_backward(
+    model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    micro_batch_size: int | None,
-    sync: GradSync | None,
-    split_on_oom: bool,
-    agree: Callable[[], Sequence[bool]] | None,
-) -> Attempt:
-    """The passes over ``work.group``; after an out-of-memory error (with ``split_on_oom``) the
-    gradients are dropped and the step redone in pieces of half the size, until it fits."""
-    num_splits = 0
+    group: Sequence[Any],
+    objective: Objective,
+    settings: StepSettings,
+    micro_batch_size: int | None = None,
+) -> Passes:
+    """Forward and weighted backward of every piece of ``group`` (``weighted_loss``), redone in
+    smaller pieces after an out-of-memory error, until they fit (``optimizer`` clears the failed
+    attempt's gradients); ``hooks.before_forward(num_samples)`` runs before each piece's forward.
+
+    Raises:
+        LabelOutOfRange: naming the micro-batch and the sample in it.
+        torch.OutOfMemoryError: with ``split_on_oom`` off.
+        SampleTooLarge: under torchrun, a piece of one sample does not fit on some rank.
+    """
+    s, sync = settings, settings.sync
+    sizes = list(map(num_samples, group))
+    weights = list(map(objective.weight, group)) if objective.count_key else list(map(float, sizes))
+    total = sum(weights) if sync is None else sync.nominal
+    before_forward = s.hooks.before_forward if s.hooks is not None else None
+    non_blocking, num_splits, failed = s.device.type == "cuda", 0, False
     while True:
-        if work.seen is not None:
-            work.seen.clear()
-        if sync is not None:  # every rank tries; all redo the step if any ran out of memory
-            attempt = synced_attempt(work, micro_batch_size, sync, split_on_oom, agree)
-            micro_batch_size = attempt.micro_batch_size
-            if not attempt.redo:
-                attempt.num_splits = num_splits
-                return attempt
-            clear_grads(optimizer)
+        pieces = _pieces(group, sizes, weights, objective, micro_batch_size, sync, empty=failed)
+        running, autocast, last = _Running(s.device, s.on_outputs is not None), s.precision.autocast(), len(pieces) - 1
+        try:
+            for number, (piece, n, share, index, offset) in enumerate(pieces):
+                if before_forward is not None and n:
+                    before_forward(n)
+                with sync.micro_batch(number == last) if sync is not None else _NOTHING:
+                    try:
+                        with autocast:  # entered once per piece
+                            out = objective(model, piece, s.device, non_blocking)
+                    except LabelOutOfRange as exc:
+                        exc.micro_batch, exc.sample = index, exc.sample + offset
+                        raise
+                    loss = weighted_loss(out.loss, out.is_sum, share, total, sync is not None)
+                    s.precision.backward(loss)
+                if n:
+                    running.add(out, loss, share, total, sync)
+            oom = False
+        except torch.OutOfMemoryError:
+            if failed or (sync is None and not s.split_on_oom):
+                raise
+            oom = True
+        if oom:  # out of the except block, so that the failed attempt's frames and tensors can be freed
+            if sync is None:
+                clear_grads(optimizer)
+            free_memory(s.device)
+            if sync is not None:  # finish the step's collectives on empty pieces: no rank waits on this one
+                failed = True
+                continue
+            micro_batch_size = smaller_size(min(micro_batch_size or max(sizes), max(sizes)), s.device)
             num_splits += 1
             continue
-        try:
-            sums = forward_backward(work, micro_batch_size)
-            agreed = agree() if agree is not None else []
-            samples, tokens = sum(work.sizes), sum(map(num_tokens, work.group))
-            return Attempt(sums, micro_batch_size, agreed, False, samples, tokens, num_splits)
-        except torch.OutOfMemoryError:
-            if not split_on_oom:
-                raise
-        # Out of the except block, so the failed attempt's frames and tensors can be freed.
-        clear_grads(optimizer)
-        free_memory(work.device)
-        micro_batch_size = smaller_size(min(micro_batch_size or max(work.sizes), max(work.sizes)), work.device)
-        num_splits += 1
+        flags = s.agree() if s.agree is not None else []
+        if sync is None:
+            loss, metrics = running.mean(s.params)
+            tokens = sum(map(num_tokens, group))
+            return Passes(loss, metrics, micro_batch_size, flags, sum(sizes), tokens, num_splits, running.outputs)
+        passes, redo = _settle(sync, running, group, sizes, micro_batch_size, failed, flags, s)
+        if not redo:
+            passes.num_oom_splits = num_splits
+            return passes
+        clear_grads(optimizer)  # some rank ran out of memory: every rank redoes the step
+        micro_batch_size, failed, num_splits = passes.micro_batch_size, False, num_splits + 1
+
+
+def _pieces(
+    group: Sequence[Any],
+    sizes: Sequence[int],
+    weights: Sequence[float],
+    objective: Objective,
+    micro_batch_size: int | None,
+    sync: GradSync | None,
+    empty: bool,
+) -> list[tuple[Any, int, float, int, int]]:
+    """``(piece, samples, share, micro-batch index, its first sample's offset)`` for each forward
+    of an attempt. Under torchrun every rank runs the same number of pieces per micro-batch (FSDP
+    gathers weights in each); ``empty`` gives a rank that ran out of memory pieces of no samples."""
+    per_batch = None if sync is None or micro_batch_size is None else -(-sync.batch_size // micro_batch_size)
+    if micro_batch_size is None and per_batch is None and not empty:  # each micro-batch is one piece
+        return [
+            (batch, size, weight, index, 0) for index, (batch, size, weight) in enumerate(zip(group, sizes, weights))
+        ]
+    pieces = []
+    for index, (batch, size, weight) in enumerate(zip(group, sizes, weights)):
+        if empty:
+            batch, size, weight = empty_like_batch(batch), 0, 0.0
+        cut = pieces_of(batch, size, micro_batch_size, per_batch)
+        if len(cut) == 1:
+            pieces.append((batch, size, weight, index, 0))
+            continue
+        offset = 0
+        for piece in cut:
+            n = num_samples(piece)
+            pieces.append((piece, n, objective.weight(piece) if n else 0.0, index, offset))
+            offset += n
+    return pieces
 
 
 def weighted_loss(loss: torch.Tensor, is_sum: bool, share: float, total: float, synced: bool) -> torch.Tensor:
@@ -151,83 +196,26 @@ def pieces_of(batch: Any, size: int, micro_batch_size: int | None, count: int | 
     return pieces
 
 
-def synced_attempt(
-    work: Work,
-    micro_batch_size: int | None,
-    sync: GradSync,
-    split_on_oom: bool,
-    agree: Callable[[], Sequence[bool]] | None,
-) -> Attempt:
-    """One data-parallel attempt at the step: the job's mean loss with this rank's metrics, the
-    micro-batch size every rank continues with, the agreed flags, whether every rank must redo
-    the step, and the job's samples and tokens."""
-    per_batch = None if micro_batch_size is None else -(-sync.batch_size // micro_batch_size)
-    group, sizes, device = work.group, work.sizes, work.device
-    oom = False
-    sums = None
-    try:
-        sums = forward_backward(work, micro_batch_size, sync=sync, pieces_per_batch=per_batch)
-    except torch.OutOfMemoryError:
-        oom = True
-    if oom:
-        # Finish the step's collectives on empty pieces, so that no rank waits on this one.
-        free_memory(device)
-        empty = [empty_like_batch(batch) for batch in group]
-        nothing = dataclasses.replace(
-            work, group=empty, sizes=[0] * len(group), weights=[0.0] * len(group), before_forward=None, seen=None
-        )
-        sums = forward_backward(nothing, micro_batch_size, sync=sync, pieces_per_batch=per_batch)
-        proposal = max(sizes) if micro_batch_size is None else micro_batch_size
-        proposal = smaller_size(proposal, device) if proposal > 1 else 0
-    else:
-        proposal = sync.batch_size if micro_batch_size is None else micro_batch_size
-    # Host sync, the one per step (the guard reads the values it gives without another).
-    flags = agree() if agree is not None else []
-    tokens = sum(map(num_tokens, group))
-    rows = sync.gather([sums.loss, sums.count, float(oom), proposal, sum(sizes), tokens, *map(float, flags)]).tolist()
-    losses, counts, ooms, proposals, samples, job_tokens, *per_flag = zip(*rows)
-    agreed = or_flags(flags, per_flag)
-    counted = {"samples": int(sum(samples)), "tokens": int(sum(job_tokens))}
-    if any(ooms):
-        failed = [rank for rank, flag in enumerate(ooms) if flag]
-        if not split_on_oom:
-            raise torch.OutOfMemoryError(f"out of memory on rank {', '.join(map(str, failed))} (oom.auto_split is off)")
-        if min(proposals) == 0:
-            raise SampleTooLarge(
-                f"out of memory with a micro-batch of one sample on rank {failed[0]}; use a smaller "
-                "model, lower precision (bf16) or train.activation_checkpointing"
-            )
-        return Attempt(sums, int(min(proposals)), agreed, True, **counted)
-    factor = sync.world_size * sync.nominal / max(sum(counts), 1e-12)
-    if factor != 1.0:
-        grads = [p.grad for p in work.params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, factor)
-    loss = torch.tensor(sum(losses) * factor / sync.world_size, device=device)
-    return Attempt(Sums(loss, sums.metrics), micro_batch_size, agreed, False, **counted)
-
-
-def or_flags(flags: Sequence[bool], per_flag: Sequence[Sequence[float]]) -> Any:
-    """Each flag OR-ed over the ranks, in the type of ``flags`` (a ``NamedTuple`` or a list)."""
-    values = [any(rank_values) for rank_values in per_flag]
-    make = getattr(type(flags), "_make", None)
-    return make(values) if make is not None else values
-
-
 class _Running:
-    """The loss, metrics and count of the pieces done so far (detached)."""
+    """The loss, metrics and count of the pieces done so far (detached), and their outputs."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, keep_outputs: bool) -> None:
         self.device = device
         self.loss: torch.Tensor | None = None
         self.metrics: dict[str, torch.Tensor] = {}
-        self.counted: torch.Tensor | float = 0.0
+        self.counted: torch.Tensor | float | None = None
         self.summed: bool | None = None  # whether the pieces' losses are sums; None until one has samples
+        self.outputs: list[tuple[Any, Any]] = []
+        self.keep_outputs = keep_outputs
 
     def add(self, out: Any, loss: torch.Tensor, share: float, total: float, sync: GradSync | None) -> None:
+        """A piece with samples: ``out`` as the objective gave it, ``loss`` as it was backpropagated."""
         if self.summed is not None and self.summed != out.is_sum:
             raise ValueError("loss.step_fn returned a mean for one micro-batch and a (sum, count) for another")
         self.summed = out.is_sum
+        if self.keep_outputs:
+            outputs = out.outputs.detach() if isinstance(out.outputs, torch.Tensor) else out.outputs
+            self.outputs.append((outputs, out.targets))
         detached = loss.detach()
         if detached.dtype != torch.float32:
             detached = detached.float()
@@ -235,100 +223,73 @@ class _Running:
         if out.metrics:
             scale = 1.0 if out.is_sum else (share / total if sync is None else share)
             for name, value in out.metrics.items():
-                value = torch.as_tensor(value, device=self.device).detach().float() * scale
+                value = torch.as_tensor(value, device=self.device).detach().float()
+                value = value if scale == 1.0 else value * scale
                 self.metrics[name] = self.metrics[name] + value if name in self.metrics else value
         if out.is_sum or sync is not None:
-            self.counted = self.counted + (
-                torch.as_tensor(out.count, device=self.device).float() if out.is_sum else share
-            )
+            count = torch.as_tensor(out.count, device=self.device).float() if out.is_sum else share
+            self.counted = count if self.counted is None else self.counted + count
+
+    def mean(self, params: Sequence[torch.nn.Parameter]) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """The mean loss and metrics in one process; summed losses' gradients divided by their count."""
+        loss = self.loss if self.loss is not None else torch.zeros((), device=self.device)  # every piece empty
+        if not self.summed:
+            return loss, self.metrics or None
+        count = torch.clamp(torch.as_tensor(self.counted), min=1.0)
+        divide_grads(params, count)
+        return loss / count, {name: value / count for name, value in self.metrics.items()} or None
 
 
-def forward_backward(
-    work: Work, micro_batch_size: int | None, sync: GradSync | None = None, pieces_per_batch: int | None = None
-) -> Sums:
-    """Forward and backward of every piece, weighted by its count (``weighted_loss``); returns
-    the mean loss and metrics. With ``sync`` the divisor is ``sync.nominal`` (the global count is
-    known only after the all-gather) and this returns this rank's loss sum, metrics and count for
-    ``synced_attempt``.
-    """
-    group, sizes, device = work.group, work.sizes, work.device
-    if sync is None and len(group) == 1 and micro_batch_size is None and work.before_forward is None and sizes[0]:
-        return _whole_batch(work)
-    total = sum(work.weights) if sync is None else sync.nominal
-    running = _Running(device)
-    whole = micro_batch_size is None and pieces_per_batch is None  # each batch is one piece
-    autocast = work.precision.autocast()  # entered once per piece
-    for index, (batch, size, weight) in enumerate(zip(group, sizes, work.weights)):
-        pieces = [batch] if whole else pieces_of(batch, size, micro_batch_size, pieces_per_batch)
-        offset = 0
-        for number, piece in enumerate(pieces):
-            n, share = (size, weight) if len(pieces) == 1 else (num_samples(piece), None)
-            if share is None:
-                share = work.objective.weight(piece) if n else 0.0
-            is_last = index == len(group) - 1 and number == len(pieces) - 1
-            out, loss = _piece(work, piece, n, share, total, sync, is_last, autocast, index, offset)
-            offset += n
-            if n:
-                running.add(out, loss, share, total, sync)
+def _settle(
+    sync: GradSync,
+    running: _Running,
+    group: Sequence[Any],
+    sizes: Sequence[int],
+    micro_batch_size: int | None,
+    failed: bool,
+    flags: Sequence[bool],
+    settings: StepSettings,
+) -> tuple[Passes, bool]:
+    """What every rank's attempt came to, agreed in one all-gather: the job's mean loss with this
+    rank's metrics, the micro-batch size every rank goes on with, the flags, the job's samples and
+    tokens, and whether every rank redoes the step (some rank ran out of memory: ``failed``)."""
+    device = settings.device
     loss_sum = running.loss if running.loss is not None else torch.zeros((), device=device)  # every piece empty
-    if sync is not None:
-        count = torch.as_tensor(running.counted, device=device, dtype=torch.float64)
-        local = torch.clamp(count, min=1.0)
-        return Sums(loss_sum, {name: value / local for name, value in running.metrics.items()} or None, count)
-    metric_sums = running.metrics
-    if running.summed:
-        counted = torch.clamp(torch.as_tensor(running.counted), min=1.0)
-        divide_grads(work.params, counted)
-        loss_sum = loss_sum / counted
-        metric_sums = {name: value / counted for name, value in metric_sums.items()}
-    return Sums(loss_sum, metric_sums or None)
+    count = torch.as_tensor(running.counted if running.counted is not None else 0.0, device=device, dtype=torch.float64)
+    local = torch.clamp(count, min=1.0)
+    metrics = {name: value / local for name, value in running.metrics.items()} or None
+    if failed:
+        proposal = max(sizes) if micro_batch_size is None else micro_batch_size
+        proposal = smaller_size(proposal, device) if proposal > 1 else 0
+    else:
+        proposal = sync.batch_size if micro_batch_size is None else micro_batch_size
+    tokens = sum(map(num_tokens, group))
+    # Host sync, the one per step (the guard reads the values it gives without another).
+    rows = sync.gather([loss_sum, count, float(failed), proposal, sum(sizes), tokens, *map(float, flags)]).tolist()
+    losses, counts, ooms, proposals, samples, job_tokens, *per_flag = zip(*rows)
+    agreed = or_flags(flags, per_flag)
+    counted = {"num_samples": int(sum(samples)), "num_tokens": int(sum(job_tokens)), "outputs": running.outputs}
+    if any(ooms):
+        on = [rank for rank, flag in enumerate(ooms) if flag]
+        if not settings.split_on_oom:
+            raise torch.OutOfMemoryError(f"out of memory on rank {', '.join(map(str, on))} (oom.auto_split is off)")
+        if min(proposals) == 0:
+            raise SampleTooLarge(
+                f"out of memory with a micro-batch of one sample on rank {on[0]}; use a smaller "
+                "model, lower precision (bf16) or train.activation_checkpointing"
+            )
+        return Passes(loss_sum, metrics, int(min(proposals)), agreed, **counted), True
+    factor = sync.world_size * sync.nominal / max(sum(counts), 1e-12)
+    if factor != 1.0:
+        grads = [p.grad for p in settings.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+    loss = torch.tensor(sum(losses) * factor / sync.world_size, device=device)
+    return Passes(loss, metrics, micro_batch_size, agreed, **counted), False
 
 
-def _piece(
-    work: Work,
-    piece: Any,
-    n: int,
-    share: float,
-    total: float,
-    sync: GradSync | None,
-    is_last: bool,
-    autocast: Any,
-    index: int,
-    offset: int,
-) -> tuple[Any, torch.Tensor]:
-    """Forward and weighted backward of one piece (``n`` samples; an empty one adds zero
-    gradients); returns the objective's output and the loss that was backpropagated."""
-    if work.before_forward is not None and n:
-        work.before_forward(n)
-    with sync.micro_batch(is_last) if sync is not None else _NOTHING:
-        try:
-            with autocast:
-                out = work.objective(work.model, piece, work.device, work.device.type == "cuda")
-        except LabelOutOfRange as exc:
-            exc.micro_batch, exc.sample = index, exc.sample + offset
-            raise
-        if n and work.seen is not None:
-            outputs = out.outputs.detach() if isinstance(out.outputs, torch.Tensor) else out.outputs
-            work.seen.append((outputs, out.targets))
-        loss = weighted_loss(out.loss, out.is_sum, share, total, sync is not None)
-        work.precision.backward(loss)
-    return out, loss
-
-
-def _whole_batch(work: Work) -> Sums:
-    """``forward_backward`` of the usual step (one process, one micro-batch that fits): the same
-    arithmetic as its loop with one piece of share 1, with less Python between the kernels."""
-    objective, precision, device, seen = work.objective, work.precision, work.device, work.seen
-    batch = work.group[0]
-    with precision.autocast():
-        out = objective(work.model, batch, device, device.type == "cuda")
-    precision.backward(weighted_loss(out.loss, out.is_sum, 1.0, 1.0, synced=False))
-    if seen is not None:
-        seen.append((out.outputs.detach() if isinstance(out.outputs, torch.Tensor) else out.outputs, out.targets))
-    loss = out.loss.detach().float()
-    metrics = {k: torch.as_tensor(v, device=device).detach().float() for k, v in out.metrics.items()}
-    if not out.is_sum:
-        return Sums(loss, metrics or None)
-    count = torch.clamp(torch.as_tensor(out.count, device=device).float(), min=1.0)
-    divide_grads(work.params, count)
-    return Sums(loss / count, {k: v / count for k, v in metrics.items()} or None)
+def or_flags(flags: Sequence[bool], per_flag: Sequence[Sequence[float]]) -> Any:
+    """Each flag OR-ed over the ranks, in the type of ``flags`` (a ``NamedTuple`` or a list)."""
+    values = [any(rank_values) for rank_values in per_flag]
+    make = getattr(type(flags), "_make", None)
+    return make(values) if make is not None else values

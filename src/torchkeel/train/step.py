@@ -13,13 +13,12 @@ from typing import Any
 
 import torch
 
-from torchkeel.batch import num_samples
 from torchkeel.distributed.agree import read_finite
 from torchkeel.distributed.parallel import GradSync
 from torchkeel.train.clipping import clip_grad_norm
 from torchkeel.train.hooks import TrainerHooks
 from torchkeel.train.objective import Objective
-from torchkeel.train.passes import Work, clear_grads, until_it_fits
+from torchkeel.train.passes import clear_grads, forward_backward
 from torchkeel.train.precision import Precision
 
 __all__ = ["StepResult", "StepSettings", "clear_grads", "train_step"]
@@ -49,7 +48,7 @@ class StepResult:
     metrics: dict[str, torch.Tensor] | None = None
     """The step function's metrics, averaged over the group like the loss."""
     agreed: Any = field(default_factory=list)
-    """``train_step``'s ``agree`` flags, of the type ``agree()`` returned, each true when it was
+    """``StepSettings.agree``'s flags, of the type ``agree()`` returned, each true when it was
     true on any rank."""
 
 
@@ -57,82 +56,59 @@ def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     group: Sequence[Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor] | Objective,
-    *,
-    params: Sequence[torch.nn.Parameter],
-    precision: Precision,
-    device: torch.device,
-    clip_grad_norm_max: float | None = None,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-    check_finite: bool = False,
-    split_on_oom: bool = False,
+    objective: Objective | Callable[[Any, Any], torch.Tensor],
+    settings: StepSettings,
     micro_batch_size: int | None = None,
-    sync: GradSync | None = None,
-    on_outputs: Callable[[Any, Any], None] | None = None,
-    agree: Callable[[], Sequence[bool]] | None = None,
-    hooks: TrainerHooks | None = None,
 ) -> StepResult:
-    """One optimizer step over ``group``, a list of micro-batches.
+    """One optimizer step over ``group``, a list of micro-batches, with ``settings`` (what every
+    step of a run shares). ``micro_batch_size`` cuts the micro-batches to that size (a size that
+    fit after an out-of-memory error, carried to the next step as ``StepResult.micro_batch_size``).
 
-    ``loss_fn`` is ``loss(output, target)`` for ``(input, target)`` batches, or an ``Objective``
+    ``objective`` is ``loss(output, target)`` for ``(input, target)`` batches, or an ``Objective``
     (a step function, batches of any shape, a count other than samples). Each piece's loss is
     weighted by its share of the group's count (samples by default), so the update equals a
-    single step on the concatenated batch, including a short last group. ``params`` are the
-    trainable parameters (measured and clipped). With ``check_finite``, a step whose loss or
-    gradients are NaN/Inf is not applied: parameters, optimizer state and step counts stay as
-    they were and the scheduler does not advance. With ``split_on_oom``, an out-of-memory error
-    redoes the step in pieces of half the size (``micro_batch_size`` caps them from the start);
-    ``hooks.before_forward(num_samples)`` runs before each piece (fault injection in tests).
+    single step on the concatenated batch, including a short last group.
 
-    Under torchrun, ``sync`` (a ``GradSync``) makes the step one of the whole job: the loss is
-    weighted by global counts, gradients are reduced on the last micro-batch only, the returned
-    loss and ``num_samples`` are the job's, and an out-of-memory error on any rank makes every
-    rank redo the step with the smallest micro-batch size any rank needed.
+    Example, from a loop of your own::
 
-    ``on_outputs(outputs, targets)`` is called once per piece of an applied step, after it
-    (training metrics): an attempt redone after an out-of-memory error is not counted twice.
+        settings = StepSettings(params=list(model.parameters()), precision=Precision(), device=device)
+        for group in iter_groups(loader.epoch(epoch), accumulate):
+            result = train_step(model, optimizer, group, nn.functional.cross_entropy, settings)
 
-    ``agree()`` gives decisions every rank must take together (a stop signal, a save rank 0's
-    clock wants), as a sequence of booleans (a ``NamedTuple`` names them). It is read once the
-    forward and backward are done, and its flags ride along in the step's all-gather instead of
-    a collective of their own; they come back OR-ed over the ranks in ``StepResult.agreed``, of
-    the type ``agree()`` returned (as read, in one process).
+    Raises:
+        LabelOutOfRange: a label past the model's classes, naming its micro-batch and sample.
+        torch.OutOfMemoryError: out of memory with ``settings.split_on_oom`` off.
     """
     if not group:
         raise ValueError("train_step needs at least one micro-batch")
-    objective = loss_fn if isinstance(loss_fn, Objective) else Objective(loss_fn)
-    sizes = list(map(num_samples, group))
-    weights = list(map(objective.weight, group)) if objective.count_key else list(map(float, sizes))
-    seen: list[tuple[Any, Any]] | None = [] if on_outputs is not None else None
-    before_forward = hooks.before_forward if hooks is not None else None
-    work = Work(model, group, sizes, weights, objective, precision, device, params, before_forward, seen)
-    done = until_it_fits(work, optimizer, micro_batch_size, sync, split_on_oom, agree)
-    loss_sum = done.sums.loss
-    precision.unscale_(optimizer)
-    grad_norm = clip_grad_norm(params, clip_grad_norm_max)
+    s = settings
+    objective = objective if isinstance(objective, Objective) else Objective(objective)
+    passes = forward_backward(model, optimizer, group, objective, s, micro_batch_size)
+    s.precision.unscale_(optimizer)
+    grad_norm = clip_grad_norm(s.params, s.clip_grad_norm_max)
     status, loss_value, norm_value = "ok", None, None
-    if check_finite:
+    if s.check_finite:
         # Host sync, the one per step: may this step be applied? Loss and norm come along.
-        (loss_value, norm_value), (loss_ok, grads_ok) = read_finite((loss_sum, grad_norm), agreed=sync is not None)
+        (loss_value, norm_value), (loss_ok, grads_ok) = read_finite((passes.loss, grad_norm), agreed=s.sync is not None)
         if not (loss_ok and grads_ok):
-            status = "overflow" if loss_ok and precision.scaler is not None else "nonfinite"
-    _apply(optimizer, precision, scheduler, status)
-    if seen is not None and status != "nonfinite":
-        for outputs, targets in seen:
-            on_outputs(outputs, targets)
+            status = "overflow" if loss_ok and s.precision.scaler is not None else "nonfinite"
+    _apply(optimizer, s.precision, s.scheduler, status)
+    if s.on_outputs is not None and status != "nonfinite":
+        for outputs, targets in passes.outputs:
+            s.on_outputs(outputs, targets)
     return StepResult(
-        loss=loss_sum,
+        loss=passes.loss,
         grad_norm=grad_norm,
-        num_samples=done.samples,
-        num_tokens=done.tokens,
+        num_samples=passes.num_samples,
+        num_tokens=passes.num_tokens,
         num_micro_batches=len(group),
         status=status,
         loss_value=loss_value,
         grad_norm_value=norm_value,
-        micro_batch_size=done.micro_batch_size,
-        num_oom_splits=done.num_splits,
-        metrics=done.sums.metrics,
-        agreed=done.agreed,
+        micro_batch_size=passes.micro_batch_size,
+        num_oom_splits=passes.num_oom_splits,
+        metrics=passes.metrics,
+        agreed=passes.agreed,
     )
 
 
@@ -155,7 +131,29 @@ def _apply(
 
 @dataclass(frozen=True)
 class StepSettings:
-    """What every step of a run shares: ``train_step``'s settings, typed. ``run`` takes a step."""
+    """What every step of a run shares: ``train_step``'s settings, typed.
+
+    ``params`` are the trainable parameters (measured and clipped to ``clip_grad_norm_max``);
+    ``scheduler`` advances after each applied step. With ``check_finite``, a step whose loss or
+    gradients are NaN/Inf is not applied: parameters, optimizer state and step counts stay as
+    they were and the scheduler does not advance. With ``split_on_oom``, an out-of-memory error
+    redoes the step in pieces of half the size; ``hooks.before_forward(num_samples)`` runs before
+    each piece (fault injection in tests).
+
+    Under torchrun, ``sync`` (a ``GradSync``) makes the step one of the whole job: the loss is
+    weighted by global counts, gradients are reduced on the last micro-batch only, the returned
+    loss and ``num_samples`` are the job's, and an out-of-memory error on any rank makes every
+    rank redo the step with the smallest micro-batch size any rank needed.
+
+    ``on_outputs(outputs, targets)`` is called once per piece of an applied step, after it
+    (training metrics): an attempt redone after an out-of-memory error is not counted twice.
+
+    ``agree()`` gives decisions every rank must take together (a stop signal, a save rank 0's
+    clock wants), as a sequence of booleans (a ``NamedTuple`` names them). It is read once the
+    forward and backward are done, and its flags ride along in the step's all-gather instead of
+    a collective of their own; they come back OR-ed over the ranks in ``StepResult.agreed``, of
+    the type ``agree()`` returned (as read, in one process).
+    """
 
     params: Sequence[torch.nn.Parameter]
     precision: Precision
@@ -168,31 +166,3 @@ class StepSettings:
     on_outputs: Callable[[Any, Any], None] | None = None
     agree: Callable[[], Sequence[bool]] | None = None
     hooks: TrainerHooks | None = None
-
-    def run(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        group: Sequence[Any],
-        loss_fn: Callable[[Any, Any], torch.Tensor] | Objective,
-        micro_batch_size: int | None = None,
-    ) -> StepResult:
-        """``train_step`` of ``group`` with these settings."""
-        return train_step(
-            model,
-            optimizer,
-            group,
-            loss_fn,
-            params=self.params,
-            precision=self.precision,
-            device=self.device,
-            clip_grad_norm_max=self.clip_grad_norm_max,
-            scheduler=self.scheduler,
-            check_finite=self.check_finite,
-            split_on_oom=self.split_on_oom,
-            micro_batch_size=micro_batch_size,
-            sync=self.sync,
-            on_outputs=self.on_outputs,
-            agree=self.agree,
-            hooks=self.hooks,
-        )
