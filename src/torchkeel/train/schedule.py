@@ -11,6 +11,7 @@ end ``D`` (``decay_steps``; by default the run's last step ``T - 1``, or ``T`` i
     s >= W:  p = min((s - W) / max(D - W, 1), 1)
              cosine:   min_lr + (lr - min_lr) * 0.5 * (1 + cos(pi * p))
              linear:   lr - (lr - min_lr) * p
+                       (transformers: min_lr + (lr - min_lr) * max(0, (D - s) / max(D - W, 1)))
              constant: lr
 
 Who steps what: ``train_step`` calls ``scheduler.step()`` after each applied optimizer step; the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -67,6 +69,8 @@ def lr_at(
     else:  # transformers' schedules end one step past the last (num_training_steps)
         end = total_steps if style == "transformers" else total_steps - 1
     progress = min((step - warmup_steps) / max(end - warmup_steps, 1), 1.0)
+    if decay == "linear" and style == "transformers":  # its order of operations: get_linear_schedule_with_warmup's bits
+        return min_lr + (lr - min_lr) * max(0.0, (end - step) / max(end - warmup_steps, 1))
     if decay == "linear":
         return lr - (lr - min_lr) * progress
     if decay == "cosine":
@@ -155,12 +159,12 @@ class TargetSchedule:
         if self.num_steps <= self.warmup_steps:
             self._warm()
         elif self.interval == "step" and self.monitor is None:
-            self.scheduler.step()
+            self._step_target()
 
     def epoch_ended(self) -> None:
         """At each epoch's end."""
         if self.interval == "epoch" and self.monitor is None and not self.is_warming_up:
-            self.scheduler.step()
+            self._step_target()
 
     def validated(self, metrics: Mapping[str, float]) -> None:
         """After each validation, with its metrics.
@@ -175,7 +179,14 @@ class TargetSchedule:
                 f"schedule.monitor={self.monitor!r} is not a validation metric; this run logs "
                 f"{', '.join(sorted(metrics)) or 'none'}"
             )
-        self.scheduler.step(float(metrics[self.monitor]))
+        self._step_target(float(metrics[self.monitor]))
+
+    def _step_target(self, *value: float) -> None:
+        with warnings.catch_warnings():
+            # A resumed run's first epoch end can come before this process's first optimizer
+            # step: torch would warn of a step out of order, but the steps before were taken.
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
+            self.scheduler.step(*value)
 
     def scale_lr(self, scale: float) -> None:
         """Rates ``scale`` × the target's, from now on (a rollback's back-off): the current rates

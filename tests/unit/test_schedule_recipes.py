@@ -1,0 +1,229 @@
+"""Schedules as people write them: the built-in formulas against nanoGPT's and transformers'
+(written out here, and transformers' own function), a scheduler class by import path stepped per
+epoch or on a validation metric after a warmup, resumed exactly, and the config's refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+import torchkeel as tk
+from torchkeel.config.schema import ScheduleConfig
+from torchkeel.train.hooks import TrainerHooks
+from torchkeel.train.schedule import build_schedule, lr_at
+
+LR = 3e-3
+STEPS_PER_EPOCH = 30  # tiny_config: 480 training samples, batches of 16
+
+
+def nanogpt_get_lr(it, *, learning_rate, warmup_iters, lr_decay_iters, min_lr):
+    """nanoGPT's train.py ``get_lr``, written out."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return min_lr + coeff * (learning_rate - min_lr)
+
+
+def transformers_cosine(step, *, num_warmup_steps, num_training_steps):
+    """transformers' ``get_cosine_schedule_with_warmup`` factor (num_cycles 0.5), written out."""
+    if step < num_warmup_steps:
+        return step / max(1, num_warmup_steps)
+    progress = (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def rates(schedule, optimizer, steps):
+    """The learning rate each optimizer step uses, stepping the schedule as train_step does."""
+    used = []
+    for _ in range(steps):
+        used.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    return used
+
+
+def sgd(lr=LR):
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+
+
+@pytest.mark.parametrize("max_iters, warmup, decay_iters", [(60, 10, None), (60, 10, 40), (25, 0, None)])
+def test_the_nanogpt_style_follows_nanogpts_get_lr_step_for_step(max_iters, warmup, decay_iters):
+    # nanoGPT trains iterations 0..max_iters (max_iters + 1 steps) and decays to lr_decay_iters
+    # (max_iters by default): the run's last step.
+    optimizer = sgd()
+    cfg = ScheduleConfig(warmup_steps=warmup, min_lr=LR / 10, style="nanogpt", decay_steps=decay_iters)
+    schedule = build_schedule(cfg, optimizer, total_steps=max_iters + 1, peak_lr=LR)
+    want = [
+        nanogpt_get_lr(
+            it, learning_rate=LR, warmup_iters=warmup, lr_decay_iters=decay_iters or max_iters, min_lr=LR / 10
+        )
+        for it in range(max_iters + 1)
+    ]
+    assert rates(schedule, optimizer, max_iters + 1) == pytest.approx(want, rel=1e-14, abs=0)
+
+
+@pytest.mark.parametrize("total, warmup", [(50, 8), (12, 0), (7, 7)])
+def test_the_transformers_style_is_get_cosine_schedule_with_warmup(total, warmup):
+    optimizer = sgd()
+    schedule = build_schedule(
+        ScheduleConfig(warmup_steps=warmup, style="transformers"), optimizer, total_steps=total, peak_lr=LR
+    )
+    want = [LR * transformers_cosine(s, num_warmup_steps=warmup, num_training_steps=total) for s in range(total)]
+    assert rates(schedule, optimizer, total) == want  # the same factor, the same bits
+
+
+def test_the_transformers_style_equals_transformers_own_functions():
+    optimization = pytest.importorskip("transformers.optimization")
+    for decay, theirs in (
+        ("cosine", optimization.get_cosine_schedule_with_warmup),
+        ("linear", optimization.get_linear_schedule_with_warmup),
+    ):
+        ours_opt, their_opt = sgd(), sgd()
+        ours = build_schedule(
+            ScheduleConfig(warmup_steps=6, decay=decay, style="transformers"), ours_opt, total_steps=40, peak_lr=LR
+        )
+        reference = theirs(their_opt, num_warmup_steps=6, num_training_steps=40)
+        assert rates(ours, ours_opt, 40) == rates(reference, their_opt, 40), decay
+
+
+def test_the_default_style_is_unchanged():
+    optimizer = sgd()
+    schedule = build_schedule(ScheduleConfig(warmup_steps=3, min_lr=1e-4), optimizer, total_steps=20, peak_lr=LR)
+    got = rates(schedule, optimizer, 20)
+    assert got[:3] == pytest.approx([LR / 3, 2 * LR / 3, LR], rel=1e-15)
+    assert got[-1] == pytest.approx(1e-4, rel=1e-12)  # the last step reaches min_lr
+
+
+def metrics(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = {r["step"]: r["lr"] for r in rows if r.get("kind") == "train"}
+    val = [(r["step"], r["val_loss"]) for r in rows if r.get("kind") == "val"]
+    return train, val
+
+
+STEP_LR = ("schedule.target=torch.optim.lr_scheduler:StepLR", "schedule.args={step_size: 1, gamma: 0.7}")
+
+
+def test_steplr_per_epoch_after_a_warmup(tiny_config):
+    cfg = tiny_config(*STEP_LR, "schedule.interval=epoch", "schedule.warmup_steps=5", "train.max_epochs=3")
+    trainer = tk.Trainer(cfg, progress=False)
+    assert trainer.fit()["status"] == "completed"
+    lrs, _ = metrics(trainer.run_dir)
+    for step, lr in lrs.items():  # the rate step s (from 1) used
+        epoch = (step - 1) // STEPS_PER_EPOCH
+        want = LR * step / 5 if step <= 5 else LR * 0.7**epoch
+        assert lr == pytest.approx(want, rel=1e-12), step
+
+
+PLATEAU = (
+    "schedule.target=torch.optim.lr_scheduler:ReduceLROnPlateau",
+    "schedule.args={factor: 0.25, patience: 0}",
+    "schedule.monitor=val_loss",
+    "schedule.mode=max",  # the loss falls: every validation after the first is "worse", so the rate falls
+)
+
+
+def test_reduce_on_plateau_steps_after_each_validation_with_its_value(tiny_config):
+    trainer = tk.Trainer(tiny_config(*PLATEAU, "train.max_epochs=4"), progress=False)
+    assert trainer.fit()["status"] == "completed"
+    lrs, vals = metrics(trainer.run_dir)
+    reference_opt = sgd()
+    reference = torch.optim.lr_scheduler.ReduceLROnPlateau(reference_opt, mode="max", factor=0.25, patience=0)
+    pending = list(vals)
+    for step in sorted(lrs):
+        while pending and pending[0][0] < step:  # a validation after step v sets the rate of v + 1
+            reference.step(pending.pop(0)[1])
+        assert lrs[step] == reference_opt.param_groups[0]["lr"], step
+    assert lrs[max(lrs)] < LR  # it did reduce
+
+
+def stop_at(forward):
+    """A hook that stops the run (SIGTERM) during training forward number ``forward``."""
+    calls = [0]
+
+    def hook(num_samples):
+        calls[0] += 1
+        if calls[0] == forward:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return TrainerHooks(before_forward=hook)
+
+
+@pytest.mark.parametrize(
+    "settings, stop",
+    [
+        ((*STEP_LR, "schedule.interval=epoch", "schedule.warmup_steps=4"), STEPS_PER_EPOCH),  # at an epoch's end
+        ((*STEP_LR, "schedule.interval=epoch"), 45),  # mid-epoch
+        (PLATEAU, 45),  # mid-epoch, after a reduction's first validation
+    ],
+)
+def test_a_stopped_and_resumed_run_equals_the_straight_one(tiny_config, settings, stop):
+    straight = tk.Trainer(tiny_config("name=straight", "train.max_epochs=3", *settings), progress=False)
+    straight.fit()
+    stopped = tk.Trainer(tiny_config("train.max_epochs=3", *settings), hooks=stop_at(stop), progress=False)
+    assert stopped.fit()["status"] == "preempted" and stopped.step == stop
+    resumed = tk.Trainer(tiny_config("train.max_epochs=3", *settings), resume="auto", progress=False)
+    assert resumed.fit()["status"] == "completed"
+    assert metrics(resumed.run_dir) == metrics(straight.run_dir)
+    want, got = straight.model.state_dict(), resumed.model.state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert resumed.optimizer.param_groups[0]["lr"] == straight.optimizer.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("schedule.interval=epoch",), r"schedule.interval belongs to a schedule.target"),
+        (("schedule.monitor=val_loss",), r"schedule.monitor belongs to a schedule.target"),
+        ((*STEP_LR, "schedule.min_lr=1e-5"), r"schedule.min_lr shapes the built-in decay"),
+        ((PLATEAU[0],), r"steps on a metric: set schedule.monitor"),
+        ((*STEP_LR, "schedule.monitor=val_loss"), r"takes no metric in step\(\); remove schedule.monitor"),
+        (("schedule.target=torch.optim.lr_scheduler:StepLR", "schedule.args={step_sise: 1}"), r"did you mean"),
+        (("schedule.target=builtins:id",), r"must return a learning-rate"),
+    ],
+)
+def test_a_schedule_that_cannot_run_is_one_config_error(tiny_config, overrides, message):
+    with pytest.raises(tk.ConfigError, match=message) as caught:
+        tk.Trainer(tiny_config(*overrides), progress=False)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_monitor_the_validation_does_not_log_is_named(tiny_config):
+    cfg = tiny_config(*PLATEAU[:2], "schedule.monitor=val_f1")
+    with pytest.raises(tk.ConfigError, match=r"schedule.monitor='val_f1' is not a validation metric.*val_loss"):
+        tk.Trainer(cfg, progress=False).fit()
+
+
+def test_a_resume_refuses_new_arguments_for_a_target_schedule(tiny_config):
+    first = tiny_config(*STEP_LR, "schedule.interval=epoch", "train.max_steps=10", "train.max_epochs=null")
+    tk.Trainer(first, progress=False).fit()
+    changed = tiny_config(
+        "schedule.target=torch.optim.lr_scheduler:StepLR",
+        "schedule.args={step_size: 1, gamma: 0.5}",
+        "schedule.interval=epoch",
+        "train.max_steps=20",
+        "train.max_epochs=null",
+    )
+    with pytest.raises(tk.ConfigError, match=r"schedule.args.gamma differs .* restored from the checkpoint"):
+        tk.Trainer(changed, resume="auto", allow_config_change=True, progress=False).fit()
+
+
+def test_a_resume_replans_a_new_style_of_the_built_in_schedule(tiny_config):
+    base = ("train.max_epochs=null", "train.max_steps=16", "schedule.warmup_steps=10")
+    tk.Trainer(tiny_config(*base, "train.max_steps=6"), progress=False).fit()
+    resumed = tk.Trainer(
+        tiny_config(*base, "schedule.style=nanogpt"), resume="auto", allow_config_change=True, progress=False
+    )
+    assert resumed.fit()["status"] == "completed"
+    lrs, _ = metrics(resumed.run_dir)
+    for step in range(7, 17):  # step s (from 1) uses the new plan's rate of 0-based step s - 1
+        want = lr_at(step - 1, lr=LR, warmup_steps=10, total_steps=16, style="nanogpt")
+        assert lrs[step] == pytest.approx(want, rel=1e-12), step
