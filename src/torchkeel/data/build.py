@@ -148,7 +148,8 @@ LoaderFactory = Callable[..., Loader]
 def loader_factory(
     cfg: DataConfig, *, batch_size: int, seed: int, device: torch.device, rank: int = 0, world_size: int = 1
 ) -> LoaderFactory:
-    """``make(data, num_workers, train=True)``: a loader for a dataset or source with the config's settings."""
+    """``make(data, num_workers, train=True, batch_size=None)``: a loader for a dataset or source with
+    the config's settings (``batch_size``: another than the factory's, the validation's)."""
     collate = (
         build_collate(cfg.collate, cfg.pad_value, mask_key=cfg.mask_key, lengths_key=cfg.lengths_key)
         if cfg.collate != "default"
@@ -168,9 +169,13 @@ def loader_factory(
         world_size=world_size,
     )
 
-    def make(data: Any, num_workers: int, *, train: bool = True) -> Loader:
+    def make(data: Any, num_workers: int, *, train: bool = True, batch_size: int | None = None) -> Loader:
         options = dataclasses.replace(
-            run, num_workers=num_workers, shuffle=cfg.shuffle and train, drop_last=cfg.drop_last and train
+            run,
+            batch_size=batch_size or run.batch_size,
+            num_workers=num_workers,
+            shuffle=cfg.shuffle and train,
+            drop_last=cfg.drop_last and train,
         )
         common = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
         if is_source(data):  # each rank streams its own units
@@ -217,10 +222,17 @@ def build_loaders(
     val_data: Any = None,
     rank: int = 0,
     world_size: int = 1,
+    val_batch_size: int | None = None,
 ) -> Loaders:
     """Loaders for ``train_data``/``val_data`` (datasets or sources), or those the config names;
-    ``num_workers: auto`` runs (or reads from the cache) the worker trial on the training data."""
+    ``num_workers: auto`` runs (or reads from the cache) the worker trial on the training data.
+    ``val_batch_size``: the validation loader's batch (``None``: ``batch_size``)."""
     per_rank(batch_size, world_size)
+    if val_batch_size is not None and val_batch_size % world_size:
+        raise ConfigError(
+            f"val.batch_size {val_batch_size} does not divide by the world size {world_size}; "
+            f"use a multiple of {world_size} (it is the batch of the whole job)"
+        )
     train_data, val_data = resolve_data(cfg, train_data, val_data)
     make = loader_factory(cfg, batch_size=batch_size, seed=seed, device=device, rank=rank, world_size=world_size)
     tuning = None
@@ -238,7 +250,7 @@ def build_loaders(
             num_workers = agree_min(num_workers, device)
     assert isinstance(num_workers, int)
     train = make(train_data, num_workers)
-    val = make(val_data, num_workers, train=False) if val_data is not None else None
+    val = make(val_data, num_workers, train=False, batch_size=val_batch_size) if val_data is not None else None
     empty = [*getattr(train_data, "empty_files", []), *getattr(val_data, "empty_files", [])]
     sources = {key: data for key, data in (("data.train", train_data), ("data.val", val_data)) if is_source(data)}
     # A batch transform may reshape the batch: then a sample says nothing about it.

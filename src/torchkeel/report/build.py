@@ -5,7 +5,9 @@ instead of failing. Charts share the step axis. Resumes, rollbacks and a preempt
 on every timeline; each other incident kind on the chart it explains (non-finite steps and
 spikes on the loss and gradient norm, waiting for data and OOM splits on the throughput, leaks
 on memory), in a colour of its own with its count in the legend. Bad samples and any kind that
-happened many times are ticks along the bottom of the chart, not lines across it.
+happened many times are ticks along the bottom of the chart, not lines across it. What the run
+warned of that is no incident (clipping that rescaled most of the first steps) is listed at the
+top, under Warnings, and marked on the gradient-norm and clipping charts.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ MARKERS = {
     "input_bound": "tab:cyan",
     "graph_break": "tab:blue",
     "compile": "navy",
+    "clipping": "darkgoldenrod",
 }
 SPARE_COLOURS = ("gold", "teal", "maroon", "lime", "indigo", "coral")  # kinds this table does not know yet
 EVERY_CHART = ("resume", "rollback", "preempted")
@@ -41,7 +44,8 @@ CHART_KINDS = {
     "loss": ("nonfinite", "spike", "bad_sample", "graph_break", "compile"),
     "val_metrics": (),
     "lr": (),
-    "grad_norm": ("nonfinite", "spike"),
+    "grad_norm": ("nonfinite", "spike", "clipping"),
+    "clip_frac": ("clipping",),
     "throughput": ("input_bound", "oom_split", "compile"),
     "tokens": ("input_bound", "oom_split", "compile"),
     "memory": ("leak", "memory", "oom_split"),
@@ -53,6 +57,7 @@ CHARTS = [
     ("val_metrics", "Validation metrics", [], False),  # every val_* metric the run logged but the loss
     ("lr", "Learning rate", [("train", "lr", "lr")], False),
     ("grad_norm", "Gradient norm (before clipping)", [("train", "grad_norm", "grad norm")], True),
+    ("clip_frac", "Steps rescaled by clipping (share of each log window)", [("train", "clip_frac", "clipped")], False),
     ("throughput", "Throughput (samples/s)", [("train", "samples_per_s", "samples/s")], False),
     ("tokens", "Throughput (tokens/s)", [("train", "tokens_per_s", "tokens/s")], False),
     (
@@ -75,6 +80,7 @@ class Report:
     missing: list[str] = field(default_factory=list)
     marks: list[tuple[int, str]] = field(default_factory=list)  # (step, kind) of every incident and event
     drawn: dict[str, list[str]] = field(default_factory=dict)  # chart → the kinds marked on it
+    warnings: list[str] = field(default_factory=list)  # what the run warned of that is no incident
 
 
 def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Report:
@@ -97,6 +103,7 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     if summary is None:
         report.missing.append("summary.json (the run is still going, or was killed)")
     report.marks = marks = _marks(rows, incidents, summary)
+    report.warnings = [str(r.get("message", "")) for r in rows if r.get("kind") == "clipping"]
     val_keys = _val_keys(rows)
     for name, title, series, log_scale in CHARTS:
         if name == "val_metrics":
@@ -112,8 +119,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
         if not lines:
             if name == "val_metrics" and any(r.get("kind") == "val" for r in rows):
                 continue  # validated with val_loss alone, which the loss chart shows
-            if name == "tokens":
-                continue  # batches that are not token ids
+            if name in ("tokens", "clip_frac"):
+                continue  # batches that are not token ids; a run that does not clip
             report.missing.append(f"{title.lower()} (no rows with it)")
             continue
         report.drawn[name] = chart_kinds(name, {k for _, k in marks})
@@ -126,6 +133,7 @@ def _marks(rows: list[dict], incidents: list[dict], summary: dict | None) -> lis
     """The steps to mark on the charts: incidents, resumes and a preemption, in step order."""
     marks = [(r["step"], r["kind"]) for r in incidents if "step" in r]
     marks += [(r["step"], "resume") for r in rows if r.get("kind") == "resume"]
+    marks += [(r["step"], "clipping") for r in rows if r.get("kind") == "clipping"]
     if summary and summary.get("status") == "preempted":
         marks.append((summary.get("steps", 0), "preempted"))
     return sorted(marks)
@@ -266,6 +274,7 @@ def _html(run: Path, summary: Any, incidents: list[dict[str, Any]], report: Repo
         f"<tr><th>{esc(k)}</th><td>{esc(format_value(v))}</td></tr>" for k, v in facts.items() if v is not None
     )
     missing = "".join(f"<li>{esc(m)}</li>" for m in report.missing)
+    warnings = "".join(f"<li>{esc(w)}</li>" for w in report.warnings)
     images = "".join(
         f'<figure><img src="{esc(p.name)}" width="800" height="300" alt="{esc(p.stem)}"></figure>'
         for p in report.images
@@ -278,9 +287,10 @@ def _html(run: Path, summary: Any, incidents: list[dict[str, Any]], report: Repo
 <html><head><meta charset="utf-8"><title>torchkeel report: {esc(run.name)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:60em}} table{{border-collapse:collapse}}
 th,td{{text-align:left;padding:2px 10px;border-bottom:1px solid #ddd;vertical-align:top}}
-pre{{background:#f6f6f6;padding:1em;max-height:20em;overflow:auto}} .missing{{color:#a40}}</style></head>
+pre{{background:#f6f6f6;padding:1em;max-height:20em;overflow:auto}} .missing,.warning{{color:#a40}}</style></head>
 <body><h1>Run {esc(run.name)}</h1>
 <table>{rows}</table>
+{f'<h2>Warnings</h2><ul class="warning">{warnings}</ul>' if warnings else ""}
 {f'<h2>Missing</h2><ul class="missing">{missing}</ul>' if missing else ""}
 <h2>Timeline</h2>{images or '<p class="missing">no charts: nothing was logged yet</p>'}
 <h2>Incidents</h2>{f"<table><tr><th>step</th><th>kind</th><th>message</th></tr>{listed}</table>" if listed else "<p>none</p>"}

@@ -17,8 +17,8 @@ epoch end always saves: it is where the cost is first measured.
 The decision reads this process's clock; under torchrun only rank 0's counts (the trainer
 agrees it across ranks in the collective it already makes every step).
 
-``LoopCadence`` decides, from the ``train`` section, which steps log and validate and where the
-run ends.
+``LoopCadence`` decides, from the ``train`` and ``val`` sections, which steps log and validate and
+where the run ends.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from torchkeel.config.schema import TrainConfig
+from torchkeel.config.schema import TrainConfig, ValConfig
 
 
 class SaveCadence:
@@ -66,20 +66,28 @@ class StepPlan(NamedTuple):
     log: bool
     """A training row follows it (every ``train.log_every`` steps, and the last)."""
     validate: bool
-    """A validation follows it (every ``train.val_every`` steps)."""
+    """A validation follows it (every ``val.every_steps`` steps)."""
     at_max_steps: bool
     """``train.max_steps`` is reached with it: the run stops, mid-epoch or not."""
 
 
 class LoopCadence:
-    """When the training loop logs, validates and ends, from the config's ``train`` section.
+    """When the training loop logs, validates and ends, from the config's ``train`` and ``val`` sections.
 
-    With ``train.val_every`` 0 the run validates at each epoch's end (``validates_at_epoch_end``).
+    With ``val.every_steps`` 0 (and its old name ``train.val_every`` 0) the run validates at each
+    epoch's end (``validates_at_epoch_end``); ``val.at_start`` adds one before the first step
+    (``validates_at_start``), in a run that starts at step 0.
     """
 
-    def __init__(self, train: TrainConfig) -> None:
+    def __init__(self, train: TrainConfig, val: ValConfig | None = None) -> None:
+        val = val or ValConfig()
         self.max_epochs, self.max_steps = train.max_epochs, train.max_steps
-        self.log_every, self.val_every = train.log_every, train.val_every
+        self.log_every, self.val_every = train.log_every, val.every_steps or train.val_every
+        self.at_start = val.at_start
+
+    def validates_at_start(self, step: int) -> bool:
+        """Whether to validate before step ``step + 1`` (``step`` steps done): at 0, with ``val.at_start``."""
+        return self.at_start and step == 0
 
     @property
     def validates_at_epoch_end(self) -> bool:

@@ -1,10 +1,26 @@
-"""Global gradient norm and clipping, kept on the device (no host sync)."""
+"""Global gradient norm and clipping, kept on the device (no host sync); how often clipping acts.
+
+``ClipRate`` counts the applied steps whose gradient norm exceeded ``max_norm`` (the steps the
+clipping rescaled): per log window (``clip_frac`` in the training rows) and over the run's first
+``EARLY_STEPS`` steps, where more than half rescaled is worth a warning. A default clip that acts
+on most steps changes the training from what a plain loop computes; said once, a person can
+decide.
+"""
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+
+EARLY_STEPS = 50
+"""The first optimizer steps judged for the clipping warning (all of a shorter run's). Long enough
+that the few large norms at a language model's start (what a clip of 1.0 is there for) are not
+a majority; early enough to be read while the run is young."""
 
 
 def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
@@ -34,3 +50,109 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
 def _full(norm: torch.Tensor) -> torch.Tensor:
     """FSDP2's gradients are sharded (DTensor): their norm is reduced over the ranks here."""
     return norm.full_tensor() if _is_sharded(norm) else norm
+
+
+class _Measured(Protocol):
+    """What ``ClipRate`` reads of a step (a ``StepResult``)."""
+
+    grad_norm: torch.Tensor
+    grad_norm_value: float | None
+    status: str
+
+
+@dataclass(frozen=True)
+class ClipWarning:
+    """More than half of the first steps were rescaled by clipping."""
+
+    step: int
+    """The step it was judged at (``EARLY_STEPS``, or a shorter run's last)."""
+    first_step: int
+    """The first step judged (a run resumed before ``EARLY_STEPS`` judges the steps it saw)."""
+    num_steps: int
+    num_clipped: int
+    median_grad_norm: float
+    max_norm: float
+
+    @property
+    def message(self) -> str:
+        return (
+            f"gradient clipping rescaled {self.num_clipped} of {self.num_steps} steps ({self.first_step}-{self.step}); "
+            f"median gradient norm {self.median_grad_norm:.3g} > train.clip_grad_norm {self.max_norm:g}, so clipping "
+            "changes most updates. If the script you follow does not clip, set train.clip_grad_norm: null; to clip "
+            f"only spikes, raise it above the typical norm ({self.median_grad_norm:.2g})"
+        )
+
+    def row(self) -> dict[str, Any]:
+        """The ``metrics.jsonl`` row (kind ``clipping``) that ``keel report`` shows."""
+        return {
+            "kind": "clipping",
+            "step": self.step,
+            "first_step": self.first_step,
+            "num_steps": self.num_steps,
+            "num_clipped": self.num_clipped,
+            "median_grad_norm": self.median_grad_norm,
+            "clip_grad_norm": self.max_norm,
+            "message": self.message,
+        }
+
+
+class ClipRate:
+    """How often clipping to ``max_norm`` rescaled the gradients (``None``: no clipping, nothing counted).
+
+    ``add`` each step's result; ``window_frac`` at a log step (the fraction of the applied steps
+    since the previous call); ``early_warning`` after each step gives a ``ClipWarning`` once, at
+    step ``early_steps`` (or ``is_last``), when more than half of the steps up to it were rescaled.
+    Skipped steps (non-finite, fp16 overflow) are not counted. No host sync per step: a norm the
+    guard read is compared on the host, one it did not on the device, read at ``window_frac``
+    (one sync, log steps only) and once for the warning.
+    """
+
+    def __init__(self, max_norm: float | None, early_steps: int = EARLY_STEPS) -> None:
+        self.max_norm, self.early_steps = max_norm, early_steps
+        self._steps, self._clipped = 0, 0
+        self._clipped_on_device: torch.Tensor | None = None
+        self._early: list[float | torch.Tensor] = []
+        self._first_step: int | None = None
+        self._judged = False
+
+    def add(self, step: int, result: _Measured) -> None:
+        """Count step ``step`` (counted from 1)."""
+        if self.max_norm is None or result.status != "ok":
+            return
+        self._steps += 1
+        norm = result.grad_norm_value if result.grad_norm_value is not None else result.grad_norm.detach()
+        if isinstance(norm, float):
+            self._clipped += norm > self.max_norm
+        else:
+            over = (norm > self.max_norm).to(torch.int64)  # stays on the device
+            self._clipped_on_device = over if self._clipped_on_device is None else self._clipped_on_device + over
+        if step <= self.early_steps and not self._judged:
+            self._first_step = self._first_step or step
+            self._early.append(norm)
+
+    def window_frac(self) -> float | None:
+        """The fraction of the applied steps since the last call that clipping rescaled (``None``: none applied)."""
+        if self.max_norm is None or not self._steps:
+            return None
+        clipped = self._clipped
+        if self._clipped_on_device is not None:
+            clipped += int(self._clipped_on_device.item())  # host sync, log steps only
+        frac = clipped / self._steps
+        self._steps, self._clipped, self._clipped_on_device = 0, 0, None
+        return frac
+
+    def early_warning(self, step: int, is_last: bool = False) -> ClipWarning | None:
+        """After step ``step``: the warning, once, when the first steps were mostly rescaled."""
+        if self._judged or self.max_norm is None or (step < self.early_steps and not is_last):
+            return None
+        self._judged = True
+        early, self._early = self._early, []
+        tensors = [n for n in early if isinstance(n, torch.Tensor)]
+        read = iter(torch.stack(tensors).tolist() if tensors else [])  # host sync, once a run
+        norms = [n if isinstance(n, float) else next(read) for n in early]
+        norms = [n for n in norms if math.isfinite(n)]
+        clipped = sum(n > self.max_norm for n in norms)
+        if not norms or clipped * 2 <= len(norms):
+            return None
+        assert self._first_step is not None
+        return ClipWarning(step, self._first_step, len(norms), clipped, statistics.median(norms), self.max_norm)

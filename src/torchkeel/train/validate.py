@@ -1,9 +1,11 @@
-"""Validation under ``model.eval()`` and ``torch.inference_mode()``, averaged over the whole set."""
+"""Validation under ``model.eval()`` and ``torch.inference_mode()``, averaged over the whole set
+(or over its first ``max_batches`` batches)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ def evaluate(
     precision: Precision | None = None,
     across_ranks: bool = False,
     metrics: MetricSet | None = None,
+    max_batches: int | None = None,
 ) -> dict[str, float]:
     """Mean loss (and accuracy, for class-index targets) over every sample of ``batches``.
 
@@ -41,7 +44,9 @@ def evaluate(
     own share of the set; sums and counts are added over the ranks (one all-reduce), so the
     metrics are those of the whole set, as in one process. ``metrics``: a ``MetricSet`` fed each
     batch's outputs and targets (torchmetrics syncs its states across ranks itself); its values
-    replace ``val_accuracy``.
+    replace ``val_accuracy``. ``max_batches``: only the first N of ``batches`` (nanoGPT's
+    ``eval_iters``, without its random draw: a loader in order gives the same N each time); the
+    rest are not read.
     """
     objective = Objective.of(loss_fn)
     was_training = model.training
@@ -49,7 +54,7 @@ def evaluate(
     totals = _Totals(device)
     try:
         with torch.inference_mode():
-            for batch in batches:
+            for batch in _first(batches, max_batches):
                 with (precision or Precision(device.type)).autocast():
                     out = objective(model, batch, device)
                 if num_samples(batch):  # an empty share is only there to keep the ranks in step
@@ -69,6 +74,17 @@ def evaluate(
         result["val_accuracy"] = values[2] / samples
     result.update(computed)
     return result
+
+
+def _first(batches: Iterable[Any], count: int | None) -> Iterator[Any]:
+    """The first ``count`` of ``batches`` (``None``: all); a loader's iterator is closed after them."""
+    source = iter(batches)
+    try:
+        yield from islice(source, count)
+    finally:
+        close = getattr(source, "close", None)
+        if count is not None and close is not None:
+            close()  # a generator stopped early: its workers and files go now, not when collected
 
 
 class _Totals:
