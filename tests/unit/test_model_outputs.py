@@ -125,6 +125,23 @@ def test_a_model_that_computes_its_loss_trains_on_it_and_its_logits_feed_the_met
     assert val["val_token_acc"] == pytest.approx(accuracy, abs=1e-6) and accuracy > 1 / VOCAB
 
 
+def test_a_model_trained_on_its_own_loss_exports_without_its_targets(tmp_path):
+    """Trained as ``model(idx, targets)``, exported as ``model(idx)`` → its logits: a server has no labels."""
+    from torchkeel.export import export_run
+    from torchkeel.export.formats import load_exported
+
+    config = char_config(tmp_path, "loss.output=1", "loss.logits=0", "train.max_epochs=1", metrics=False)
+    trainer = tk.Trainer(config, progress=False)
+    trainer.fit()
+    meta = export_run(trainer.run_dir, "torchscript", tmp_path / "export")
+    assert meta["parity"]["passed"] and [i["name"] for i in meta["inputs"]] == ["input"]
+    assert meta["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1, 16, VOCAB]}]
+    run = load_exported("torchscript", tmp_path / "export" / meta["file"])
+    x = make_chars(4, 0)[0].tensors[0]
+    expected, _ = trainer.model.eval()(x)
+    assert torch.allclose(torch.as_tensor(run(x.numpy())), expected, atol=1e-5)
+
+
 def test_keel_train_on_a_model_returning_logits_and_loss_without_loss_output_exits_2_with_one_line(
     tmp_path, capsys
 ):

@@ -157,9 +157,10 @@ def signature_of(model: torch.nn.Module, calls: list[Call]) -> Signature:
     """
     first = calls[0]
     slots: list[Slot] = []
-    for index, value in enumerate(first.args):
+    args = _positional_inputs(model, first.args)
+    for index, value in enumerate(args):
         if isinstance(value, torch.Tensor):
-            slots.append(Slot("input" if len(first.args) == 1 else f"input_{index}", "arg", index))
+            slots.append(Slot("input" if len(args) == 1 else f"input_{index}", "arg", index))
         elif isinstance(value, Mapping) and all(isinstance(v, torch.Tensor) for v in value.values()):
             slots += [Slot(str(key), "dict", index, str(key)) for key in value if not _is_label(str(key))]
         else:
@@ -187,7 +188,7 @@ def signature_of(model: torch.nn.Module, calls: list[Call]) -> Signature:
     names = [slot.name for slot in slots]
     if len(set(names)) != len(names):
         raise ConfigError(f"the model's inputs {names} have repeated names; give the dict keys other names")
-    signature = Signature(slots, constants, len(first.args))
+    signature = Signature(slots, constants, len(args))
     embedded: dict[int, int] = {}  # storage of a tensor an Embedding looked up → its number of rows
 
     def lookup(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
@@ -264,6 +265,17 @@ def _field(out: Any, name: str) -> Any:
 
 def _is_label(key: str) -> bool:
     return key in LABEL_NAMES or key.endswith("labels")
+
+
+def _positional_inputs(model: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` less a last one the model takes as its labels with a default (``loss.output``'s
+    ``model(input, target)``, nanoGPT's ``forward(idx, targets=None)``): a server has no labels."""
+    positional = [p for p in _parameters(model).values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if 1 < len(args) <= len(positional):
+        last = positional[len(args) - 1]
+        if _is_label(last.name) and last.default is not inspect.Parameter.empty:
+            return args[:-1]
+    return args
 
 
 def _parameters(model: torch.nn.Module) -> Mapping[str, inspect.Parameter]:
