@@ -45,24 +45,30 @@ def test_window_frac_counts_the_applied_steps_whose_norm_exceeded_the_clip(read)
 
 @pytest.mark.parametrize("read", [True, False])
 def test_the_warning_comes_once_at_the_judged_step_when_most_first_steps_clip(read):
-    norms = [3.0 + (i % 5) * 0.1 for i in range(EARLY_STEPS)]
+    norms = [3.0 + (i % 5) * 0.1 for i in range(50)]
     norms[:10] = [0.5] * 10  # 40 of 50 above the clip
-    rate = ClipRate(1.0)
+    rate = ClipRate(1.0, early_steps=50)
     warnings = []
     for step, norm in enumerate(norms + [9.0] * 10, start=1):
         rate.add(step, result(norm, read=read))
         warnings.append(rate.early_warning(step))
     found = [(step, w) for step, w in enumerate(warnings, start=1) if w is not None]
-    assert [step for step, _ in found] == [EARLY_STEPS]
+    assert [step for step, _ in found] == [50]
     warning = found[0][1]
-    assert (warning.num_clipped, warning.num_steps, warning.first_step) == (40, EARLY_STEPS, 1)
+    assert (warning.num_clipped, warning.num_steps, warning.first_step) == (40, 50, 1)
     assert warning.median_grad_norm == pytest.approx(statistics.median(norms))
     assert "train.clip_grad_norm: null" in warning.message and f"{warning.median_grad_norm:.3g}" in warning.message
 
-    few = ClipRate(1.0)
-    for step in range(1, EARLY_STEPS + 1):
+    few = ClipRate(1.0, early_steps=50)
+    for step in range(1, 51):
         few.add(step, result(3.0 if step <= 25 else 0.5, read=read))  # exactly half: not most
         assert few.early_warning(step) is None
+
+    resumed = ClipRate(1.0, early_steps=50)  # a run resumed at step 30 judges the steps it saw
+    for step in range(31, 51):
+        resumed.add(step, result(2.0, read=read))
+    judged = resumed.early_warning(50)
+    assert (judged.first_step, judged.num_steps) == (31, 20) and resumed.early_warning(51) is None
 
 
 def test_a_run_shorter_than_the_judged_steps_is_judged_at_its_last():
@@ -109,7 +115,7 @@ def test_every_train_row_has_clip_frac_and_none_when_clipping_is_off(tiny_config
 def test_keel_train_warns_once_with_the_median_and_the_fix_and_keel_report_shows_it(tiny_config, capsys, tmp_path):
     # Plain SGD at a small learning rate: the gradient norm stays near 2.7, and the default clip of 1.0
     # rescales every step (as it did the mnist script's Adadelta, whose median norm was 3.8).
-    slow = ("optim.name=sgd", "optim.lr=0.005", "train.max_epochs=2")
+    slow = ("optim.name=sgd", "optim.lr=0.005", "train.max_epochs=4")  # 120 steps
     trainer = tk.Trainer(tiny_config(*slow), progress=False)
     trainer.fit()
     rows = read_metrics(trainer.run_dir / "metrics.jsonl")
@@ -128,7 +134,7 @@ def test_keel_train_warns_once_with_the_median_and_the_fix_and_keel_report_shows
 
 
 def test_no_warning_when_few_of_the_first_steps_clip(tiny_config, capsys, tmp_path):
-    trainer = tk.Trainer(tiny_config("train.max_epochs=2"), progress=False)  # the default clip of 1.0
+    trainer = tk.Trainer(tiny_config("train.max_epochs=4"), progress=False)  # the default clip of 1.0
     trainer.fit()
     rows = read_metrics(trainer.run_dir / "metrics.jsonl")
     first = [r["grad_norm"] for r in rows if r["kind"] == "train"][:EARLY_STEPS]
