@@ -142,9 +142,7 @@ def test_a_model_trained_on_its_own_loss_exports_without_its_targets(tmp_path):
     assert torch.allclose(torch.as_tensor(run(x.numpy())), expected, atol=1e-5)
 
 
-def test_keel_train_on_a_model_returning_logits_and_loss_without_loss_output_exits_2_with_one_line(
-    tmp_path, capsys
-):
+def test_keel_train_on_a_model_returning_logits_and_loss_without_loss_output_exits_2_with_one_line(tmp_path, capsys):
     path = tmp_path / "char.yaml"
     config = {
         "out_dir": str(tmp_path / "runs"),
@@ -214,6 +212,24 @@ def test_each_mismatch_is_one_line_naming_the_key_and_what_the_model_returned(ki
     with pytest.raises(ConfigError, match=message) as caught:
         Objective(nn.CrossEntropyLoss(), output=output, logits=logits)(model, batch, CPU)
     assert caught.value.exit_code == 2
+
+
+class WithFeatures(CharGPT):
+    """Returns ``(logits, features)`` and no loss: the loss is ``loss.target`` on the logits."""
+
+    def forward(self, idx):
+        logits, _ = super().forward(idx)
+        return logits, logits.mean(dim=-1)
+
+
+def test_loss_logits_alone_gives_the_loss_target_the_predictions():
+    torch.manual_seed(0)
+    model, (x, y) = WithFeatures(), make_chars(8, 0)[0].tensors
+    token_loss = lambda logits, targets: F.cross_entropy(logits.transpose(1, 2), targets)  # noqa: E731
+    out = Objective(token_loss, logits=0)(model, (x, y), CPU)
+    assert torch.equal(out.loss, token_loss(model(x)[0], y)) and out.outputs.shape == (8, BLOCK, VOCAB)
+    with pytest.raises(ConfigError, match=r"^loss\.target could not take .*tuple \(Tensor\[8, 16, 27\] float32, "):
+        Objective(token_loss)(model, (x, y), CPU)
 
 
 def test_a_transformers_model_output_is_read_by_index_or_name():

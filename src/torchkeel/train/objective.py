@@ -30,7 +30,7 @@ import torch
 
 from torchkeel.batch import map_tensors, num_samples, take, to_device
 from torchkeel.errors import ConfigError, DataError, KeelError, first_line
-from torchkeel.train.outputs import Where, default_logits, describe, is_scalar, pick, pick_loss, suggest
+from torchkeel.train.outputs import Where, as_scalar, default_logits, describe, is_scalar, pick, pick_loss, suggest
 
 
 @dataclass
@@ -184,7 +184,7 @@ class Objective:
                 f"loss.target returned {describe(loss)}; it must return the batch's mean loss, one number "
                 "(reduction='mean'), or set loss.step_fn"
             )
-        return LossOutput(loss.reshape(()), outputs=outputs, targets=targets_on_device)
+        return LossOutput(as_scalar(loss), outputs=outputs, targets=targets_on_device)
 
     def _loss(self, outputs: Any, targets: Any, targets_on_device: Any, device: torch.device) -> torch.Tensor:
         if device.type != "cpu":  # on an accelerator a bad label is a device-side assert that kills the context
@@ -214,7 +214,7 @@ class Objective:
             loss = pick_loss(out, self.output, call)
         logits = pick(out, self.logits, "loss.logits") if self.logits is not None else default_logits(out)
         targets = batch_or_targets.get("labels") if is_dict_batch else batch_or_targets
-        return LossOutput(loss.reshape(()), outputs=logits, targets=targets)
+        return LossOutput(as_scalar(loss), outputs=logits, targets=targets)
 
     def _stand_in(self, model: torch.nn.Module, batch: Any, device: torch.device, non_blocking: bool) -> LossOutput:
         """The loss of two rows, times zero: the first row of the last batch this objective ran, twice
@@ -393,4 +393,4 @@ def _step_loss(loss: Any, returned: str) -> torch.Tensor:
             f"loss.step_fn returned {returned}: a loss of {loss.numel()} numbers; return one: their mean, "
             "or their sum as torchkeel.StepOutput(loss_sum, count=n)"
         )
-    return loss.reshape(())
+    return as_scalar(loss)

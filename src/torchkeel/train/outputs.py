@@ -96,7 +96,12 @@ def pick_loss(out: Any, where: Where, call: str) -> torch.Tensor:
             f"loss.output: {where!r} picks {describe(loss)} from what {call} returned, {describe(out)}; "
             f"it must pick the loss, one number (loss.output: {hint})"
         )
-    return loss.reshape(())
+    return as_scalar(loss)
+
+
+def as_scalar(loss: torch.Tensor) -> torch.Tensor:
+    """A one-number tensor as a 0-d one (``[1]`` from a ``DataParallel``-style gather); no copy."""
+    return loss if loss.dim() == 0 else loss.reshape(())
 
 
 def default_logits(out: Any) -> Any:
