@@ -46,6 +46,7 @@ _EXPORTS = {
     "steps_per_epoch": "torchkeel.train.accumulate",
     "total_steps": "torchkeel.train.accumulate",
     "clip_grad_norm": "torchkeel.train.clipping",
+    "ClipRate": "torchkeel.train.clipping",
     "CompiledOrEager": "torchkeel.train.compile",
     "diagnose_nonfinite": "torchkeel.train.nonfinite",
     "EarlyStopping": "torchkeel.train.early_stop",
