@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import inspect
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import torchkeel as tk
+from torchkeel.train.hooks import TrainerHooks
 
 SRC = Path(tk.__file__).resolve().parent
 
@@ -98,3 +100,47 @@ def test_a_pieces_forward_and_backward_are_written_once():
                 if called in calls:  # objective(...), work.objective(...), precision.backward(...)
                     calls[called].append(f"{name}:{node.lineno}")
     assert len(calls["objective"]) == 1 and len(calls["backward"]) == 1, calls
+
+
+class FailsOnceInBackward(torch.autograd.Function):
+    """The identity; its first backward runs out of memory (as a large activation's would)."""
+
+    failed = False
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if not FailsOnceInBackward.failed:
+            FailsOnceInBackward.failed = True
+            raise torch.OutOfMemoryError("out of memory in the backward")
+        return grad
+
+
+def test_an_attempt_that_ran_out_of_memory_is_freed_before_the_redo():
+    """The redo loop runs in the frame of the passes: the failed attempt's outputs and graph must
+    not stay alive in it while the smaller pieces run (on a GPU they hold the memory the redo needs)."""
+    outputs = []
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = FailsOnceInBackward.apply(self.linear(x))
+            outputs.append(weakref.ref(out))
+            return out
+
+    model, alive = Net(), []
+    hooks = TrainerHooks(before_forward=lambda n: alive.append([ref() is not None for ref in outputs]))
+    settings = tk.StepSettings(
+        list(model.parameters()), tk.Precision(), torch.device("cpu"), split_on_oom=True, hooks=hooks
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    result = tk.train_step(model, optimizer, [batch], nn.functional.cross_entropy, settings)
+    assert (result.status, result.micro_batch_size, result.num_oom_splits) == ("ok", 4, 1)
+    assert alive == [[], [False], [False, True]]  # the failed attempt's output is gone before the redo's first piece

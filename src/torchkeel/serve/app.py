@@ -1,8 +1,10 @@
 """The HTTP server: routes only. Parsing is in ``protocol``, the models in ``model`` and
 ``repository``, batching in ``batcher``, metrics in ``metrics``, gRPC in ``grpc``, KServe v1
 prediction in ``v1``; what both front ends share in ``server``; the connections (a bound on
-the time a request takes to arrive) in ``transport``. KServe v2 / Triton REST under ``/v2``,
-KServe v1 under ``/v1``, Prometheus at ``/metrics``.
+the time a request takes to arrive) in ``transport``, the bound on a body's size in ``bodies``,
+text generation's routes in ``textgen``. KServe v2 / Triton REST under ``/v2``, KServe v1 under
+``/v1``, Prometheus at ``/metrics``. ``create_app`` is the table of routes; ``InferenceAnswers``
+answers inference, ``ServerRoutes`` the rest (health, metadata, the models' list, metrics).
 
 The two inference routes, ``POST /v2/models/{name}[/versions/{version}]/infer`` and ``POST
 /v1/models/{name}:predict``, are the whole request path of a client under load: they are
@@ -20,7 +22,7 @@ import functools
 import gc
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,6 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from torchkeel._version import __version__
 from torchkeel.errors import ConfigError
+from torchkeel.serve.bodies import RequestBodies, header
 from torchkeel.serve.model import ServedModel, ServeOptions
 from torchkeel.serve.protocol import (
     EXTENSIONS,
@@ -43,13 +46,9 @@ from torchkeel.serve.protocol import (
 from torchkeel.serve.repository import ModelRepository
 from torchkeel.serve.server import Server
 from torchkeel.serve.tensors import ProtocolError
-from torchkeel.serve.textgen import generation_routes, v1_model_card, v1_model_list
+from torchkeel.serve.textgen import GenerationRoutes, v1_model_card, v1_model_list
 from torchkeel.serve.v1 import v1_predict
 from torchkeel.serve.warmup import warm_over_socket, warm_requests
-
-# An oversized body is read to its end and dropped, up to 4x the limit (at least 64 MiB) or 5 s,
-# before the 413 is sent and the connection closed; past that bound the connection is closed at once.
-DRAIN_FACTOR, DRAIN_MIN_BYTES, DRAIN_S = 4, 64 * 2**20, 5.0
 
 
 def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOptions | None = None) -> Starlette:
@@ -58,146 +57,31 @@ def create_app(export_dirs: str | Path | Sequence[str | Path], options: ServeOpt
     if isinstance(export_dirs, (str, Path)):
         export_dirs = [export_dirs]
     server = Server(export_dirs, options or ServeOptions())
-    repository = server.repository
-    opts = server.options
-    max_body = int(opts.max_body_mb * 2**20)
-    max_drain = max(DRAIN_FACTOR * max_body, DRAIN_MIN_BYTES)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
-        await server.start(warm=functools.partial(warm_requests, app))
-        gc.freeze()  # the models and imports never become garbage; full collections then stay short
-        warming = None
-        if opts.http_port and server.warmed:  # the server listens once this returns: warm over its socket
-            repository.holding = True
-            warming = asyncio.create_task(warm_over_socket(server, opts.http_host, opts.http_port))
-        yield
-        if warming is not None:
-            warming.cancel()
-        await server.stop()  # everything already queued is answered first
-
-    async def body_of(scope: Scope, receive: Receive) -> bytes:
-        """The body, or a 413 the client can read: what is left of an oversized body is read and
-        dropped first (see ``_drain``), so that closing the connection does not reset it."""
-        declared = header(scope, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body:
-            if int(declared) <= max_drain:
-                await _drain(receive, int(declared))
-            raise _too_large(f"the body has {declared} bytes")
-        chunks, size = [], 0
-        while True:  # a chunked body declares no length: count it
-            message = await receive()
-            if message["type"] == "http.disconnect":  # gone, or cut off by the transport's read timeout
-                raise ProtocolError(400, "the client closed the connection before the whole body arrived")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > max_body:
-                await _drain(receive, max_drain - size)
-                raise _too_large(f"the body has more than {max_body} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    async def read_body(request: Request) -> bytes:
-        return await body_of(request.scope, request.receive)
-
-    def _too_large(what: str) -> ProtocolError:
-        return ProtocolError(413, f"{what}; the limit is {max_body} bytes (--max-body-mb)", {"Connection": "close"})
-
-    async def infer_answer(model: ServedModel, scope: Scope, receive: Receive) -> Answer:
-        body = await body_of(scope, receive)
-        parsed = parse_infer(
-            body,
-            header(scope, HEADER_LENGTH_KEY),
-            model.inputs,
-            model.outputs,
-            opts.max_batch_size,
-            opts.allow_nonfinite,
-            one_of=model.is_image_model,
-        )
-        results = await model.infer(parsed)
-        payload, headers = encode_infer(model.name, model.version, parsed, results)
-        return Answer(200, payload, "application/octet-stream" if headers else "application/json", headers)
-
-    async def predict_answer(model: ServedModel, scope: Scope, receive: Receive) -> Answer:
-        return Answer(200, render_json(await v1_predict(model, await body_of(scope, receive), opts)))
-
-    answers = {"v2": infer_answer, "v1": predict_answer}
-
-    async def answered(protocol: str, model: ServedModel, request: Request) -> Response:
-        answer = await model.counted(protocol, lambda: answers[protocol](model, request.scope, request.receive))
-        return Response(answer.payload, answer.status, answer.headers, answer.media_type)
-
-    def model_of(request: Request) -> ServedModel:
-        return repository.get(request.path_params["name"], request.path_params.get("version"))
-
-    async def v2_server(request: Request) -> Response:
-        return JSONResponse({"name": "torchkeel", "version": __version__, "extensions": EXTENSIONS})
-
-    async def live(request: Request) -> Response:
-        return Response(status_code=200)
-
-    async def ready(request: Request) -> Response:
-        return Response(status_code=200 if repository.ready else 503)
-
-    async def model_metadata(request: Request) -> Response:
-        return JSONResponse(model_of(request).metadata())
-
-    async def model_ready(request: Request) -> Response:
-        return Response(status_code=200 if repository.model_ready(model_of(request)) else 503)
-
-    async def repository_index(request: Request) -> Response:
-        return JSONResponse(repository.index())
-
-    async def infer(request: Request) -> Response:  # InferenceRoutes answers first: the same answer
-        return await answered("v2", model_of(request), request)
-
-    async def v1_models(request: Request) -> Response:
-        return JSONResponse(v1_model_list(repository))  # KServe v1's and OpenAI's list in one body
-
-    async def v1_model(request: Request) -> Response:
-        name, _, verb = request.path_params["spec"].partition(":")
-        if request.method == "GET" and not verb:
-            return JSONResponse(v1_model_card(repository, name))  # KServe v1's and OpenAI's model
-        model = repository.get(name)
-        if request.method == "POST" and verb == "predict":  # InferenceRoutes answers first: the same answer
-            return await answered("v1", model, request)
-        if verb == "predict":
-            return error(
-                405,
-                f"{request.method} is not allowed on /v1/models/{name}:predict; POST the instances",
-                {"Allow": "POST"},
-            )
-        return error(
-            404,
-            f"no route {request.method} /v1/models/{request.path_params['spec']}; use GET "
-            f"/v1/models/{model.name} or POST /v1/models/{model.name}:predict",
-        )
-
-    async def metrics(request: Request) -> Response:
-        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
-
+    bodies = RequestBodies(server.options.max_body_mb)
+    answers = InferenceAnswers(server.options, bodies).by_protocol()
+    http = ServerRoutes(server, answers)
+    text = GenerationRoutes(server.repository, bodies.of_request)
     routes = [  # the inference routes first: Starlette tries them in order on every request
-        Route("/v2/models/{name}/infer", infer, methods=["POST"]),
-        Route("/v1/models/{spec}", v1_model, methods=["GET", "POST"]),
-        Route("/v2/models/{name}/versions/{version}/infer", infer, methods=["POST"]),
-        Route("/v2", v2_server),
-        Route("/v2/health/live", live),
-        Route("/v2/health/ready", ready),
-        Route("/v2/repository/index", repository_index, methods=["GET", "POST"]),
-        Route("/v2/models/{name}", model_metadata),
-        Route("/v2/models/{name}/versions/{version}", model_metadata),
-        Route("/v2/models/{name}/ready", model_ready),
-        Route("/v2/models/{name}/versions/{version}/ready", model_ready),
-        *generation_routes(repository, read_body),
-        Route("/v1/models", v1_models),
-        Route("/metrics", metrics),
+        Route("/v2/models/{name}/infer", http.infer, methods=["POST"]),
+        Route("/v1/models/{spec}", http.v1_model, methods=["GET", "POST"]),
+        Route("/v2/models/{name}/versions/{version}/infer", http.infer, methods=["POST"]),
+        Route("/v2", http.v2_server),
+        Route("/v2/health/live", http.live),
+        Route("/v2/health/ready", http.ready),
+        Route("/v2/repository/index", http.repository_index, methods=["GET", "POST"]),
+        Route("/v2/models/{name}", http.model_metadata),
+        Route("/v2/models/{name}/versions/{version}", http.model_metadata),
+        Route("/v2/models/{name}/ready", http.model_ready),
+        Route("/v2/models/{name}/versions/{version}/ready", http.model_ready),
+        *text.routes(),
+        Route("/v1/models", http.v1_models),
+        Route("/metrics", http.metrics),
     ]
     app = Starlette(
         routes=routes,
-        lifespan=lifespan,
+        lifespan=http.lifespan,
         exception_handlers={404: not_found, 405: not_allowed, ProtocolError: protocol_error},
-        middleware=[Middleware(InferenceRoutes, repository=repository, answers=answers)],
+        middleware=[Middleware(InferenceRoutes, repository=server.repository, answers=answers)],
     )
     app.state.server = server
     return app
@@ -216,6 +100,115 @@ class Answer(NamedTuple):
 
 
 Answerer = Callable[[ServedModel, Scope, Receive], Awaitable[Answer]]
+
+
+class InferenceAnswers:
+    """The answers of the two inference routes, KServe v2's ``infer`` and v1's ``predict``, from
+    a request's scope and body: what ``InferenceRoutes`` and the Starlette routes both send."""
+
+    def __init__(self, options: ServeOptions, bodies: RequestBodies) -> None:
+        self.options, self.bodies = options, bodies
+
+    def by_protocol(self) -> dict[str, Answerer]:
+        return {"v2": self.infer, "v1": self.predict}
+
+    async def infer(self, model: ServedModel, scope: Scope, receive: Receive) -> Answer:
+        """``POST /v2/models/{name}[/versions/{version}]/infer``: JSON or binary tensors."""
+        opts = self.options
+        body = await self.bodies.read(scope, receive)
+        parsed = parse_infer(
+            body,
+            header(scope, HEADER_LENGTH_KEY),
+            model.inputs,
+            model.outputs,
+            opts.max_batch_size,
+            opts.allow_nonfinite,
+            one_of=model.is_image_model,
+        )
+        results = await model.infer(parsed)
+        payload, headers = encode_infer(model.name, model.version, parsed, results)
+        return Answer(200, payload, "application/octet-stream" if headers else "application/json", headers)
+
+    async def predict(self, model: ServedModel, scope: Scope, receive: Receive) -> Answer:
+        """``POST /v1/models/{name}:predict``: KServe v1's instances."""
+        body = await self.bodies.read(scope, receive)
+        return Answer(200, render_json(await v1_predict(model, body, self.options)))
+
+
+class ServerRoutes:
+    """The server's Starlette routes besides text generation: health, metadata, the repository
+    index, KServe v1's model routes, the inference routes' fallback, metrics, and the lifespan
+    that starts and stops the models."""
+
+    def __init__(self, server: Server, answers: dict[str, Answerer]) -> None:
+        self.server, self.repository, self.answers = server, server.repository, answers
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        server, opts = self.server, self.server.options
+        await server.start(warm=functools.partial(warm_requests, app))
+        gc.freeze()  # the models and imports never become garbage; full collections then stay short
+        warming = None
+        if opts.http_port and server.warmed:  # the server listens once this returns: warm over its socket
+            self.repository.holding = True
+            warming = asyncio.create_task(warm_over_socket(server, opts.http_host, opts.http_port))
+        yield
+        if warming is not None:
+            warming.cancel()
+        await server.stop()  # everything already queued is answered first
+
+    async def answered(self, protocol: str, model: ServedModel, request: Request) -> Response:
+        answer = await model.counted(protocol, lambda: self.answers[protocol](model, request.scope, request.receive))
+        return Response(answer.payload, answer.status, answer.headers, answer.media_type)
+
+    def model_of(self, request: Request) -> ServedModel:
+        return self.repository.get(request.path_params["name"], request.path_params.get("version"))
+
+    async def v2_server(self, request: Request) -> Response:
+        return JSONResponse({"name": "torchkeel", "version": __version__, "extensions": EXTENSIONS})
+
+    async def live(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def ready(self, request: Request) -> Response:
+        return Response(status_code=200 if self.repository.ready else 503)
+
+    async def model_metadata(self, request: Request) -> Response:
+        return JSONResponse(self.model_of(request).metadata())
+
+    async def model_ready(self, request: Request) -> Response:
+        return Response(status_code=200 if self.repository.model_ready(self.model_of(request)) else 503)
+
+    async def repository_index(self, request: Request) -> Response:
+        return JSONResponse(self.repository.index())
+
+    async def infer(self, request: Request) -> Response:  # InferenceRoutes answers first: the same answer
+        return await self.answered("v2", self.model_of(request), request)
+
+    async def v1_models(self, request: Request) -> Response:
+        return JSONResponse(v1_model_list(self.repository))  # KServe v1's and OpenAI's list in one body
+
+    async def v1_model(self, request: Request) -> Response:
+        name, _, verb = request.path_params["spec"].partition(":")
+        if request.method == "GET" and not verb:
+            return JSONResponse(v1_model_card(self.repository, name))  # KServe v1's and OpenAI's model
+        model = self.repository.get(name)
+        if request.method == "POST" and verb == "predict":  # InferenceRoutes answers first: the same answer
+            return await self.answered("v1", model, request)
+        if verb == "predict":
+            return error(
+                405,
+                f"{request.method} is not allowed on /v1/models/{name}:predict; POST the instances",
+                {"Allow": "POST"},
+            )
+        return error(
+            404,
+            f"no route {request.method} /v1/models/{request.path_params['spec']}; use GET "
+            f"/v1/models/{model.name} or POST /v1/models/{model.name}:predict",
+        )
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.server.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
 class InferenceRoutes:
@@ -268,32 +261,12 @@ def route_path(scope: Scope) -> str:
     return path[len(root) :] if root and path.startswith(root) else path
 
 
-def header(scope: Scope, name: bytes) -> str | None:
-    """The first value of the request header ``name`` (lower case), or ``None``."""
-    for key, value in scope["headers"]:
-        if key == name:
-            return value.decode("latin-1")
-    return None
-
-
 def render_json(content: Any) -> bytes:
     """JSON as Starlette's ``JSONResponse`` writes it (NaN is refused: a ValueError)."""
     return _JSON.encode(content).encode()
 
 
 _JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # built once, not per call
-
-
-async def _drain(receive: Receive, limit_bytes: int, timeout_s: float = DRAIN_S) -> None:
-    """Read and drop the rest of a request body: up to ``limit_bytes``, for at most ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    with contextlib.suppress(asyncio.TimeoutError):
-        while limit_bytes > 0:
-            message = await asyncio.wait_for(receive(), deadline - loop.time())
-            limit_bytes -= len(message.get("body", b""))
-            if message["type"] != "http.request" or not message.get("more_body", False):
-                return
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:

@@ -115,6 +115,7 @@ def forward_backward(
                 raise
             oom = True
         if oom:  # out of the except block, so that the failed attempt's frames and tensors can be freed
+            running = out = loss = None  # its outputs, and the graph a failed backward holds
             if sync is None:
                 clear_grads(optimizer)
             free_memory(s.device)
