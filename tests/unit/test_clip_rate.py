@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torchkeel as tk
+from torchkeel.cli.main import main
 from torchkeel.report import build_report
 from torchkeel.train.clipping import EARLY_STEPS, ClipRate
 from torchkeel.train.runlog import read_metrics
@@ -131,6 +132,8 @@ def test_keel_train_warns_once_with_the_median_and_the_fix_and_keel_report_shows
     assert report.warnings == [warning["message"]]
     assert html.escape(warning["message"]) in report.path.read_text()
     assert "clipping" in report.drawn["grad_norm"] and "clipping" in report.drawn["clip_frac"]
+    assert main(["report", str(trainer.run_dir), "--out", str(tmp_path / "cli")]) == 0
+    assert f"warning: {warning['message']}\n" in capsys.readouterr().out
 
 
 def test_no_warning_when_few_of_the_first_steps_clip(tiny_config, capsys, tmp_path):

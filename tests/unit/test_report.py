@@ -34,7 +34,8 @@ def test_report_of_a_real_run_with_incidents(run_with_incidents, tmp_path):
     page = report.path.read_text()
     sources = re.findall(r'<img src="([^"]+)"', page)
     assert sorted(sources) == sorted(p.name for p in report.images)
-    assert {p.stem for p in report.images} == {"loss", "val_metrics", "lr", "grad_norm", "throughput", "memory"}
+    charts = {"loss", "val_metrics", "lr", "grad_norm", "clip_frac", "throughput", "memory"}
+    assert {p.stem for p in report.images} == charts
     for path in report.images:
         assert path.parent == tmp_path / "report" and png_size(path) == (800, 300)
     assert report.marks == [(7, "nonfinite"), (19, "nonfinite")]
@@ -79,7 +80,7 @@ def test_cli(run_with_incidents):
         timeout=120,
     )
     assert result.returncode == 0 and result.stdout.startswith(
-        f"report: {run_with_incidents / 'report.html'} (6 charts)"
+        f"report: {run_with_incidents / 'report.html'} (7 charts)"
     )
 
 

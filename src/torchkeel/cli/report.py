@@ -15,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     report = build_report(args.run_dir, args.out)
     print(f"report: {report.path} ({len(report.images)} charts)")
+    for item in report.warnings:
+        print(f"warning: {item}")
     for item in report.missing:
         print(f"missing: {item}")
     return 0
