@@ -227,3 +227,38 @@ def test_a_resume_replans_a_new_style_of_the_built_in_schedule(tiny_config):
     for step in range(7, 17):  # step s (from 1) uses the new plan's rate of 0-based step s - 1
         want = lr_at(step - 1, lr=LR, warmup_steps=10, total_steps=16, style="nanogpt")
         assert lrs[step] == pytest.approx(want, rel=1e-12), step
+
+
+def test_a_hand_loop_steps_a_target_schedule_as_the_plain_torch_loop_does():
+    """mnist's loop: StepLR stepped at each epoch's end; the same rates from TargetSchedule."""
+    plain_opt, ours_opt = sgd(1.0), sgd(1.0)
+    plain = torch.optim.lr_scheduler.StepLR(plain_opt, step_size=1, gamma=0.7)
+    ours = tk.TargetSchedule(ours_opt, lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.7), interval="epoch")
+    for _ in range(4):
+        for _ in range(5):
+            assert ours_opt.param_groups[0]["lr"] == plain_opt.param_groups[0]["lr"]
+            plain_opt.step()
+            ours_opt.step()
+            ours.step()
+        plain.step()
+        ours.epoch_ended()
+    assert ours_opt.param_groups[0]["lr"] == plain_opt.param_groups[0]["lr"] == pytest.approx(0.7**4)
+
+
+def test_a_rollback_scales_a_target_schedule_and_a_checkpoint_keeps_the_scale():
+    from torchkeel.train.guards import apply_lr_scale
+
+    def make(optimizer):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    optimizer = sgd(1.0)
+    schedule = tk.TargetSchedule(optimizer, make, warmup_steps=2)
+    assert rates(schedule, optimizer, 3) == [0.5, 1.0, 1.0]  # warmup (s + 1) / 2, then StepLR from its first rate
+    apply_lr_scale(schedule, optimizer, 0.25)
+    assert optimizer.param_groups[0]["lr"] == 0.5 * 0.25
+    saved = schedule.state_dict(), optimizer.state_dict()
+    again_opt = sgd(1.0)
+    again = tk.TargetSchedule(again_opt, make, warmup_steps=2)
+    again.load_state_dict(saved[0])
+    again_opt.load_state_dict(saved[1])
+    assert rates(again, again_opt, 2) == rates(schedule, optimizer, 2) == [0.125, 0.0625]
