@@ -39,6 +39,10 @@ def test_window_frac_counts_the_applied_steps_whose_norm_exceeded_the_clip(read)
     rate.add(6, result(float("inf"), read=read, status="nonfinite"))  # skipped: not rescaled, not counted
     assert rate.window_frac() == 1.0
     assert rate.window_frac() is None  # no step since the last row
+    long = ClipRate(1.0)  # a window longer than the norms kept uncounted
+    for step in range(1, 2501):
+        long.add(step, result(2.0 if step % 4 == 0 else 0.5, read=read))
+    assert long.window_frac() == 0.25
     unclipped = ClipRate(None)
     unclipped.add(1, result(5.0, read=read))
     assert unclipped.window_frac() is None and unclipped.early_warning(EARLY_STEPS) is None

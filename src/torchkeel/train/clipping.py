@@ -104,14 +104,19 @@ class ClipRate:
     ``add`` each step's result; ``window_frac`` at a log step (the fraction of the applied steps
     since the previous call); ``early_warning`` after each step gives a ``ClipWarning`` once, at
     step ``early_steps`` (or ``is_last``), when more than half of the steps up to it were rescaled.
-    Skipped steps (non-finite, fp16 overflow) are not counted. No host sync per step: a norm the
-    guard read is compared on the host, one it did not on the device, read at ``window_frac``
-    (one sync, log steps only) and once for the warning.
+    Skipped steps (non-finite, fp16 overflow) are not counted. No host sync and no device work per
+    step: a norm the guard read is compared on the host; one it did not is kept, and the window's
+    are compared in one go at ``window_frac`` (one sync, log steps only), the first steps' once
+    for the warning.
     """
+
+    FOLD_EVERY = 1024
+    """Norms kept on the device before they are counted there (a long log window stays small)."""
 
     def __init__(self, max_norm: float | None, early_steps: int = EARLY_STEPS) -> None:
         self.max_norm, self.early_steps = max_norm, early_steps
         self._steps, self._clipped = 0, 0
+        self._on_device: list[torch.Tensor] = []
         self._clipped_on_device: torch.Tensor | None = None
         self._early: list[float | torch.Tensor] = []
         self._first_step: int | None = None
@@ -122,23 +127,30 @@ class ClipRate:
         if self.max_norm is None or result.status != "ok":
             return
         self._steps += 1
-        norm = result.grad_norm_value if result.grad_norm_value is not None else result.grad_norm.detach()
+        norm = result.grad_norm_value if result.grad_norm_value is not None else result.grad_norm
         if isinstance(norm, float):
             self._clipped += norm > self.max_norm
         else:
-            over = (norm > self.max_norm).to(torch.int64)  # stays on the device
-            self._clipped_on_device = over if self._clipped_on_device is None else self._clipped_on_device + over
+            self._on_device.append(norm)
+            if len(self._on_device) >= self.FOLD_EVERY:
+                self._clipped_on_device = self._count_on_device()
         if step <= self.early_steps and not self._judged:
             self._first_step = self._first_step or step
             self._early.append(norm)
+
+    def _count_on_device(self) -> torch.Tensor:
+        """The kept norms above ``max_norm``, counted on the device with those counted before."""
+        over = (torch.stack(self._on_device) > self.max_norm).sum()
+        self._on_device = []
+        return over if self._clipped_on_device is None else self._clipped_on_device + over
 
     def window_frac(self) -> float | None:
         """The fraction of the applied steps since the last call that clipping rescaled (``None``: none applied)."""
         if self.max_norm is None or not self._steps:
             return None
         clipped = self._clipped
-        if self._clipped_on_device is not None:
-            clipped += int(self._clipped_on_device.item())  # host sync, log steps only
+        if self._on_device or self._clipped_on_device is not None:
+            clipped += int(self._count_on_device().item())  # host sync, log steps only
         frac = clipped / self._steps
         self._steps, self._clipped, self._clipped_on_device = 0, 0, None
         return frac
