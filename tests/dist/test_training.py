@@ -23,7 +23,16 @@ from distrun import env, final, keel_command, max_difference, train, write_confi
 from torchkeel.data.order import unit_order
 
 ADAMW = ("optim.name=adamw", "optim.lr=3e-3", "train.accumulate=2")
-CASES = {"sgd-accumulate-1": (), "adamw-accumulate-2": ADAMW}
+# Parameter groups by name (FSDP2's DTensors keep their names) and a scheduler by import path.
+GROUPS = (
+    "optim.name=adamw",
+    "optim.weight_decay=0.1",
+    "optim.decay_filter=matrices",
+    "optim.groups=[{params: '2.*', lr: 1e-3}]",
+    "schedule.target=torch.optim.lr_scheduler:StepLR",
+    "schedule.args={step_size: 5, gamma: 0.5}",
+)
+CASES = {"sgd-accumulate-1": (), "adamw-accumulate-2": ADAMW, "adamw-groups": GROUPS}
 
 
 @pytest.fixture(scope="module")
