@@ -55,6 +55,15 @@ def test_at_start_logs_the_untrained_models_loss_at_step_0_and_a_resume_does_not
     assert [r["step"] for r in rows_of(resumed, "val")] == [0, first.step, resumed.step]
 
 
+def test_a_fresh_start_after_a_run_without_checkpoints_logs_step_0_once(tiny_config):
+    config = tiny_config("val.at_start=true", "train.max_steps=3", "train.max_epochs=null", "checkpoint.enabled=false")
+    for _ in range(2):  # the second finds no checkpoint to resume: it starts again from step 0
+        trainer = tk.Trainer(config, resume="auto", progress=False)
+        trainer.fit()
+    assert [r["step"] for r in rows_of(trainer, "val")] == [0, 3]
+    assert [r["step"] for r in rows_of(trainer, "train")] == [1, 2, 3]
+
+
 def evaluate_all(model, dataset, batch_size=16):
     loader = tk.EpochLoader(dataset, batch_size, shuffle=False)
     return tk.evaluate(model, loader.epoch(0), torch.nn.CrossEntropyLoss(), device=torch.device("cpu"))

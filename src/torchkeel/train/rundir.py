@@ -176,8 +176,8 @@ class RunFiles:
         if resume_step is not None:
             self._earlier_s = earlier_wall_s(self.run_dir)  # before the rows after the checkpoint go
         write_text_atomic(self.run_dir / "config.yaml", text)
-        for name in ("metrics.jsonl", "incidents.jsonl"):
-            drop_rows_after(self.run_dir / name, resume_step or 0)
+        for name in ("metrics.jsonl", "incidents.jsonl"):  # a fresh start (no checkpoint) keeps none
+            drop_rows_after(self.run_dir / name, -1 if resume_step is None else resume_step)
         self._metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
         try:
             self._loggers = RunLoggers.from_config(logging, self.run_dir, config, text, resume_step)
