@@ -97,8 +97,9 @@ def build_training(
     # The schedule's length: exact when no sample is bad (every epoch's plan is known); the
     # loop itself ends with the data, and the last step's learning rate is the floor.
     steps = total_steps(data.train.num_batches, cfg.train.accumulate, cfg.train.max_epochs, cfg.train.max_steps)
+    peak = cfg.optim.lr if cfg.optim.target is None else None  # min_lr's reference (None: group 0's lr)
     has_val = data.val is not None
-    scheduler = build_schedule(cfg.schedule, optimizer, total_steps=steps, peak_lr=cfg.optim.lr, has_validation=has_val)
+    scheduler = build_schedule(cfg.schedule, optimizer, total_steps=steps, peak_lr=peak, has_validation=has_val)
     profiler = StepProfiler(cfg.profile, Path(cfg.out_dir) / cfg.name / "profile", model, rank.rank)
     return Training(
         data,

@@ -225,7 +225,7 @@ def build_schedule(
     optimizer: torch.optim.Optimizer,
     *,
     total_steps: int,
-    peak_lr: float,
+    peak_lr: float | None,
     has_validation: bool = True,
 ) -> torch.optim.lr_scheduler.LambdaLR | TargetSchedule:
     """The run's schedule: the built-in one (a ``LambdaLR``), or ``schedule.target`` after warmup.
