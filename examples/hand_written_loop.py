@@ -2,9 +2,10 @@
 
 Seeding, reproducible data order, accumulation groups, mixed precision, clipping after unscale,
 the warmup/decay schedule, the non-finite guard with its four answers (continue, skip, roll
-back, fail), leak detection, validation and metrics logging: each is one call. The tests run
-this loop and the Trainer on the same config and check that the losses are identical, and, on
-data with NaN rows, that both meet the same incidents and end with the same weights.
+back, fail), leak detection, how often clipping acts, validation and metrics logging: each is
+one call. The tests run this loop and the Trainer on the same config and check that the losses
+(and the share of steps clipped) are identical, and, on data with NaN rows, that both meet the
+same incidents and end with the same weights.
 
     python examples/hand_written_loop.py
 """
@@ -78,6 +79,7 @@ def main(
     num_steps = tk.total_steps(len(loader), accumulate, max_epochs, None)
     scheduler = tk.build_scheduler(optimizer, warmup_steps=warmup_steps, total_steps=num_steps)
     metrics = tk.MetricsWriter(metrics_path) if metrics_path else None
+    clips = tk.ClipRate(clip)  # how often clipping rescales; a warning if it is most of the first steps
     guard, leaks, waiting = tk.NonFiniteGuard(on_nonfinite), tk.LeakDetector(), tk.InputBoundDetector()
     rollback = tk.Rollback(tk.TrainingParts(model, optimizer, scheduler, amp.scaler), every=snapshot_every)
     rollback.take(0)  # the state a first rollback returns to
@@ -119,10 +121,14 @@ def main(
             scheduler.step()
             rollback.after_step(step)  # a snapshot every `snapshot_every` applied steps
             run.losses.append(loss_value)
+            clips.add(step, norm_value)
+            if warning := clips.early_warning(step, is_last=step == num_steps):
+                print(f"warning: {warning.message}", file=sys.stderr)
             if finding := leaks.observe(step):
                 print(f"memory grows by {finding['graph_nodes_per_step']:.1f} graph nodes per step", file=sys.stderr)
             if metrics:
-                metrics.write({"kind": "train", "step": step, "loss": loss_value, "grad_norm": norm_value})
+                row = {"kind": "train", "step": step, "loss": loss_value, "grad_norm": norm_value}
+                metrics.write({**row, "clip_frac": clips.window_frac()})
         val = tk.evaluate(model, tk.EpochLoader(val_set, batch_size, shuffle=False).epoch(0), loss_fn, device=device)
         if metrics:
             metrics.write({"kind": "val", "step": step, "epoch": epoch, **val})

@@ -14,37 +14,29 @@ from torchkeel.cli.main import main
 from torchkeel.report import build_report
 from torchkeel.train.clipping import EARLY_STEPS, ClipRate
 from torchkeel.train.runlog import read_metrics
-from torchkeel.train.step import StepResult
 
 
-def result(norm: float, *, read: bool, status: str = "ok") -> StepResult:
-    """A step's result whose norm the guard read (``read``) or left on the device."""
-    return StepResult(
-        loss=torch.tensor(1.0),
-        grad_norm=torch.tensor(norm),
-        num_samples=1,
-        num_micro_batches=1,
-        status=status,
-        grad_norm_value=norm if read else None,
-    )
+def norm(value: float, *, read: bool) -> float | torch.Tensor:
+    """A step's gradient norm as the guard read it (``read``), or as the device tensor it stays."""
+    return value if read else torch.tensor(value)
 
 
 @pytest.mark.parametrize("read", [True, False])
 def test_window_frac_counts_the_applied_steps_whose_norm_exceeded_the_clip(read):
     rate = ClipRate(1.0)
-    for step, norm in enumerate([0.5, 2.0, 3.0, 0.9], start=1):
-        rate.add(step, result(norm, read=read))
+    for step, value in enumerate([0.5, 2.0, 3.0, 0.9], start=1):
+        rate.add(step, norm(value, read=read))
     assert rate.window_frac() == 0.5
-    rate.add(5, result(1.5, read=read))
-    rate.add(6, result(float("inf"), read=read, status="nonfinite"))  # skipped: not rescaled, not counted
+    rate.add(5, norm(1.5, read=read))
+    rate.add(6, norm(float("inf"), read=read), applied=False)  # skipped: not rescaled, not counted
     assert rate.window_frac() == 1.0
     assert rate.window_frac() is None  # no step since the last row
     long = ClipRate(1.0)  # a window longer than the norms kept uncounted
     for step in range(1, 2501):
-        long.add(step, result(2.0 if step % 4 == 0 else 0.5, read=read))
+        long.add(step, norm(2.0 if step % 4 == 0 else 0.5, read=read))
     assert long.window_frac() == 0.25
     unclipped = ClipRate(None)
-    unclipped.add(1, result(5.0, read=read))
+    unclipped.add(1, norm(5.0, read=read))
     assert unclipped.window_frac() is None and unclipped.early_warning(EARLY_STEPS) is None
 
 
@@ -54,8 +46,8 @@ def test_the_warning_comes_once_at_the_judged_step_when_most_first_steps_clip(re
     norms[:10] = [0.5] * 10  # 40 of 50 above the clip
     rate = ClipRate(1.0, early_steps=50)
     warnings = []
-    for step, norm in enumerate(norms + [9.0] * 10, start=1):
-        rate.add(step, result(norm, read=read))
+    for step, value in enumerate(norms + [9.0] * 10, start=1):
+        rate.add(step, norm(value, read=read))
         warnings.append(rate.early_warning(step))
     found = [(step, w) for step, w in enumerate(warnings, start=1) if w is not None]
     assert [step for step, _ in found] == [50]
@@ -66,12 +58,12 @@ def test_the_warning_comes_once_at_the_judged_step_when_most_first_steps_clip(re
 
     few = ClipRate(1.0, early_steps=50)
     for step in range(1, 51):
-        few.add(step, result(3.0 if step <= 25 else 0.5, read=read))  # exactly half: not most
+        few.add(step, norm(3.0 if step <= 25 else 0.5, read=read))  # exactly half: not most
         assert few.early_warning(step) is None
 
     resumed = ClipRate(1.0, early_steps=50)  # a run resumed at step 30 judges the steps it saw
     for step in range(31, 51):
-        resumed.add(step, result(2.0, read=read))
+        resumed.add(step, norm(2.0, read=read))
     judged = resumed.early_warning(50)
     assert (judged.first_step, judged.num_steps) == (31, 20) and resumed.early_warning(51) is None
 
@@ -79,7 +71,7 @@ def test_the_warning_comes_once_at_the_judged_step_when_most_first_steps_clip(re
 def test_a_run_shorter_than_the_judged_steps_is_judged_at_its_last():
     rate = ClipRate(1.0)
     for step in range(1, 6):
-        rate.add(step, result(2.0, read=True))
+        rate.add(step, 2.0)
     assert rate.early_warning(4) is None
     assert rate.early_warning(5, is_last=True).num_steps == 5
 
@@ -149,3 +141,18 @@ def test_no_warning_when_few_of_the_first_steps_clip(tiny_config, capsys, tmp_pa
     assert [r for r in rows if r["kind"] == "clipping"] == []
     assert "clipping rescaled" not in capsys.readouterr().err
     assert build_report(trainer.run_dir, tmp_path / "report").warnings == []
+
+
+def test_the_hand_written_loop_counts_clipping_as_the_trainer_does(tiny_config, tmp_path):
+    import hand_written_loop
+    from test_trainer import LOOP_SETTINGS
+
+    path = tmp_path / "loop.jsonl"
+    hand_written_loop.main(
+        max_epochs=3, batch_size=16, accumulate=4, lr=3e-3, warmup_steps=4, clip=1.0, metrics_path=path
+    )
+    trainer = tk.Trainer(tiny_config(*LOOP_SETTINGS), progress=False)
+    trainer.fit()
+    loop = [r["clip_frac"] for r in read_metrics(path) if r["kind"] == "train"]
+    assert loop == [r["clip_frac"] for r in train_rows(trainer)]
+    assert 0 < sum(loop) < len(loop) == 24

@@ -13,7 +13,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -52,14 +52,6 @@ def _is_sharded(tensor: torch.Tensor) -> bool:
 def _full(norm: torch.Tensor) -> torch.Tensor:
     """FSDP2's gradients are sharded (DTensor): their norm is reduced over the ranks here."""
     return norm.full_tensor() if _is_sharded(norm) else norm
-
-
-class _Measured(Protocol):
-    """What ``ClipRate`` reads of a step (a ``StepResult``)."""
-
-    grad_norm: torch.Tensor
-    grad_norm_value: float | None
-    status: str
 
 
 @dataclass(frozen=True)
@@ -101,7 +93,7 @@ class ClipWarning:
 class ClipRate:
     """How often clipping to ``max_norm`` rescaled the gradients (``None``: no clipping, nothing counted).
 
-    ``add`` each step's result; ``window_frac`` at a log step (the fraction of the applied steps
+    ``add`` each step's gradient norm (before clipping); ``window_frac`` at a log step (the fraction of the applied steps
     since the previous call); ``early_warning`` after each step gives a ``ClipWarning`` once, at
     step ``early_steps`` (or ``is_last``), when more than half of the steps up to it were rescaled.
     Skipped steps (non-finite, fp16 overflow) are not counted. No host sync and no device work per
@@ -122,12 +114,14 @@ class ClipRate:
         self._first_step: int | None = None
         self._judged = False
 
-    def add(self, step: int, result: _Measured) -> None:
-        """Count step ``step`` (counted from 1)."""
-        if self.max_norm is None or result.status != "ok":
+    def add(self, step: int, grad_norm: float | torch.Tensor, *, applied: bool = True) -> None:
+        """Count step ``step`` (counted from 1) and its gradient norm before clipping: a float read
+        on the host, or the device tensor ``clip_grad_norm`` returned. ``applied=False``: the
+        step was skipped (non-finite, fp16 overflow), not counted."""
+        if self.max_norm is None or not applied:
             return
         self._steps += 1
-        norm = result.grad_norm_value if result.grad_norm_value is not None else result.grad_norm
+        norm = grad_norm
         if isinstance(norm, float):
             self._clipped += norm > self.max_norm
         else:

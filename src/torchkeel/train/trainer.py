@@ -225,7 +225,8 @@ class Trainer:
         c.micro_batch_size = result.micro_batch_size  # under torchrun the smallest that fit on any rank
         if self.ema is not None and result.status == "ok":  # a skipped step is not averaged in
             self.ema.update(c.step)
-        self.clips.add(c.step, result)
+        norm = result.grad_norm if result.grad_norm_value is None else result.grad_norm_value
+        self.clips.add(c.step, norm, applied=result.status == "ok")
         self.files.console.advance(1)
         if agreed.bad_samples:
             self.files.record(c.step, self.bad_samples.collect(self.train_loader, self._ahead.read_ahead))
