@@ -109,7 +109,9 @@ def test_run_files_and_summary(tiny_config, tmp_path):
     assert 0.0 <= summary["val_accuracy"] <= 1.0 and summary["val_loss"] > 0
     train = rows(run, "train")
     assert [r["step"] for r in train] == list(range(5, 61, 5))
-    assert set(train[0]) == {"kind", "step", "epoch", "loss", "lr", "grad_norm", "samples", "samples_per_s", "wall_s"}
+    assert set(train[0]) == {
+        *("kind", "step", "epoch", "loss", "lr", "grad_norm", "clip_frac", "samples", "samples_per_s", "wall_s")
+    }
     assert [r["samples"] for r in train][:2] == [80, 160]
     assert [(r["step"], r["epoch"]) for r in rows(run, "val")] == [(30, 0), (60, 1)]
     saved = yaml.safe_load((run / "config.yaml").read_text())
