@@ -20,7 +20,7 @@ import torch
 EARLY_STEPS = 100
 """The first optimizer steps judged for the clipping warning (all of a shorter run's). Long enough
 that the large norms of a language model's first steps, which a clip of 1.0 is there for, are
-not a majority (nanoGPT's shakespeare_char port clipped 40-45 of its first 50 steps and at most
+not a majority (nanoGPT's shakespeare_char port clipped 38-45 of its first 50 steps and at most
 3 of the next 50, over six seeds); early enough to be read while the run is young (the mnist
 port clipped 99 % of all its steps)."""
 
