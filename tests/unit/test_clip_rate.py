@@ -12,6 +12,7 @@ import torch
 import torchkeel as tk
 from torchkeel.cli.main import main
 from torchkeel.report import build_report
+from torchkeel.report.build import _clip_line
 from torchkeel.train.clipping import EARLY_STEPS, ClipRate
 from torchkeel.train.runlog import read_metrics
 
@@ -107,6 +108,9 @@ def test_every_train_row_has_clip_frac_and_none_when_clipping_is_off(tiny_config
         )
         trainer.fit()
         assert [("clip_frac" in r) for r in train_rows(trainer)] == [clip != "null"] * 3
+        # keel report draws the clip across the gradient-norm chart, where there is one
+        drawn = _clip_line(trainer.run_dir, [(1, 3.0), (3, 2.0)])
+        assert drawn == ([("train.clip_grad_norm 1", [(1, 1.0), (3, 1.0)])] if clip != "null" else [])
 
 
 def test_keel_train_warns_once_with_the_median_and_the_fix_and_keel_report_shows_it(tiny_config, capsys, tmp_path):

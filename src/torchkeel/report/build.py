@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from torchkeel.errors import MissingExtraError
 from torchkeel.train.profiling import describe, read_summary
 from torchkeel.train.runlog import read_metrics
@@ -116,6 +118,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
             for kind, key, label in series
         ]
         lines = [(label, points) for label, points in lines if points]
+        if name == "grad_norm" and lines:
+            lines += _clip_line(run, lines[0][1])
         if not lines:
             if name == "val_metrics" and any(r.get("kind") == "val" for r in rows):
                 continue  # validated with val_loss alone, which the loss chart shows
@@ -127,6 +131,18 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
         report.images.append(_draw(Figure(figsize=FIGSIZE, dpi=DPI), name, title, lines, log_scale, report, out))
     report.path.write_text(_html(run, summary, incidents, report), encoding="utf-8")
     return report
+
+
+def _clip_line(run: Path, points: list[tuple[int, float]]) -> list[tuple[str, list[tuple[int, float]]]]:
+    """``train.clip_grad_norm`` as a flat line across the gradient-norm chart (none when the run does not clip)."""
+    try:
+        clip = yaml.safe_load((run / "config.yaml").read_text())["train"]["clip_grad_norm"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return []
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)):
+        return []
+    steps = [step for step, _ in points]
+    return [(f"train.clip_grad_norm {clip:g}", [(min(steps), clip), (max(steps), clip)])]
 
 
 def _marks(rows: list[dict], incidents: list[dict], summary: dict | None) -> list[tuple[int, str]]:
@@ -167,7 +183,9 @@ def _draw(
         )
     draw_marks(ax, report.marks, report.drawn[name])
     values = [p[1] for _, points in lines for p in points]
-    if log_scale or (min(values) > 0 and max(values) / min(values) > 1e3):
+    if name == "clip_frac":
+        ax.set_ylim(-0.02, 1.02)  # a share, on its whole range: 0.95 is not far below 1
+    elif log_scale or (min(values) > 0 and max(values) / min(values) > 1e3):
         ax.set_yscale("log")  # a diverging run spans many orders of magnitude
     elif name == "memory":
         ax.set_ylim(*memory_ylim([v / scale for v in values]))
