@@ -225,3 +225,36 @@ def test_a_bad_sample_read_ahead_of_a_checkpoint_is_recorded_once_across_the_res
     assert summary["status"] == "preempted" and summary["steps"] == 3 and bad == []
     summary, bad = run("stopped", 0, "auto")
     assert summary["status"] == "completed" and bad == [(4, "dataset index 27")]
+
+
+def _leaf_paths(tree, prefix=()):
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            yield from _leaf_paths(value, (*prefix, key))
+        else:
+            yield (*prefix, key)
+
+
+def test_a_checkpoint_saved_before_a_key_existed_resumes_as_if_it_held_the_default():
+    """A version that lacked a key behaved as its default: no change, no refusal; only a value
+    other than the default is a change, named with the default as the old value."""
+    import copy
+
+    from torchkeel.config.load import to_dict
+    from torchkeel.config.schema import KeelConfig
+    from torchkeel.train.resume import check_resume_config
+
+    current = to_dict(KeelConfig())
+    for path in _leaf_paths(current):
+        saved = copy.deepcopy(current)
+        parent = saved
+        for key in path[:-1]:
+            parent = parent[key]
+        del parent[path[-1]]
+        assert check_resume_config({"config": saved}, current, allow=False, checkpoint="c") == [], path
+    older = copy.deepcopy(current)
+    del older["optim"]["decay_filter"], older["val"]
+    changed = copy.deepcopy(current)
+    changed["optim"]["decay_filter"] = "matrices"
+    with pytest.raises(tk.ConfigError, match=r"optim.decay_filter: \"all\" -> \"matrices\""):
+        check_resume_config({"config": older}, changed, allow=False, checkpoint="c")

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from torchkeel.checkpoint import Checkpoint, CheckpointStore, read_checkpoint
-from torchkeel.config.load import config_hash
+from torchkeel.config.load import config_hash, to_dict
+from torchkeel.config.schema import KeelConfig
 from torchkeel.data.inputs import describe_changes, input_changes, is_refused
 from torchkeel.errors import ConfigError
 
@@ -63,15 +64,24 @@ def find_checkpoint(store: CheckpointStore, resume: str | Path, warn: Callable[[
 
 
 def config_changes(
-    saved: Mapping[str, Any], current: Mapping[str, Any], prefix: str = ""
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    prefix: str = "",
+    defaults: Mapping[str, Any] | None = None,
 ) -> list[tuple[str, Any, Any]]:
-    """``(dotted key, saved value, current value)`` for every key that differs, deepest keys first named."""
+    """``(dotted key, saved value, current value)`` for every key that differs, deepest keys first named.
+
+    A key the saved config lacks (it was saved by a version without it) counts as its value in
+    ``defaults``: the old version behaved as the default does, so that is no change."""
     changes = []
+    defaults = defaults or {}
     for key in sorted(set(saved) | set(current)):
         name = f"{prefix}{key}"
-        old, new = saved.get(key), current.get(key)
+        old = saved[key] if key in saved else defaults.get(key)
+        new = current.get(key)
         if isinstance(old, Mapping) and isinstance(new, Mapping):
-            changes += config_changes(old, new, f"{name}.")
+            below = defaults.get(key)
+            changes += config_changes(old, new, f"{name}.", below if isinstance(below, Mapping) else None)
         elif old != new:
             changes.append((name, old, new))
     return changes
@@ -105,7 +115,7 @@ def check_resume_config(
                 "checkpoint this old does not say)"
             ]
         return []
-    changes = config_changes(saved, current)
+    changes = config_changes(saved, current, defaults=to_dict(KeelConfig()))
     # The files of a fingerprinted source are compared themselves (check_resume_inputs): a new
     # path to the same files does not change what the run computes.
     by_files = set(manifest.get("inputs") or {})
