@@ -240,3 +240,26 @@ def test_carry_misconfigurations_are_one_line_config_errors(tmp_path, overrides,
         trainer.fit()
     assert at == "config" or cfg is not None
     assert "\n" not in str(caught.value) and "train.carry" in str(caught.value)
+
+
+POISON = {"calls": 0, "at": 5}
+
+
+def poisoned_step(model, batch, state):
+    """``lm_step``, whose 5th training call hands on a NaN state (an overflow in the recurrence)."""
+    out = lm_step(model, batch, state)
+    if model.training:
+        POISON["calls"] += 1
+        if POISON["calls"] == POISON["at"]:
+            out.state = tuple(h * float("nan") for h in out.state)
+    return out
+
+
+def test_a_step_the_guard_skips_does_not_hand_its_state_on(tmp_path):
+    POISON["calls"] = 0
+    trainer = tk.Trainer(config(tmp_path, "loss.step_fn=test_carry:poisoned_step"), progress=False)
+    summary = trainer.fit()
+    assert summary["status"] == "completed"
+    incidents = tk.read_metrics(trainer.run_dir / "incidents.jsonl")
+    skipped = [r["step"] for r in incidents if r["kind"] == "nonfinite"]
+    assert skipped == [6]  # the step that met the NaN state; the next starts from None

@@ -24,6 +24,7 @@ The rules:
   middle of an epoch leaves the training stream where it was. The evaluation slot starts empty
   at each ``start_eval``; with ``eval=False`` every evaluation batch gets ``None``.
 - ``start_epoch`` empties the training slot when ``reset="epoch"``; ``reset="never"`` keeps it.
+  ``reset_train`` empties it at once: the Trainer does after a step the non-finite guard skipped.
 - ``state_dict`` holds the training slot (on the CPU): a checkpoint taken between steps resumes
   the stream exactly. Under torchrun each rank has its own.
 
@@ -94,7 +95,12 @@ class CarriedState:
     def start_epoch(self) -> None:
         """An epoch starts from its first batch: with ``reset="epoch"`` the state starts afresh."""
         if self.reset == "epoch":
-            self.train_state = None
+            self.reset_train()
+
+    def reset_train(self) -> None:
+        """The training state starts afresh, whatever ``reset`` says (after a step the non-finite
+        guard skipped: its state may be non-finite too)."""
+        self.train_state = None
 
     def start_eval(self) -> None:
         """A validation starts: its batches carry a state from ``None``."""

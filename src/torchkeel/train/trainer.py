@@ -231,6 +231,8 @@ class Trainer:
         if agreed.bad_samples:
             self.files.record(c.step, self.bad_samples.collect(self.train_loader, self._ahead.read_ahead))
         found = self.protections.after_step(result, group, c.step, self._ahead.take_wait())
+        if self.carry is not None and result.status == "nonfinite":
+            self.carry.reset_train()  # the skipped step's state may be non-finite too, and its diagnosis replayed it
         if found.incidents or found.rows or found.error:  # most steps find nothing
             self.files.record(c.step, found)
 
