@@ -222,6 +222,7 @@ def test_validation_carries_its_own_state(tmp_path, carry_eval):
     "overrides, at, message",
     [
         (["loss.step_fn=null"], "config", "train.carry.enabled is true but loss.step_fn is not set"),
+        (["data.shuffle=true"], "config", "needs the batches in their order; set data.shuffle: false"),
         (["loss.step_fn=test_carry:two_argument_step"], "build", r"must take \(model, batch, state\)"),
         (["loss.step_fn=test_carry:stateless_step"], "fit", "returned Tensor; return torchkeel.StepOutput"),
         (

@@ -262,3 +262,87 @@ def test_a_rollback_scales_a_target_schedule_and_a_checkpoint_keeps_the_scale():
     again.load_state_dict(saved[0])
     again_opt.load_state_dict(saved[1])
     assert rates(again, again_opt, 2) == rates(schedule, optimizer, 2) == [0.125, 0.0625]
+
+
+PLATEAU_ON_TRAIN_LOSS = (
+    "schedule.target=torch.optim.lr_scheduler:ReduceLROnPlateau",
+    "schedule.args={factor: 0.25, patience: 0}",
+    "schedule.monitor=train_loss",
+    "schedule.mode=max",  # the loss falls: every epoch after the first is "worse", so the rate falls
+)
+
+
+def test_a_plateau_on_the_training_loss_steps_at_each_epochs_end_with_its_mean_loss():
+    optimizer, reference_opt = sgd(), sgd()
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
+    schedule = tk.TargetSchedule(optimizer, lambda o: plateau(o, patience=0), monitor="train_loss")
+    reference = plateau(reference_opt, patience=0)
+    for epoch_losses in ([3.0, 3.0, 3.0], [2.0, 1.0], [4.0, 6.0], [5.0]):
+        for loss in epoch_losses:
+            optimizer.step()
+            schedule.step()
+            schedule.add_train_loss(torch.tensor(loss))
+            schedule.validated({"val_loss": 0.0})  # a validation does not step it
+        schedule.epoch_ended()
+        reference.step(sum(epoch_losses) / len(epoch_losses))
+        assert optimizer.param_groups[0]["lr"] == reference_opt.param_groups[0]["lr"]
+    assert optimizer.param_groups[0]["lr"] < LR  # means 3, 1.5, 5, 5: it did reduce
+
+
+def test_the_trainer_steps_a_plateau_on_the_epochs_mean_training_loss(tiny_config):
+    trainer = tk.Trainer(tiny_config(*PLATEAU_ON_TRAIN_LOSS, "train.max_epochs=4"), progress=False)
+    assert trainer.fit()["status"] == "completed"
+    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r.get("kind") == "train"]
+    assert len(train) == 4 * STEPS_PER_EPOCH  # log_every 1: every step's loss and rate
+    reference_opt = sgd()
+    reference = torch.optim.lr_scheduler.ReduceLROnPlateau(reference_opt, mode="max", factor=0.25, patience=0)
+    for epoch in range(4):
+        rows_of_epoch = train[epoch * STEPS_PER_EPOCH : (epoch + 1) * STEPS_PER_EPOCH]
+        assert {r["lr"] for r in rows_of_epoch} == {reference_opt.param_groups[0]["lr"]}, epoch
+        reference.step(sum(r["loss"] for r in rows_of_epoch) / STEPS_PER_EPOCH)
+    assert train[-1]["lr"] < LR
+
+
+def test_a_plateau_on_the_training_loss_resumes_mid_epoch_exactly(tiny_config):
+    test_a_stopped_and_resumed_run_equals_the_straight_one(tiny_config, PLATEAU_ON_TRAIN_LOSS, 45)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("schedule.monitor=loss",), r"schedule.monitor='loss' is not a metric .* train_loss"),
+        (("schedule.monitor=train_accuracy",), r"schedule.monitor='train_accuracy' is not a metric"),
+    ],
+)
+def test_a_monitor_no_schedule_can_get_is_refused_when_the_config_loads(tiny_config, overrides, message):
+    with pytest.raises(tk.ConfigError, match=message) as caught:
+        tiny_config(*PLATEAU[:2], *overrides).validate()
+    assert "\n" not in str(caught.value)
+
+
+def test_a_warning_of_the_model_shows_once_however_often_the_schedule_steps(tmp_path):
+    """Python shows a warning once per place; stepping a schedule must not reset that record."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "warns.py"
+    script.write_text(
+        "import warnings, torch, torchkeel as tk\n"
+        "from torchkeel.config import load_config\n"
+        "class Model(torch.nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        warnings.warn('the model warns here')\n"
+        "        return super().forward(x)\n"
+        "def data():\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    x = torch.randn(64, 4, generator=g)\n"
+        "    return torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long())\n"
+        f"cfg = load_config(None, ['out_dir={tmp_path}', 'train.batch_size=8', 'train.max_epochs=3',\n"
+        "    'schedule.target=torch.optim.lr_scheduler:StepLR', 'schedule.args={step_size: 1}'])\n"
+        "tk.Trainer(cfg, model=Model(4, 2), train_data=data(), progress=False).fit()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "default", str(script)], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stderr.count("UserWarning: the model warns here") == 1, out.stderr[-2000:]

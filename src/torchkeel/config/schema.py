@@ -146,7 +146,8 @@ class ScheduleConfig:
     """When ``target`` steps: after each optimizer step, or at each epoch's end."""
     monitor: Optional[str] = None
     """A validation metric (``val_loss``): ``target`` steps after each validation with its value
-    (``ReduceLROnPlateau``), whatever ``interval`` says."""
+    (``ReduceLROnPlateau``), whatever ``interval`` says; ``train_loss``: at each epoch's end with
+    the mean of its steps' training losses."""
     mode: Optional[Literal["min", "max"]] = None
     """With ``monitor``: passed as the target's ``mode`` (``null``: the target's own default)."""
 

@@ -42,6 +42,11 @@ def _check_train(cfg: Any) -> None:
             "train.ema does not work with dist.strategy=fsdp yet (the average would need the "
             "full weights on every rank); use dist.strategy=ddp or set train.ema.decay=0"
         )
+    if t.carry.enabled and cfg.data.shuffle:
+        raise ConfigError(
+            "train.carry.enabled is true and data.shuffle is true: a carried state continues each batch's rows "
+            "into the next batch, which needs the batches in their order; set data.shuffle: false"
+        )
     if t.carry.enabled and cfg.loss.step_fn is None:
         raise ConfigError(
             "train.carry.enabled is true but loss.step_fn is not set; set loss.step_fn to a "
@@ -205,6 +210,11 @@ def _check_schedule(s: Any) -> None:
         )
     if s.mode is not None and s.monitor is None:
         raise ConfigError("schedule.mode goes with schedule.monitor (the metric it judges); set both or neither")
+    if s.monitor is not None and s.monitor != "train_loss" and not s.monitor.startswith("val_"):
+        raise ConfigError(
+            f"schedule.monitor={s.monitor!r} is not a metric the run reports to a schedule; use a validation "
+            "metric (val_loss, val_accuracy, val_<name> of metrics) or train_loss (the epoch's mean training loss)"
+        )
 
 
 def _check_checkpoint(cfg: Any) -> None:

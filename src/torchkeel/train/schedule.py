@@ -34,6 +34,9 @@ from torchkeel.config.imports import build_target
 from torchkeel.config.schema import ScheduleConfig
 from torchkeel.errors import ConfigError
 
+TRAIN_LOSS = "train_loss"
+"""``schedule.monitor`` for the epoch's mean training loss (every other monitor is a validation metric)."""
+
 
 def warmup_fraction(step: int, warmup_steps: int, style: str = "torchkeel") -> float:
     """The share of the peak rate warmup step ``step < warmup_steps`` uses, in ``style``'s formula."""
@@ -116,9 +119,11 @@ class TargetSchedule:
 
     During warmup each group's rate is the target's first rate times ``warmup_fraction``; from
     step ``warmup_steps`` on the target takes over at its own first rate, and only then counts
-    what steps it: each optimizer step (``interval="step"``), each epoch's end (``"epoch"``), or
-    each validation with the value of ``monitor`` (``ReduceLROnPlateau``). A validation before
-    the first optimizer step does not step it. Its state (the target's, the steps taken) goes
+    what steps it: each optimizer step (``interval="step"``), each epoch's end (``"epoch"``),
+    each validation with the value of ``monitor`` (``ReduceLROnPlateau``), or, with ``monitor``
+    ``train_loss``, each epoch's end with the mean of its steps' training losses (as a script
+    that steps its plateau on the epoch's mean batch loss; feed them with ``add_train_loss``). A
+    validation before the first optimizer step does not step it. Its state (the target's, the steps taken) goes
     into checkpoints, so a resumed run continues exactly.
 
     Example (a hand loop)::
@@ -147,6 +152,8 @@ class TargetSchedule:
         """Applied optimizer steps so far."""
         self.lr_scale = 1.0
         self._target_lrs = [group["lr"] for group in optimizer.param_groups]
+        self._loss_sum: torch.Tensor | float = 0.0  # monitor train_loss: this epoch's, on the device
+        self._loss_count = 0
         self._warm()
 
     @property
@@ -161,9 +168,21 @@ class TargetSchedule:
         elif self.interval == "step" and self.monitor is None:
             self._step_target()
 
+    def add_train_loss(self, loss: torch.Tensor) -> None:
+        """An applied step's (detached) training loss, with ``monitor`` ``train_loss``: summed on
+        its device, read once at the epoch's end."""
+        if self.monitor == TRAIN_LOSS:
+            self._loss_sum = self._loss_sum + loss.detach().float()
+            self._loss_count += 1
+
     def epoch_ended(self) -> None:
         """At each epoch's end."""
-        if self.interval == "epoch" and self.monitor is None and not self.is_warming_up:
+        if self.monitor == TRAIN_LOSS:
+            total, count = self._loss_sum, self._loss_count
+            self._loss_sum, self._loss_count = 0.0, 0
+            if count and not self.is_warming_up:
+                self._step_target(float(total) / count)
+        elif self.interval == "epoch" and self.monitor is None and not self.is_warming_up:
             self._step_target()
 
     def validated(self, metrics: Mapping[str, float]) -> None:
@@ -172,7 +191,7 @@ class TargetSchedule:
         Raises:
             ConfigError: ``monitor`` is not among ``metrics``.
         """
-        if self.monitor is None or self.is_warming_up or self.num_steps == 0:
+        if self.monitor in (None, TRAIN_LOSS) or self.is_warming_up or self.num_steps == 0:
             return
         if self.monitor not in metrics:
             raise ConfigError(
@@ -182,11 +201,13 @@ class TargetSchedule:
         self._step_target(float(metrics[self.monitor]))
 
     def _step_target(self, *value: float) -> None:
-        with warnings.catch_warnings():
+        if self.num_steps:
             # A resumed run's first epoch end can come before this process's first optimizer
-            # step: torch would warn of a step out of order, but the steps before were taken.
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
-            self.scheduler.step(*value)
+            # step, and torch would warn of a step out of order: the steps before were taken.
+            # Its own flag says so (no warnings.catch_warnings: that would reset the show-once
+            # record of every other warning, which then repeats at each scheduler step).
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        self.scheduler.step(*value)
 
     def scale_lr(self, scale: float) -> None:
         """Rates ``scale`` × the target's, from now on (a rollback's back-off): the current rates
@@ -212,12 +233,15 @@ class TargetSchedule:
             "num_steps": self.num_steps,
             "lr_scale": self.lr_scale,
             "target_lrs": list(self._target_lrs),
+            "train_loss": [float(self._loss_sum), self._loss_count],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.num_steps, self.lr_scale = state["num_steps"], state["lr_scale"]
         self._target_lrs = list(state["target_lrs"])
+        loss_sum, self._loss_count = state.get("train_loss", (0.0, 0))
+        self._loss_sum = torch.tensor(loss_sum, dtype=torch.float32) if self._loss_count else 0.0
 
 
 def build_schedule(
@@ -245,8 +269,12 @@ def build_schedule(
             decay_steps=cfg.decay_steps,
             peak_lr=peak_lr,
         )
-    if cfg.monitor is not None and not has_validation:
-        raise ConfigError(f"schedule.monitor={cfg.monitor!r} needs validation data: set data.val (or pass val_data)")
+    if cfg.monitor not in (None, TRAIN_LOSS) and not has_validation:
+        raise ConfigError(
+            f"schedule.monitor={cfg.monitor!r} is a validation metric, and this run has no validation data: give "
+            "it some (a (train, val) pair from data.target, data.val for a streaming source, val_data= in "
+            f"Python), or monitor {TRAIN_LOSS} (the epoch's mean training loss)"
+        )
     schedule = TargetSchedule(
         optimizer,
         functools.partial(_make_target, cfg),
@@ -290,6 +318,12 @@ def _steps_on_a_metric(scheduler: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return bool(params) and params[0].name != "epoch" and params[0].default is inspect.Parameter.empty
+
+
+def add_train_loss(scheduler: Any, loss: torch.Tensor) -> None:
+    """After each applied step: its loss, for a ``TargetSchedule`` monitoring ``train_loss``."""
+    if isinstance(scheduler, TargetSchedule):
+        scheduler.add_train_loss(loss)
 
 
 def epoch_ended(scheduler: Any) -> None:

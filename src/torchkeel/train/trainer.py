@@ -35,7 +35,7 @@ from torchkeel.train.preempt import StopSignals
 from torchkeel.train.protect import BadSampleReport, Protections
 from torchkeel.train.rundir import RunFiles
 from torchkeel.train.runlog import Progress, Throughput, train_row
-from torchkeel.train.schedule import end_at_floor, epoch_ended, validated
+from torchkeel.train.schedule import add_train_loss, end_at_floor, epoch_ended, validated
 from torchkeel.train.step import StepResult, train_step
 from torchkeel.train.validate import evaluate
 
@@ -225,6 +225,8 @@ class Trainer:
         c.micro_batch_size = result.micro_batch_size  # under torchrun the smallest that fit on any rank
         if self.ema is not None and result.status == "ok":  # a skipped step is not averaged in
             self.ema.update(c.step)
+        if result.status == "ok":
+            add_train_loss(self.scheduler, result.loss)  # schedule.monitor: train_loss
         norm = result.grad_norm if result.grad_norm_value is None else result.grad_norm_value
         self.clips.add(c.step, norm, applied=result.status == "ok")
         self.files.console.advance(1)
