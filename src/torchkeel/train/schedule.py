@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 

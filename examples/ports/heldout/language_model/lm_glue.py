@@ -1,4 +1,5 @@
 """Glue for yunjey/pytorch-tutorial's language_model (main.py, data_utils.py) on `keel train`."""
+
 import ast
 import os
 import sys
@@ -12,6 +13,7 @@ from torchkeel import StepOutput
 def _corpus(source: str, train: str, batch_size: int):
     sys.path.insert(0, source)
     from data_utils import Corpus  # the script's own
+
     corpus = Corpus()
     return corpus, corpus.get_data(train, batch_size)
 
@@ -40,7 +42,7 @@ class Chunks(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         k, r = divmod(i, self.ids.size(0))
-        row = self.ids[r, k * self.t: k * self.t + self.t + 1]
+        row = self.ids[r, k * self.t : k * self.t + self.t + 1]
         return row[:-1], row[1:]
 
 

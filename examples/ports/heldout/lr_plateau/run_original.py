@@ -7,13 +7,21 @@ the command line replace their lines; `verbose=True` is dropped from ReduceLROnP
 feeds [B,1,28,28] to Linear(784) and raises). Seeded with torch.manual_seed(SEED) first (the
 script seeds nothing). Prints the lr of each epoch and the final mean cross-entropy on the test
 images.  usage: run_original.py SEED [NAME=VALUE ...]"""
-import os, re, struct, sys, types
+
+import os
+import re
+import struct
+import sys
+import types
+
 import torch
+
 
 def idx(path):
     raw = open(path, "rb").read()
-    dims = struct.unpack(">" + "I" * raw[3], raw[4:4 + 4 * raw[3]])
-    return torch.frombuffer(bytearray(raw[4 + 4 * raw[3]:]), dtype=torch.uint8).view(*dims)
+    dims = struct.unpack(">" + "I" * raw[3], raw[4 : 4 + 4 * raw[3]])
+    return torch.frombuffer(bytearray(raw[4 + 4 * raw[3] :]), dtype=torch.uint8).view(*dims)
+
 
 class MNIST(torch.utils.data.Dataset):
     def __init__(self, root, train=True, transform=None, download=False):
@@ -21,22 +29,33 @@ class MNIST(torch.utils.data.Dataset):
         self.data = idx(f"{os.environ['MNIST_DIR']}/{p}-images-idx3-ubyte")[:n]
         self.targets = idx(f"{os.environ['MNIST_DIR']}/{p}-labels-idx1-ubyte")[:n].long()
         self.transform = transform
-    def __len__(self): return len(self.data)
-    def __getitem__(self, i): return self.transform(self.data[i]), int(self.targets[i])
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.transform(self.data[i]), int(self.targets[i])
+
 
 class ToTensor:
-    def __call__(self, img): return img.unsqueeze(0).float().div(255)
+    def __call__(self, img):
+        return img.unsqueeze(0).float().div(255)
+
 
 tv = types.ModuleType("torchvision")
-tv.datasets = types.ModuleType("torchvision.datasets"); tv.datasets.MNIST = MNIST
-tv.transforms = types.ModuleType("torchvision.transforms"); tv.transforms.ToTensor = ToTensor
+tv.datasets = types.ModuleType("torchvision.datasets")
+tv.datasets.MNIST = MNIST
+tv.transforms = types.ModuleType("torchvision.transforms")
+tv.transforms.ToTensor = ToTensor
 sys.modules.update({"torchvision": tv, "torchvision.datasets": tv.datasets, "torchvision.transforms": tv.transforms})
 
 here = os.path.dirname(os.path.abspath(__file__))
 src = open(os.path.join(here, "pytorch_lr_ratescheduler.py")).read()
 src = src.split("# Check accuracy")[0].replace(", verbose=True", "")
-src = src.replace('    print(f"Cost at epoch {epoch} is {mean_loss}")',
-                  '    print(f"Cost at epoch {epoch} is {mean_loss}", "lr", optimizer.param_groups[0]["lr"])')
+src = src.replace(
+    '    print(f"Cost at epoch {epoch} is {mean_loss}")',
+    '    print(f"Cost at epoch {epoch} is {mean_loss}", "lr", optimizer.param_groups[0]["lr"])',
+)
 for kv in sys.argv[2:]:
     k, v = kv.split("=")
     src, n = re.subn(rf"^{k} = .*$", f"{k} = {v}", src, flags=re.M)

@@ -1,4 +1,5 @@
 """Glue for pytorch/examples mnist_rnn/main.py on `keel train`: its own Net, MNIST from the raw idx files."""
+
 import importlib.util
 import struct
 import sys
@@ -21,8 +22,8 @@ def net(script: str) -> torch.nn.Module:
 
 def _idx(path: str) -> torch.Tensor:
     raw = open(path, "rb").read()
-    dims = struct.unpack(">" + "I" * raw[3], raw[4:4 + 4 * raw[3]])
-    return torch.frombuffer(bytearray(raw[4 + 4 * raw[3]:]), dtype=torch.uint8).view(*dims)
+    dims = struct.unpack(">" + "I" * raw[3], raw[4 : 4 + 4 * raw[3]])
+    return torch.frombuffer(bytearray(raw[4 + 4 * raw[3] :]), dtype=torch.uint8).view(*dims)
 
 
 def _split(root: str, prefix: str, n: int) -> torch.utils.data.TensorDataset:
