@@ -9,6 +9,7 @@ import sys
 import weakref
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -144,3 +145,20 @@ def test_an_attempt_that_ran_out_of_memory_is_freed_before_the_redo():
     result = tk.train_step(model, optimizer, [batch], nn.functional.cross_entropy, settings)
     assert (result.status, result.micro_batch_size, result.num_oom_splits) == ("ok", 4, 1)
     assert alive == [[], [False], [False, True]]  # the failed attempt's output is gone before the redo's first piece
+
+
+def test_a_step_function_that_mixes_a_mean_and_a_sum_within_a_step_is_one_config_error():
+    def step_fn(model, batch):
+        x, y = batch
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        return losses.mean() if int(x[0, 0] > 0) else tk.StepOutput(losses.sum(), count=len(y))
+
+    model = nn.Linear(4, 2)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    x[0, 0], x[4, 0] = 1.0, -1.0  # the first micro-batch returns a mean, the second a sum
+    group = [(x[:4], y[:4]), (x[4:], y[4:])]
+    settings = tk.StepSettings(params=list(model.parameters()), precision=tk.Precision(), device=torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(tk.ConfigError, match="a mean for one micro-batch and a StepOutput with a count") as caught:
+        tk.train_step(model, optimizer, group, tk.Objective(step_fn=step_fn), settings)
+    assert "\n" not in str(caught.value)

@@ -22,7 +22,7 @@ import torch
 
 from torchkeel.batch import num_samples, num_tokens, split_batch
 from torchkeel.distributed.parallel import GradSync, empty_like_batch
-from torchkeel.errors import SampleTooLarge
+from torchkeel.errors import ConfigError, SampleTooLarge
 from torchkeel.train.objective import LabelOutOfRange, Objective
 from torchkeel.train.oom import free_memory, smaller_size
 
@@ -212,7 +212,10 @@ class _Running:
     def add(self, out: Any, loss: torch.Tensor, share: float, total: float, sync: GradSync | None) -> None:
         """A piece with samples: ``out`` as the objective gave it, ``loss`` as it was backpropagated."""
         if self.summed is not None and self.summed != out.is_sum:
-            raise ValueError("loss.step_fn returned a mean for one micro-batch and a (sum, count) for another")
+            raise ConfigError(
+                "loss.step_fn returned a mean for one micro-batch and a StepOutput with a count (a sum) for "
+                "another; return the same kind for every batch"
+            )
         self.summed = out.is_sum
         if self.keep_outputs:
             outputs = out.outputs.detach() if isinstance(out.outputs, torch.Tensor) else out.outputs
