@@ -1,5 +1,6 @@
 """Glue for aladdinpersson's pytorch_lr_ratescheduler.py (Machine-Learning-Collection) on `keel train`:
 the script's model, MNIST from the raw idx files."""
+
 import ast
 import struct
 
@@ -17,8 +18,8 @@ def model(script: str) -> torch.nn.Module:
 
 def _idx(path: str) -> torch.Tensor:
     raw = open(path, "rb").read()
-    dims = struct.unpack(">" + "I" * raw[3], raw[4:4 + 4 * raw[3]])
-    return torch.frombuffer(bytearray(raw[4 + 4 * raw[3]:]), dtype=torch.uint8).view(*dims)
+    dims = struct.unpack(">" + "I" * raw[3], raw[4 : 4 + 4 * raw[3]])
+    return torch.frombuffer(bytearray(raw[4 + 4 * raw[3] :]), dtype=torch.uint8).view(*dims)
 
 
 def _split(root: str, prefix: str, n: int) -> torch.utils.data.TensorDataset:
