@@ -62,6 +62,7 @@ def test_a_worker_killed_on_one_node_restarts_both_and_ends_bitwise_equal(work, 
     assert all(torch.equal(weights[k], steady[k]) for k in steady)
 
 
+@pytest.mark.slow  # a chaos variant: the default suite keeps the killed-worker restart of two nodes
 def test_a_node_whose_workers_were_healthy_restarts_into_the_same_round(work, steady):
     # Rank 1 dies while rank 0 sleeps outside any collective: the first node's agent restarts its
     # healthy worker because the second node came back, and does not count that as a restart, so

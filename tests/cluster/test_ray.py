@@ -80,6 +80,7 @@ def test_a_killed_worker_resumes_from_the_checkpoint_through_ray(work, single):
     assert max_difference(weights, single) < 1e-5
 
 
+@pytest.mark.slow  # a chaos variant: the default suite keeps the killed worker that Ray restarts and the unit test of which rank ended first
 def test_a_worker_killed_under_ray_is_named_in_the_summary_with_its_machine(work):
     """Ray tears the group down when a worker dies: rank 0's summary.json names the rank that
     ended first and how, not the collective that failed after it."""
