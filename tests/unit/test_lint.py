@@ -15,7 +15,7 @@ import pytest
 
 from torchkeel.cli.main import main
 from torchkeel.diagnose.findings import FINDING_IDS
-from torchkeel.lint import RULES, lint_paths, lint_source, select_rules
+from torchkeel.lint import PARALLEL_FROM, RULES, lint_paths, lint_source, select_rules
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "docs" / "lint.schema.json").read_text())
@@ -723,9 +723,45 @@ def test_clean_controls_of_the_diagnose_corpus_have_no_errors():
     assert not {n for n in flagged if n.startswith("clean_")}
 
 
-def test_syntax_error_is_a_finding_not_a_crash():
-    found = lint_source("def broken(:\n", "bad.py", RULES.values())
-    assert [(f.code, f.severity, f.line) for f in found] == [("TK100", "error", 1)]
+TEMPLATE = """\
+import torch
+{% if cuda %}
+model = model.cuda()
+{% endif %}
+def train({{ args }}):
+    pass
+"""
+
+
+def test_a_file_that_is_not_python_is_skipped_and_counted_never_a_finding(tmp_path, capsys):
+    """Templates with {{ }} are common in repositories: not Python, so not linted."""
+    (tmp_path / "template.py").write_text(TEMPLATE)
+    (tmp_path / "nul.py").write_bytes(b"import torch\x00\n")
+    bad = tmp_path / "train.py"
+    bad.write_text(textwrap.dedent(CASES["TK107"][0]))
+    assert main(["lint", "--json", str(tmp_path)]) == 1  # the real finding still fails the run
+    out = json.loads(capsys.readouterr().out)
+    jsonschema.validate(out, SCHEMA)
+    assert [f["code"] for f in out["findings"]] == ["TK107"] and out["files"] == 1
+    assert sorted(Path(s["path"]).name for s in out["skipped"]) == ["nul.py", "template.py"]
+    assert all(s["reason"].startswith("does not parse as Python") for s in out["skipped"])
+    bad.unlink()
+    assert main(["lint", str(tmp_path)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("0 finding(s) in 0 file(s); 2 skipped, not Python (first: ") and "nul.py" in last
+    with pytest.raises(SyntaxError):
+        lint_source("def broken(:\n", "bad.py", RULES.values())
+
+
+def test_files_linted_in_parallel_give_the_report_of_one_process(tmp_path):
+    for i in range(2 * PARALLEL_FROM + 3):
+        code, bad_or_good = sorted(CASES)[i % len(CASES)], i % 2
+        text = TEMPLATE if i % 17 == 0 else textwrap.dedent(CASES[code][bad_or_good])
+        (tmp_path / f"f{i:03d}.py").write_text(text)
+    one = lint_paths([str(tmp_path)], workers=1)
+    two = lint_paths([str(tmp_path)], workers=2)
+    assert one.findings and one.skipped
+    assert (two.findings, two.files, two.skipped) == (one.findings, one.files, one.skipped)
 
 
 def test_cli_json_matches_the_schema_and_exit_codes(tmp_path, capsys):

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from torchkeel.errors import ConfigError
-from torchkeel.lint import RULES, lint_paths
+from torchkeel.lint import RULES, Skipped, lint_paths
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +20,13 @@ def codes(text: str | None) -> list[str] | None:
     return [c.strip().upper() for c in text.split(",") if c.strip()] if text else None
 
 
+def _skipped(skipped: list[Skipped]) -> str:
+    if not skipped:
+        return ""
+    first = skipped[0]
+    return f"; {len(skipped)} skipped, not Python (first: {first.path}:{first.line}: {first.reason})"
+
+
 def run(args: argparse.Namespace) -> int:
 
     for option, value in (("--select", codes(args.select)), ("--ignore", codes(args.ignore))):
@@ -28,9 +35,11 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"{option}: unknown rule code(s) {', '.join(unknown)}; see `docs/lint.md` for TK101..")
     report = lint_paths(args.paths, select=codes(args.select), ignore=codes(args.ignore))
     if args.json:
-        print(json.dumps({"findings": [f.to_dict() for f in report.findings], "files": report.files}))
+        findings = [f.to_dict() for f in report.findings]
+        skipped = [s.to_dict() for s in report.skipped]
+        print(json.dumps({"findings": findings, "files": report.files, "skipped": skipped}))
     else:
         for f in report.findings:
             print(f"{f.path}:{f.line}:{f.col}: {f.code} [{f.severity}] {f.message} (fix: {f.fix})")
-        print(f"{len(report.findings)} finding(s) in {report.files} file(s)")
+        print(f"{len(report.findings)} finding(s) in {report.files} file(s){_skipped(report.skipped)}")
     return 1 if any(f.severity == "error" for f in report.findings) else 0

@@ -56,10 +56,25 @@ class Rule:
     order, a device): a test file's saves, loops and mocks are not that run."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A file that is not Python (it does not parse: a template, another language's code)."""
+
+    path: str
+    line: int
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 @dataclasses.dataclass
 class LintReport:
     findings: list[LintFinding]
     files: int
+    """Files linted (parsed as Python)."""
+    skipped: list[Skipped] = dataclasses.field(default_factory=list)
+    """Files that do not parse as Python: counted, never a finding."""
 
 
 def dotted(node: ast.AST | None) -> str:
@@ -100,13 +115,18 @@ class Source:
         self.path = path
         self.text = text
         self.tree = ast.parse(text, filename=path)
+        self.nodes: list[ast.AST] = list(ast.walk(self.tree))
+        """Every node of the file, in ``ast.walk``'s order: walked once, shared by every rule."""
         self.parents: dict[ast.AST, ast.AST] = {}
-        for parent in ast.walk(self.tree):
+        for parent in self.nodes:
             for child in ast.iter_child_nodes(parent):
                 self.parents[child] = parent
+        self.all_calls: list[ast.Call] = [n for n in self.nodes if isinstance(n, ast.Call)]
+        self.memo: dict[str, Any] = {}
+        """What several rules compute from the file alone (their training loops), computed once."""
         self.functions: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
         self.assigned: dict[str, list[ast.expr]] = {}
-        for node in ast.walk(self.tree):
+        for node in self.nodes:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.functions.setdefault(node.name, node)
             elif isinstance(node, ast.Assign):
@@ -130,7 +150,10 @@ class Source:
         )
 
     def calls(self, root: ast.AST | None = None) -> Iterator[ast.Call]:
-        for node in ast.walk(root or self.tree):
+        if root is None or root is self.tree:
+            yield from self.all_calls
+            return
+        for node in ast.walk(root):
             if isinstance(node, ast.Call):
                 yield node
 
@@ -138,10 +161,7 @@ class Source:
     def imported_modules(self) -> set[str]:
         """The names ``import x`` / ``import x as y`` bind in this file."""
         return {
-            a.asname or a.name.split(".")[0]
-            for node in ast.walk(self.tree)
-            if isinstance(node, ast.Import)
-            for a in node.names
+            a.asname or a.name.split(".")[0] for node in self.nodes if isinstance(node, ast.Import) for a in node.names
         }
 
     def calls_of(self, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.Call]:
@@ -243,14 +263,14 @@ class Source:
 
     def imported_from(self, name: str) -> str | None:
         """The module that ``from MODULE import name`` (or ``from .MODULE``) in this file names, or None."""
-        for node in ast.walk(self.tree):
+        for node in self.nodes:
             if isinstance(node, ast.ImportFrom) and (node.module or node.level):
                 if any((a.asname or a.name) == name for a in node.names):
                     return node.module or "."  # from . import name: this package
         return None
 
     def class_def(self, name: str) -> ast.ClassDef | None:
-        return next((n for n in ast.walk(self.tree) if isinstance(n, ast.ClassDef) and n.name == name), None)
+        return next((n for n in self.nodes if isinstance(n, ast.ClassDef) and n.name == name), None)
 
     def is_module_class(self, name: str) -> bool:
         """A class defined here that subclasses something ending in ``Module`` (nn.Module)."""
@@ -333,22 +353,12 @@ def _silenced(line: str, code: str) -> bool:
 
 
 def lint_source(text: str, path: str, rules: Iterable[Rule]) -> list[LintFinding]:
-    """Every finding of ``rules`` in one file's text; a file that does not parse gets TK100."""
-    try:
-        source = Source(path, text)
-    except SyntaxError as exc:
-        return [
-            LintFinding(
-                "TK100",
-                None,
-                "error",
-                path,
-                exc.lineno or 1,
-                exc.offset or 0,
-                f"the file does not parse: {exc.msg}",
-                "Fix the syntax error.",
-            )
-        ]
+    """Every finding of ``rules`` in one file's text.
+
+    Raises:
+        SyntaxError: the text is not Python (``lint_file`` counts such a file as skipped).
+    """
+    source = Source(path, text)
     lines = text.splitlines()
     found: dict[tuple[str, int, int], LintFinding] = {}
     for rule in rules:
@@ -363,6 +373,18 @@ def lint_source(text: str, path: str, rules: Iterable[Rule]) -> list[LintFinding
                 LintFinding(rule.code, rule.id, rule.severity, path, line, col, message, rule.fix),
             )
     return sorted(found.values(), key=lambda f: (f.line, f.col, f.code))
+
+
+def lint_file(path: str, rules: Iterable[Rule]) -> tuple[list[LintFinding], Skipped | None]:
+    """``lint_source`` of the file at ``path``: its findings, or why it was skipped (it does not
+    parse as Python: a ``.py`` template with ``{{ }}``, Python 2, another language)."""
+    with open(path, encoding="utf-8-sig", errors="replace") as fh:
+        text = fh.read()
+    try:
+        return lint_source(text, path, rules), None
+    except (SyntaxError, ValueError) as exc:  # ValueError: a NUL byte in the text
+        line = getattr(exc, "lineno", None) or 1
+        return [], Skipped(path, line, f"does not parse as Python: {getattr(exc, 'msg', None) or exc}")
 
 
 def python_files(paths: Iterable[str]) -> list[str]:

@@ -259,7 +259,7 @@ def _runs_repeatedly(source: Source, node: ast.AST, depth: int = 3) -> bool:
     method = isinstance(source.parents.get(fn), ast.ClassDef)
     uses = [
         n
-        for n in ast.walk(source.tree)
+        for n in source.nodes
         if (isinstance(n, ast.Name) and n.id == fn.name and not method)
         or (isinstance(n, ast.Attribute) and n.attr == fn.name and method)
     ]

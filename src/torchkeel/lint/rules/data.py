@@ -142,16 +142,17 @@ def _set_names(source: Source, scope: ast.AST) -> set[str]:
 
 def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
     scopes: dict[ast.AST, set[str]] = {}
-    for node in ast.walk(source.tree):
-        scope = source.function_of(node) or source.tree
-        if scope not in scopes:
-            scopes[scope] = _set_names(source, scope)
-        sets = scopes[scope]
-        iters = []
+    for node in source.nodes:
         if isinstance(node, (ast.For, ast.AsyncFor)):
             iters = [node.iter]
         elif isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
             iters = [g.iter for g in node.generators]
+        else:
+            continue
+        scope = source.function_of(node) or source.tree
+        if scope not in scopes:
+            scopes[scope] = _set_names(source, scope)
+        sets = scopes[scope]
         if isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)) and _order_free(source, node):
             continue
         if isinstance(node, (ast.For, ast.AsyncFor)) and not _builds_in_order(node):

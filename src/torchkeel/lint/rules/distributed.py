@@ -15,7 +15,7 @@ def set_device_after_init(source: Source) -> Iterator[tuple[ast.AST, str]]:
     """The device is chosen after the process group already used one: a collective (or DDP's
     construction) between ``init_process_group`` and ``set_device`` runs on GPU 0. NCCL creates its
     communicator lazily, so ``set_device`` right after init is fine."""
-    for scope in ast.walk(source.tree):
+    for scope in source.nodes:
         if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
             continue
         body_calls = sorted(

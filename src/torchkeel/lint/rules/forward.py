@@ -153,7 +153,7 @@ def _moved_after(source: Source, call: ast.Call) -> bool:
 
 
 def inplace_on_activation(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    for fn in ast.walk(source.tree):
+    for fn in source.nodes:
         if not (isinstance(fn, ast.FunctionDef) and fn.name == "forward"):
             continue
         saved: dict[str, str] = {}

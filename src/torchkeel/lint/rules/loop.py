@@ -107,13 +107,19 @@ def _loop_depth(source: Source, node: ast.AST, stop: ast.AST) -> int:
     return depth + (1 if isinstance(stop, (ast.For, ast.While, ast.AsyncFor)) else 0)
 
 
-def training_loops(source: Source) -> Iterator[tuple[ast.AST, list[Event]]]:
-    """Loops whose own body (not a nested loop) steps an optimizer, with their events."""
-    for loop in ast.walk(source.tree):
-        if isinstance(loop, (ast.For, ast.While, ast.AsyncFor)):
-            events = loop_events(source, loop.body)
-            if any(e.kind == "step" and e.depth == 0 for e in events):
-                yield loop, events
+def training_loops(source: Source) -> list[tuple[ast.AST, list[Event]]]:
+    """Loops whose own body (not a nested loop) steps an optimizer, with their events (found
+    once per file: every loop rule asks)."""
+    found = source.memo.get("training_loops")
+    if found is None:
+        found = source.memo["training_loops"] = [
+            (loop, events)
+            for loop in source.nodes
+            if isinstance(loop, (ast.For, ast.While, ast.AsyncFor))
+            for events in [loop_events(source, loop.body)]
+            if any(e.kind == "step" and e.depth == 0 for e in events)
+        ]
+    return found
 
 
 def double_step(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -241,7 +247,7 @@ def scheduler_before_optimizer(source: Source) -> Iterator[tuple[ast.AST, str]]:
 
 def loss_accumulated(source: Source) -> Iterator[tuple[ast.AST, str]]:
     """``total += loss`` or ``losses.append(loss)`` of a tensor that was backpropagated or made by a loss."""
-    for node in ast.walk(source.tree):
+    for node in source.nodes:
         value, what = None, None
         if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add):
             value, what = node.value, f"{dotted(node.target)} += {ast.unparse(node.value)}"

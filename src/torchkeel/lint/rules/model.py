@@ -67,7 +67,7 @@ def _remote(source: Source, receiver: ast.expr) -> bool:
 
 
 def bare_mode_switch(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    for node in ast.walk(source.tree):
+    for node in source.nodes:
         if (
             isinstance(node, ast.Expr)
             and isinstance(node.value, ast.Attribute)
@@ -168,7 +168,7 @@ def _class_has_mode_layers(source: Source, value: ast.AST, depth: int) -> bool |
 
 def eval_without_no_grad(source: Source) -> Iterator[tuple[ast.AST, str]]:
     """A function that switches a model to eval() and then calls it in a loop with gradients on."""
-    for fn in ast.walk(source.tree):
+    for fn in source.nodes:
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         evals = [c for c in source.calls(fn) if last(call_name(c)) == "eval" and not c.args]
@@ -248,7 +248,7 @@ def _is_softmax(source: Source, arg: ast.expr, at: ast.AST) -> bool:
 
 
 def backward_in_autocast(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    for node in ast.walk(source.tree):
+    for node in source.nodes:
         if isinstance(node, ast.With) and any(last(call_name(i.context_expr)) == "autocast" for i in node.items):
             for call in source.calls(node):
                 name = call_name(call)
