@@ -84,6 +84,18 @@ class ParamGroup:
         }
 
 
+def describe_groups(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The start report's console lines for ``ParamGroup.row``s: one a group, none when the config
+    does not split the parameters (a single ``default`` group)."""
+    if len(rows) == 1 and rows[0]["group"] == "default":
+        return []
+    return [
+        f"optimizer group {r['group']}: {r['num_tensors']} tensors, {r['num_params']:,} parameters, "
+        f"lr {r['lr']:g}, weight_decay {r['weight_decay']:g}"
+        for r in rows
+    ]
+
+
 def param_groups(
     cfg: OptimConfig, named_params: Iterable[tuple[str, torch.nn.Parameter]], model: torch.nn.Module | None = None
 ) -> list[ParamGroup]:

@@ -30,6 +30,7 @@ from torchkeel.train.counters import Agreed, RunCounters, TrainingParts
 from torchkeel.train.early_stop import EarlyStopping
 from torchkeel.train.hooks import TrainerHooks
 from torchkeel.train.objective import LabelOutOfRange
+from torchkeel.train.optim import describe_groups
 from torchkeel.train.precision import make_precision
 from torchkeel.train.preempt import StopSignals
 from torchkeel.train.protect import BadSampleReport, Protections
@@ -305,15 +306,10 @@ class Trainer:
     def _report_param_groups(self, logged: bool) -> None:
         """The optimizer's groups, once: on the console when the config splits them, and as a
         ``param_groups`` row of ``metrics.jsonl`` (unless a resumed run ``logged`` it already)."""
-        rows = self.param_groups
-        if len(rows) > 1 or any(r["group"] != "default" for r in rows):
-            for r in rows:
-                self.files.say(
-                    f"optimizer group {r['group']}: {r['num_tensors']} tensors, {r['num_params']:,} parameters, "
-                    f"lr {r['lr']:g}, weight_decay {r['weight_decay']:g}"
-                )
+        for line in describe_groups(self.param_groups):
+            self.files.say(line)
         if not logged:
-            self.files.log({"kind": "param_groups", "step": 0, "groups": rows})
+            self.files.log({"kind": "param_groups", "step": 0, "groups": self.param_groups})
 
     def _compile_event(self, kind: str, message: str, details: dict[str, Any]) -> None:
         self.files.compile_event(self.counters.step, kind, message, details)
