@@ -213,3 +213,11 @@ def test_a_resume_refuses_new_groups(tiny_config):
             allow_config_change=True,
             progress=False,
         ).fit()
+
+
+def test_the_console_names_each_group_once_and_is_quiet_without_groups(tiny_config, capsys):
+    tk.Trainer(tiny_config(*GROUPED, "train.max_steps=3"), progress=False).fit()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "optimizer group" in line]
+    assert len(lines) == 4 and "optimizer group optim.groups[0]: 1 tensors, 256 parameters, lr 0.001" in lines[2]
+    tk.Trainer(tiny_config("name=plain", "train.max_steps=3"), progress=False).fit()
+    assert "optimizer group" not in capsys.readouterr().err
