@@ -32,6 +32,7 @@ from torchkeel.diagnose.input_detectors import (
     nonfinite_input,
     probabilities_into_cross_entropy,
 )
+from torchkeel.diagnose.invariants import judge_invariants
 from torchkeel.diagnose.loop_detectors import LOOP_DETECTORS
 from torchkeel.diagnose.probe import Facts
 from torchkeel.diagnose.runner import ScriptOutcome
@@ -240,6 +241,7 @@ DETECTORS: tuple[Detector, ...] = (
 def judge(facts: Facts, outcome: ScriptOutcome, extra: list[Finding] = ()) -> list[Finding]:
     """Every finding, consequences dropped, most likely root cause first."""
     findings = [finding for detect in DETECTORS for finding in detect(facts, outcome)] + list(extra)
+    findings += judge_invariants(facts, outcome, findings)
     ids = {x.id for x in findings}
     if ids & {"missing-zero-grad", "double-step", "repeated-backward"}:
         findings = [x for x in findings if x.id not in ("grad-exploding", "lr-divergence")]

@@ -48,6 +48,13 @@ FINDING_IDS = (
     "augmentation-in-evaluation",
     "dataloader-bottleneck",
     "scheduler-before-optimizer",
+    # Invariants of a healthy run (diagnose.invariants): reported when no named finding explains
+    # them, each family's ids in the order of diagnose.invariants.FAMILIES.
+    # -- invariants: data
+    # -- invariants: losses
+    # -- invariants: randomness
+    # -- invariants: updates
+    # -- invariants: units
     "graph-break",
     "recompile",
     "script-error",

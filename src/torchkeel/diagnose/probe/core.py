@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from torchkeel.diagnose.events import ProbeError
+from torchkeel.diagnose.invariants import LISTENERS as INVARIANT_LISTENERS
 from torchkeel.diagnose.probe.backward import BackwardListener
 from torchkeel.diagnose.probe.data import LoaderListener
 from torchkeel.diagnose.probe.facts import Facts, StopScript
@@ -57,7 +58,8 @@ class Probe:
         self.data, self.seeds, self.habits = LoaderListener(self), SeedListener(self), HabitListener(self)
         self.loop, self.scale, self.losses = LoopListener(self), ScaleListener(self), LossListener(self)
         listeners = (self.modules, self.backward, self.optim, self.data, self.seeds, self.habits)
-        listeners += (self.loop, self.scale, self.losses)
+        self.invariants = tuple(listener(self) for listener in INVARIANT_LISTENERS)
+        listeners += (self.loop, self.scale, self.losses, *self.invariants)
         self._handlers: dict[str, list[Callable[..., None]]] = {
             event: [getattr(x, f"on_{event}") for x in listeners if hasattr(x, f"on_{event}")] for event in EVENTS
         }
@@ -79,6 +81,9 @@ class Probe:
             self.habits.install()
             self.loop.install()
             self.seeds.note_start()
+            for listener in self.invariants:
+                if hasattr(listener, "install"):
+                    listener.install()
             if self.anomaly_steps > 0:
                 previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
                 torch.autograd.set_detect_anomaly(True, check_nan=False)
@@ -120,6 +125,9 @@ class Probe:
             self.loop.finish()
             self.scale.finish()
             self.data.finish()
+            for listener in self.invariants:
+                if hasattr(listener, "finish"):
+                    self.safely(listener.finish)
         while self._undo:
             try:
                 self._undo.pop()()

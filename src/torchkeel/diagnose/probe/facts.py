@@ -36,6 +36,7 @@ class Facts:
     closure_backward_calls: int = 0  # backward calls inside optimizer.step (an LBFGS closure)
     closure_zero_grad_calls: int = 0
     frozen: dict[str, Any] = dataclasses.field(default_factory=dict)  # frozen parameters handed to optimizers
+    invariants: dict[str, Any] = dataclasses.field(default_factory=dict)  # each invariant family's own data
     wall_s: float = 0.0
 
     @overload
