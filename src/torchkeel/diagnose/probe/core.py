@@ -58,15 +58,16 @@ class Probe:
         self.data, self.seeds, self.habits = LoaderListener(self), SeedListener(self), HabitListener(self)
         self.loop, self.scale, self.losses = LoopListener(self), ScaleListener(self), LossListener(self)
         listeners = (self.modules, self.backward, self.optim, self.data, self.seeds, self.habits)
+        self.modules.loss_checks.update(self.losses.checks())
+        for dropout in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout):
+            self.modules.loss_checks[dropout] = self.habits.check_dropout
+        self.modules.loss_checks.update(self.scale.softmaxes())
+        # Built last: an invariant listener may add its checks to those above (chaining any it shares).
         self.invariants = tuple(listener(self) for listener in INVARIANT_LISTENERS)
         listeners += (self.loop, self.scale, self.losses, *self.invariants)
         self._handlers: dict[str, list[Callable[..., None]]] = {
             event: [getattr(x, f"on_{event}") for x in listeners if hasattr(x, f"on_{event}")] for event in EVENTS
         }
-        self.modules.loss_checks.update(self.losses.checks())
-        for dropout in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout):
-            self.modules.loss_checks[dropout] = self.habits.check_dropout
-        self.modules.loss_checks.update(self.scale.softmaxes())
 
     # ---------------------------------------------------------------- install / uninstall
     def __enter__(self) -> Probe:
