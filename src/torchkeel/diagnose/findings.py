@@ -52,6 +52,11 @@ FINDING_IDS = (
     # them, each family's ids in the order of diagnose.invariants.FAMILIES.
     # -- invariants: data
     # -- invariants: losses
+    "invariant-loss-targets-are-inputs",
+    "invariant-loss-broadcast",
+    "invariant-loss-target-range",
+    "invariant-loss-too-fast",
+    "invariant-loss-at-chance",
     # -- invariants: randomness
     # -- invariants: updates
     # -- invariants: units
