@@ -51,6 +51,10 @@ FINDING_IDS = (
     # Invariants of a healthy run (diagnose.invariants): reported when no named finding explains
     # them, each family's ids in the order of diagnose.invariants.FAMILIES.
     # -- invariants: data
+    "invariant-identical-inputs",
+    "invariant-labels-change",
+    "invariant-one-class",
+    "invariant-eval-overlaps-train",
     # -- invariants: losses
     "invariant-loss-targets-are-inputs",
     "invariant-loss-broadcast",
@@ -58,6 +62,8 @@ FINDING_IDS = (
     "invariant-loss-too-fast",
     "invariant-loss-at-chance",
     # -- invariants: randomness
+    "invariant-rng-reset",
+    "invariant-rng-recreated",
     # -- invariants: updates
     # -- invariants: units
     "graph-break",
