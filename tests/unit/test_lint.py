@@ -72,12 +72,14 @@ import torch
 class M(torch.nn.Module):
     def forward(self, x):
         return x + torch.zeros(x.shape[0], 1)
+model = M().cuda()
 """,
         """
 import torch
 class M(torch.nn.Module):
     def forward(self, x):
         return x + torch.zeros(x.shape[0], 1, device=x.device)
+model = M().cuda()
 """,
     ),
     "TK104": (
@@ -268,11 +270,15 @@ loss = F.cross_entropy(logits, torch.tensor([0, 1, 2, 0]))
     "TK114": (
         """
 import torch
-state = torch.load("model.pt", weights_only=False)
+import urllib.request
+path, _ = urllib.request.urlretrieve("https://example.com/model.pt")
+state = torch.load(path, weights_only=False)
 """,
         """
 import torch
-state = torch.load("model.pt", weights_only=True)
+import urllib.request
+path, _ = urllib.request.urlretrieve("https://example.com/model.pt")
+state = torch.load(path, weights_only=True)
 """,
     ),
     "TK115": (
@@ -325,22 +331,26 @@ def setup():
     "TK118": (
         """
 from torch.utils.data import DataLoader, DistributedSampler
-def train(dataset, epochs):
+def train(model, opt, dataset, epochs):
     sampler = DistributedSampler(dataset)
     loader = DataLoader(dataset, sampler=sampler)
     for epoch in range(epochs):
         for batch in loader:
-            pass
+            opt.zero_grad()
+            model(batch).sum().backward()
+            opt.step()
 """,
         """
 from torch.utils.data import DataLoader, DistributedSampler
-def train(dataset, epochs):
+def train(model, opt, dataset, epochs):
     sampler = DistributedSampler(dataset)
     loader = DataLoader(dataset, sampler=sampler)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         for batch in loader:
-            pass
+            opt.zero_grad()
+            model(batch).sum().backward()
+            opt.step()
 """,
     ),
     "TK119": (
@@ -708,12 +718,12 @@ def test_fixed_forms_pass_every_rule(code):
 
 def test_noqa_silences_one_line_and_one_code():
     text = (
-        "import torch\nstate = torch.load('a.pt', weights_only=False)  # keel: noqa[TK114]\n"
-        "other = torch.load('b.pt', weights_only=False)\n"
+        "import torch\nstate = torch.load('https://x.org/a.pt', weights_only=False)  # keel: noqa[TK114]\n"
+        "other = torch.load('https://x.org/b.pt', weights_only=False)\n"
     )
     lines = [f.line for f in lint_source(text, "x.py", RULES.values())]
     assert lines == [3]
-    text = "import torch\nstate = torch.load('a.pt', weights_only=False)  # keel: noqa[TK101]\n"
+    text = "import torch\nstate = torch.load('https://x.org/a.pt', weights_only=False)  # keel: noqa[TK101]\n"
     assert [f.code for f in lint_source(text, "x.py", RULES.values())] == ["TK114"]
 
 

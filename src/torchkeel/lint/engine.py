@@ -207,6 +207,27 @@ class Source:
             parent = self.parents.get(parent)
         return False
 
+    def guards(self, node: ast.AST, stop: ast.AST | None = None) -> frozenset[tuple[str, bool]]:
+        """The ``if`` conditions under which ``node`` runs, up to ``stop`` or its function: each as
+        (the condition's text, whether it holds there). ``if not x`` and ``x is None`` read as
+        ("x", False), ``x is not None`` as ("x", True)."""
+        found: set[tuple[str, bool]] = set()
+        child, parent = node, self.parents.get(node)
+        while parent is not None and parent is not stop:
+            if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                break
+            if isinstance(parent, ast.If) and child is not parent.test:
+                text, holds = _condition(parent.test)
+                found.add((text, holds if any(child is s for s in parent.body) else not holds))
+            child, parent = parent, self.parents.get(parent)
+        return frozenset(found)
+
+    def exclusive(self, a: ast.AST, b: ast.AST) -> bool:
+        """``a`` and ``b`` never run in the same pass: one needs a condition that the other needs
+        false (the two branches of one ``if``, or ``if amp:`` ... ``if not amp:``)."""
+        other = self.guards(b)
+        return any((text, not holds) in other for text, holds in self.guards(a))
+
     def assigned_from(self, name: str, predicate: Callable[[ast.expr], bool]) -> bool:
         """True when some assignment to ``name`` (a simple or ``self.x`` name) has a value matching."""
         return any(predicate(value) for value in self.assigned.get(name, []))
@@ -260,6 +281,19 @@ class Source:
         if _folder_matches(folder, pattern):
             return True
         return os.path.isfile(os.path.join(folder, "__init__.py")) and _folder_matches(os.path.dirname(folder), pattern)
+
+    def project_matches(self, pattern: str, levels: int = 2) -> bool:
+        """True when ``pattern`` (a regular expression) occurs in this file, a ``.py`` file next to
+        it, or one in the ``levels`` folders above (the training script at the root of the
+        repository that sets a default for ``layers/functions/detection.py``)."""
+        if re.search(pattern, self.text):
+            return True
+        folder = os.path.dirname(os.path.abspath(self.path))
+        for _ in range(levels + 1):
+            if _folder_matches(folder, pattern):
+                return True
+            folder = os.path.dirname(folder)
+        return False
 
     def imported_from(self, name: str) -> str | None:
         """The module that ``from MODULE import name`` (or ``from .MODULE``) in this file names, or None."""
@@ -334,6 +368,23 @@ def torch_version() -> tuple[int, int] | None:
         return None
     match = re.match(r"(\d+)\.(\d+)", version)
     return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def _condition(test: ast.expr) -> tuple[str, bool]:
+    """``not x`` -> ("x", False); ``x is None`` -> ("x", False); ``x is not None`` -> ("x", True)."""
+    holds = True
+    while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        test, holds = test.operand, not holds
+    if (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], (ast.Is, ast.IsNot))
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value is None
+    ):
+        holds = holds if isinstance(test.ops[0], ast.IsNot) else not holds
+        test = test.left
+    return ast.unparse(test), holds
 
 
 def _target_names(target: ast.AST) -> list[str]:

@@ -19,11 +19,18 @@ _STEP_WORDS = ("epoch", "step", "iter", "batch", "it")
 _RUN_COUNTS = ("epoch", "step", "iter")  # what a caller passes to name a new file per save
 
 
+_DOWNLOADS = {"urlretrieve", "urlopen", "download_url", "download_url_to_file", "hf_hub_download", "cached_download"}
+_DOWNLOADS |= {"cached_path", "download", "download_file", "gdown", "snapshot_download", "get_file"}
+
+
 def unsafe_load(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    """A pickle-enabled ``torch.load`` of a file that comes from elsewhere: its path is a URL or
+    what a download returned. A path the script or its user chose (its own checkpoint, a resume
+    argument) is a file they trust: that cannot be told from a stranger's by reading the code."""
     version = torch_version()
     default_safe = version is not None and version >= _SAFE_LOAD_SINCE
     for call in source.calls():
-        if call_name(call) != "torch.load":
+        if call_name(call) != "torch.load" or not call.args or not source.reaches(call.args[0], _downloaded):
             continue
         value = keyword(call, "weights_only")
         if value is None and not default_safe and not _inside_safe_globals(source, call):
@@ -36,6 +43,13 @@ def unsafe_load(source: Source) -> Iterator[tuple[ast.AST, str]]:
             )
         elif isinstance(value, ast.Constant) and value.value is False:
             yield call, "torch.load(weights_only=False) runs whatever pickled code the file holds"
+
+
+def _downloaded(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value.startswith(("http://", "https://", "s3://", "gs://", "ftp://"))
+    name = call_name(node)
+    return bool(name) and (last(name) in _DOWNLOADS or name.endswith("requests.get"))
 
 
 def _inside_safe_globals(source: Source, node: ast.AST) -> bool:

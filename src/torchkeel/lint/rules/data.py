@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from torchkeel.lint.engine import Source, call_name, keyword, last
+from torchkeel.lint.engine import Source, call_name, dotted, keyword, last
 
 _PY_RANDOM = {
     "random",
@@ -130,14 +130,30 @@ def cuda_in_getitem(source: Source) -> Iterator[tuple[ast.AST, str]]:
 
 
 def _set_names(source: Source, scope: ast.AST) -> set[str]:
-    """Names that every assignment in ``scope`` (not nested functions) binds to a set."""
+    """Names that every assignment in ``scope`` (not nested functions) binds to a set, or to a
+    list or tuple made from one (``vocab = list(set(words))``: the set's order, kept)."""
     values: dict[str, list[ast.expr]] = {}
     for node in ast.walk(scope):
         if isinstance(node, ast.Assign) and (source.function_of(node) or source.tree) is scope:
             for target in node.targets:
                 if isinstance(target, ast.Name):
                     values.setdefault(target.id, []).append(node.value)
-    return {name for name, vs in values.items() if all(_is_set(v) for v in vs)}
+    for node in ast.walk(scope):  # vocab.sort(): put in order after all
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "sort":
+            values.pop(dotted(node.func.value), None)
+    names: set[str] = set()
+    while True:
+        more = {name for name, vs in values.items() if all(_set_ordered(v, names) for v in vs)}
+        if more <= names:
+            return names
+        names |= more
+
+
+def _set_ordered(node: ast.AST, sets: set[str]) -> bool:
+    """A set, a name of one, or ``list(...)`` / ``tuple(...)`` of one: items in the set's order."""
+    if isinstance(node, ast.Call) and call_name(node) in {"list", "tuple"} and len(node.args) == 1:
+        node = node.args[0]
+    return _is_set(node) or (isinstance(node, ast.Name) and node.id in sets)
 
 
 def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -147,6 +163,8 @@ def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
             iters = [node.iter]
         elif isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
             iters = [g.iter for g in node.generators]
+        elif isinstance(node, ast.Call) and call_name(node) in {"zip", "enumerate"}:
+            iters = [] if _iterated(source, node) else [node]  # dict(zip(vocab, range(len(vocab))))
         else:
             continue
         scope = source.function_of(node) or source.tree
@@ -155,15 +173,13 @@ def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
         sets = scopes[scope]
         if isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)) and _order_free(source, node):
             continue
+        if isinstance(node, ast.Call) and _order_free(source, node):
+            continue
         if isinstance(node, (ast.For, ast.AsyncFor)) and not _builds_in_order(node):
             continue
         for it in iters:
-            inner = (
-                it.args[0]
-                if isinstance(it, ast.Call) and call_name(it) in {"enumerate", "list", "tuple"} and it.args
-                else it
-            )
-            if _is_set(inner) or (isinstance(inner, ast.Name) and inner.id in sets):
+            inner = it.args if isinstance(it, ast.Call) and call_name(it) in {"enumerate", "zip"} else [it]
+            if any(_set_ordered(arg, sets) for arg in inner):
                 yield (
                     it,
                     (
@@ -171,6 +187,14 @@ def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
                         "so indices built from it differ between runs; iterate over sorted(...)"
                     ),
                 )
+
+
+def _iterated(source: Source, call: ast.Call) -> bool:
+    """``call`` is what a ``for`` or a comprehension iterates (judged there)."""
+    parent = source.parents.get(call)
+    return (isinstance(parent, (ast.For, ast.AsyncFor)) and parent.iter is call) or (
+        isinstance(parent, ast.comprehension) and parent.iter is call
+    )
 
 
 _ORDER_FREE = {"any", "all", "sum", "min", "max", "len", "set", "frozenset", "sorted"}
@@ -212,15 +236,38 @@ def _is_set(node: ast.AST) -> bool:
 
 
 def sampler_without_set_epoch(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    samplers = [c for c in source.calls() if last(call_name(c)) == "DistributedSampler"]
+    """A shuffling DistributedSampler in a file that trains (calls backward) and never calls
+    ``set_epoch``. A sampler built with ``shuffle=False`` (or a shuffle its caller chooses), or in a
+    file that only evaluates, reads the same order every epoch on purpose or runs one pass."""
+    samplers = [
+        c
+        for c in source.calls()
+        if last(call_name(c)) == "DistributedSampler" and _shuffles(c) and not _for_evaluation(source, c)
+    ]
     if not samplers or any(last(call_name(c)) == "set_epoch" for c in source.calls()):
         return
+    if not any(last(call_name(c)) == "backward" for c in source.calls()):
+        return  # no training here: an evaluation's single pass, or a loader built for a script elsewhere
     if _handed_elsewhere(source, samplers[0]):
         return
     yield (
         samplers[0],
         ("DistributedSampler without sampler.set_epoch(epoch): every epoch shuffles the data in the same order"),
     )
+
+
+def _shuffles(sampler: ast.Call) -> bool:
+    """``shuffle`` left at its default (True) or set True: set_epoch changes its order."""
+    value = keyword(sampler, "shuffle")
+    return value is None or (isinstance(value, ast.Constant) and value.value is True)
+
+
+def _for_evaluation(source: Source, sampler: ast.Call) -> bool:
+    """``val_sampler = DistributedSampler(val_set)``: an evaluation's order does not matter."""
+    parent = source.parents.get(sampler)
+    names = [dotted(t) for t in parent.targets] if isinstance(parent, ast.Assign) else []
+    names += [dotted(a) for a in sampler.args[:1]] + [dotted(keyword(sampler, "dataset"))]
+    return any(w in n.lower() for n in names for w in ("val", "test", "eval"))
 
 
 def _handed_elsewhere(source: Source, sampler: ast.Call) -> bool:
@@ -249,8 +296,8 @@ def _returned_to_another_file(source: Source, sampler: ast.Call, holders: set[st
     """``def build_loader(...): ... return loader`` that nothing in this file calls: the training
     script that does (``loader.sampler.set_epoch(epoch)``) is elsewhere."""
     fn = source.function_of(sampler)
-    if fn is None or source.calls_of(fn):
-        return False
+    if fn is None or any(source.function_of(c) is not fn for c in source.calls_of(fn)):
+        return False  # called here (a call from inside itself, super()._get_sampler(), aside)
     returns = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
     return any(
         sampler in ast.walk(r.value) or any(isinstance(x, ast.Name) and x.id in holders for x in ast.walk(r.value))

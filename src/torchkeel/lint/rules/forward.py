@@ -12,8 +12,9 @@ from torchkeel.lint.rules.model import _in_forward
 # .cpu() is left out: torch.compile traces it, and RPC/pipeline code moves outputs on purpose.
 _HOST_SYNC = {"item", "numpy", "tolist"}
 _FACTORIES = {"zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor"}
-# Ops whose backward needs their own output: modifying that output in place breaks backward.
-_SAVES_OUTPUT = {"sigmoid", "tanh", "exp", "softmax", "log_softmax", "relu", "elu", "selu", "sqrt", "rsqrt", "pow"}
+# Ops whose backward needs their own output: modifying that output in place breaks backward
+# (pow, elu and selu save their input instead).
+_SAVES_OUTPUT = {"sigmoid", "tanh", "exp", "softmax", "log_softmax", "relu", "sqrt", "rsqrt"}
 _INPLACE_METHODS = {
     "add_",
     "sub_",
@@ -72,6 +73,13 @@ def _never_trained(source: Source, forward: ast.FunctionDef | ast.AsyncFunctionD
 
 
 def factory_without_device(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    """A factory in ``forward`` that makes its tensor on the default device (the CPU), in a
+    project that runs models elsewhere and never changes that default. Quiet where the file, or
+    one next to it or up to two folders above, calls ``torch.set_default_device`` (or
+    ``set_default_tensor_type``), under ``with torch.device(...)``, and where neither this folder
+    nor its parent names a device (``cuda``, ``device``, ``mps``): the model runs on the CPU."""
+    if source.project_matches(_SETS_DEFAULT_DEVICE) or not source.project_matches(_NAMES_A_DEVICE, levels=1):
+        return
     for call in source.calls():
         name = call_name(call)
         if (
@@ -83,6 +91,7 @@ def factory_without_device(source: Source) -> Iterator[tuple[ast.AST, str]]:
             and not _moved_after(source, call)
             and not _index_or_metadata(source, call)
             and not _kept_as_host_index(source, call)
+            and not _under_device_block(source, call)
         ):
             yield (
                 call,
@@ -91,6 +100,20 @@ def factory_without_device(source: Source) -> Iterator[tuple[ast.AST, str]]:
                     "the model runs on"
                 ),
             )
+
+
+_SETS_DEFAULT_DEVICE = r"\bset_default_(?:device|tensor_type)\s*\("
+_NAMES_A_DEVICE = r"cuda|device|\bmps\b"
+
+
+def _under_device_block(source: Source, node: ast.AST) -> bool:
+    """Inside ``with torch.device(...):``: factories create their tensors on that device."""
+    block = source.enclosing(node, ast.With)
+    while block is not None:
+        if any(call_name(i.context_expr) in {"torch.device", "device"} for i in block.items):
+            return True
+        block = source.enclosing(block, ast.With)
+    return False
 
 
 def _index_or_metadata(source: Source, call: ast.Call) -> bool:
@@ -153,15 +176,18 @@ def _moved_after(source: Source, call: ast.Call) -> bool:
 
 
 def inplace_on_activation(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    """An in-place write, in a module's ``forward``, to the output of an op whose backward reads
+    that output. A custom ``torch.autograd.Function`` is left alone: its forward runs without
+    autograd and saves what its own backward needs (``ctx.save_for_backward``)."""
     for fn in source.nodes:
-        if not (isinstance(fn, ast.FunctionDef) and fn.name == "forward"):
+        if not (isinstance(fn, ast.FunctionDef) and fn.name == "forward") or _autograd_function(source, fn):
             continue
         saved: dict[str, str] = {}
         for node in sorted((n for n in ast.walk(fn) if hasattr(n, "lineno")), key=lambda n: (n.lineno, n.col_offset)):
             if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
                 op = last(call_name(node.value)) if isinstance(node.value, ast.Call) else ""
-                if op in _SAVES_OUTPUT:
-                    saved[node.targets[0].id] = op
+                if op in _SAVES_OUTPUT and not _no_graph_here(source, node, fn):
+                    saved[node.targets[0].id] = op  # made under no_grad, nothing is saved for backward
                 else:
                     saved.pop(node.targets[0].id, None)
             target = None
@@ -184,3 +210,30 @@ def inplace_on_activation(source: Source) -> Iterator[tuple[ast.AST, str]]:
                     ),
                 )
                 saved.pop(target)
+
+
+def _autograd_function(source: Source, fn: ast.FunctionDef) -> bool:
+    """``forward`` of a class deriving from ``torch.autograd.Function`` (or ``Function`` imported
+    from ``torch.autograd``)."""
+    cls = source.parents.get(fn)
+    if not isinstance(cls, ast.ClassDef):
+        return False
+    for base in map(dotted, cls.bases):
+        if base.endswith("autograd.Function") or base.endswith("InplaceFunction"):
+            return True
+        if base == "Function" and (source.imported_from("Function") or "").startswith("torch.autograd"):
+            return True
+    return False
+
+
+def _no_graph_here(source: Source, node: ast.AST, fn: ast.FunctionDef) -> bool:
+    """``node`` runs without autograd: ``fn`` is decorated with no_grad/inference_mode, or ``node``
+    lies in such a ``with`` block."""
+    if grad_free(fn):
+        return True
+    block = source.enclosing(node, ast.With)
+    while block is not None and source.function_of(block) is fn:
+        if any(last(call_name(i.context_expr)) in {"no_grad", "inference_mode"} for i in block.items):
+            return True
+        block = source.enclosing(block, ast.With)
+    return False

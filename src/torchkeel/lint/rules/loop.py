@@ -35,6 +35,14 @@ class Event:
     node: ast.AST
     depth: int  # 0 in the loop's own body, 1+ inside a nested loop
     has_closure: bool = False
+    site: ast.AST | None = None
+    """The call in the loop that runs ``node`` when it lies in a function of this file, else None."""
+
+    @property
+    def order(self) -> tuple[int, int, int, int]:
+        """Where it runs in the iteration: its call site's position first, then its own."""
+        at = self.site or self.node
+        return (at.lineno, at.col_offset, self.node.lineno, self.node.col_offset)
 
 
 def is_optimizer(source: Source, name: str) -> bool:
@@ -80,13 +88,24 @@ def loop_events(source: Source, body: list[ast.stmt], depth: int = 0, inlined: i
             elif inlined < 1 and last(name) in source.functions:
                 fn = source.functions[last(name)]
                 if fn.name not in {"__init__", "forward"}:
-                    events += loop_events(source, fn.body, d, inlined + 1)
+                    inner = loop_events(source, fn.body, d, inlined + 1)
+                    events += [dataclasses.replace(e, site=e.site or node) for e in inner]
     for node in ast.walk(ast.Module(body=body, type_ignores=[])):
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Attribute) and t.attr == "grad" for t in node.targets
         ):
             events.append(Event("zero_grad", "", node, depth))
+        elif _zeroes_by_hand(node):
+            events.append(Event("zero_grad", "", node, depth))
     return events
+
+
+def _zeroes_by_hand(node: ast.AST) -> bool:
+    """``w.grad.zero_()`` / ``p.grad.data.zero_()``: a tensor's gradient cleared without an optimizer."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "zero_"):
+        return False
+    holder = dotted(node.func.value)
+    return holder.endswith((".grad", ".grad.data"))
 
 
 def _walk_in_order(node: ast.AST) -> Iterator[ast.AST]:
@@ -117,9 +136,16 @@ def training_loops(source: Source) -> list[tuple[ast.AST, list[Event]]]:
             for loop in source.nodes
             if isinstance(loop, (ast.For, ast.While, ast.AsyncFor))
             for events in [loop_events(source, loop.body)]
-            if any(e.kind == "step" and e.depth == 0 for e in events)
+            if any(e.kind == "step" and e.depth == 0 and not _over_optimizers(loop, e) for e in events)
         ]
     return found
+
+
+def _over_optimizers(loop: ast.AST, step: Event) -> bool:
+    """``for opt in optimizers: opt.step()``: a loop over optimizers (each stepped once), not over batches."""
+    target = getattr(loop, "target", None)
+    names = {n.id for n in ast.walk(target) if isinstance(n, ast.Name)} if target is not None else set()
+    return step.target.split(".")[0] in names
 
 
 def double_step(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -147,12 +173,14 @@ def missing_zero_grad(source: Source) -> Iterator[tuple[ast.AST, str]]:
         zeros = [e for e in events if e.kind == "zero_grad"]
         if outer is not None:
             zeros += [e for e in loop_events(source, outer.body) if e.kind == "zero_grad"]
-        # zero_grad on the model (or `.grad = None`) clears everything; on an optimizer only its own parameters.
-        if any(not e.target or not is_optimizer(source, e.target) for e in zeros):
+        # zero_grad on the model (or `.grad = None`) clears everything; on an optimizer only its own
+        # parameters; on one this loop never steps (a loop variable, a helper's parameter): unknown.
+        stepped = {last(e.target) for e in steps}
+        if any(not e.target or not is_optimizer(source, e.target) or last(e.target) not in stepped for e in zeros):
             continue
         zeroed = {last(e.target) for e in zeros}
         for step in steps:
-            if last(step.target) not in zeroed:
+            if last(step.target) not in zeroed and not _built_in_loop(loop, step.target):
                 also = f" (zero_grad() runs only on {', '.join(sorted(zeroed))})" if zeroed else ""
                 yield (
                     step.node,
@@ -164,11 +192,17 @@ def missing_zero_grad(source: Source) -> Iterator[tuple[ast.AST, str]]:
                 break
 
 
+def _built_in_loop(loop: ast.AST, optimizer: str) -> bool:
+    """The optimizer is made anew in each iteration (over a tensor made there too): nothing adds up."""
+    return any(
+        isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and any(dotted(t) == optimizer for t in n.targets)
+        for n in ast.walk(loop)
+    )
+
+
 def zero_grad_between(source: Source) -> Iterator[tuple[ast.AST, str]]:
     for _, events in training_loops(source):
-        ordered = sorted(
-            (e for e in events if e.depth == 0 or e.kind != "step"), key=lambda e: (e.node.lineno, e.node.col_offset)
-        )
+        ordered = sorted((e for e in events if e.depth == 0 or e.kind != "step"), key=lambda e: e.order)
         seen_backward = False
         for i, e in enumerate(ordered):
             if e.kind == "backward":
@@ -210,6 +244,9 @@ def _grads_assigned(scope: ast.AST) -> bool:
 
 
 def step_without_backward(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    """A loop that computes a loss, never hands it on, and steps: no backward can have run. A loss
+    handed to a call (``loss.accumulate_gradients(...)`` aside, ``agent.learn(loss)``) or a call
+    into this file's functions that reaches a backward (three levels deep) may run one."""
     for loop, events in training_loops(source):
         steps = [e for e in events if e.kind == "step" and e.depth == 0 and not e.has_closure]
         if not steps or any(e.kind == "backward" for e in events) or _grads_assigned(loop):
@@ -219,10 +256,71 @@ def step_without_backward(source: Source) -> Iterator[tuple[ast.AST, str]]:
         outer = source.enclosing(loop, ast.For, ast.While, ast.AsyncFor)
         if outer is not None and any(e.kind == "backward" for e in loop_events(source, outer.body)):
             continue
+        loss = _loss_left_alone(source, loop)
+        if loss is None or _reaches_backward(source, loop, depth=3):
+            continue
         yield (
             steps[0].node,
-            (f"{steps[0].target}.step() runs in a loop that never calls backward(): no parameter gets a gradient"),
+            (
+                f"{steps[0].target}.step() runs in a loop that computes '{loss}' and never calls backward(): "
+                "no parameter gets a gradient"
+            ),
         )
+
+
+_ONLY_READ = {
+    "print",
+    "str",
+    "float",
+    "format",
+    "append",
+    "add_scalar",
+    "log",
+    "info",
+    "update",
+    "write",
+    "set_postfix",
+}
+
+
+def _loss_left_alone(source: Source, loop: ast.AST) -> str | None:
+    """The name of a loss computed in the loop (``loss = criterion(...)``) that no call other than
+    printing or logging receives, and no ``.backward`` method reads: None when there is none."""
+    for node in ast.walk(loop):
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            continue
+        name = node.targets[0].id
+        value = node.value.left if isinstance(node.value, ast.BinOp) else node.value
+        if "loss" not in name.lower() or not (isinstance(value, ast.Call) and _loss_call(value)):
+            continue
+        handed = any(
+            last(call_name(c)) not in _ONLY_READ
+            and any(
+                isinstance(a, ast.Name) and a.id == name
+                for arg in [*c.args, *(k.value for k in c.keywords)]
+                for a in ast.walk(arg)
+            )
+            for c in source.calls(loop)
+        )
+        if not handed:
+            return name
+    return None
+
+
+def _loss_call(call: ast.Call) -> bool:
+    callee = last(call_name(call)).lower()
+    return "loss" in callee or callee in {"criterion", "cross_entropy", "mse_loss", "nll_loss", "l1_loss"}
+
+
+def _reaches_backward(source: Source, root: ast.AST, depth: int) -> bool:
+    """A call in ``root`` to a function of this file that calls backward, ``depth`` calls deep."""
+    for call in source.calls(root):
+        fn = source.functions.get(last(call_name(call)))
+        if fn is None or fn is root or depth == 0:
+            continue
+        if any(last(call_name(c)) == "backward" for c in source.calls(fn)) or _reaches_backward(source, fn, depth - 1):
+            return True
+    return False
 
 
 def scheduler_before_optimizer(source: Source) -> Iterator[tuple[ast.AST, str]]:
@@ -230,12 +328,7 @@ def scheduler_before_optimizer(source: Source) -> Iterator[tuple[ast.AST, str]]:
         own = [e for e in events if e.depth == 0 and e.kind in ("step", "sched")]
         first_step = next((e for e in own if e.kind == "step"), None)
         first_sched = next((e for e in own if e.kind == "sched"), None)
-        if (
-            first_step
-            and first_sched
-            and (first_sched.node.lineno, first_sched.node.col_offset)
-            < (first_step.node.lineno, first_step.node.col_offset)
-        ):
+        if first_step and first_sched and first_sched.order < first_step.order:
             yield (
                 first_sched.node,
                 (

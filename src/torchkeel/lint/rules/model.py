@@ -262,19 +262,6 @@ def backward_in_autocast(source: Source) -> Iterator[tuple[ast.AST, str]]:
                     )
 
 
-def _exclusive(source: Source, a: ast.AST, b: ast.AST) -> bool:
-    """``a`` and ``b`` lie in opposite branches of one ``if``: they never run in the same pass."""
-    child, parent = a, source.parents.get(a)
-    while parent is not None:
-        if isinstance(parent, ast.If):
-            inside = child in parent.body
-            other = parent.orelse if inside else parent.body
-            if child in parent.body or child in parent.orelse:
-                return any(b is n for stmt in other for n in ast.walk(stmt))
-        child, parent = parent, source.parents.get(parent)
-    return False
-
-
 def clip_without_unscale(source: Source) -> Iterator[tuple[ast.AST, str]]:
     """A clip on a path that scales the loss with a GradScaler: in the same function, or in a
     function of this file that calls the clipping one (``clip(model)`` after ``scaler.scale``).
@@ -286,7 +273,7 @@ def clip_without_unscale(source: Source) -> Iterator[tuple[ast.AST, str]]:
         scopes = {own, *_callers(source, own)}
         calls = [c for c in source.calls() if source.function_of(c) in scopes]
         scales = [c for c in calls if last(call_name(c)) == "scale" and "scaler" in call_name(c).lower()]
-        if all(_exclusive(source, clip, scale) for scale in scales):
+        if all(source.exclusive(clip, scale) for scale in scales):
             continue  # no scaler on this path (none at all, or the `else:` branch of `if use_amp:`)
         if not any(
             last(call_name(c)) == "unscale_"

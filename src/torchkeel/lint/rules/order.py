@@ -18,7 +18,7 @@ _DROPOUTS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", 
 
 
 def _ordered(events: list[Event]) -> list[Event]:
-    return sorted(events, key=lambda e: (e.node.lineno, e.node.col_offset))
+    return sorted(events, key=lambda e: e.order)
 
 
 def _clips(source: Source, loop: ast.AST) -> list[ast.Call]:
@@ -31,19 +31,20 @@ def _clips(source: Source, loop: ast.AST) -> list[ast.Call]:
 
 def clip_before_backward(source: Source) -> Iterator[tuple[ast.AST, str]]:
     """A clip of the gradients that comes, in the iteration, before every backward and is not
-    followed by another clip before the step."""
+    followed by another clip before the step. A backward inside a function of this file counts
+    where that function is called (``self.backward_step(loss)`` before the clip)."""
     for loop, events in training_loops(source):
         backwards = [e for e in events if e.kind == "backward" and e.depth == 0]
         steps = [e for e in events if e.kind == "step" and e.depth == 0 and not e.has_closure]
         clips = _clips(source, loop)
         if not backwards or not steps or not clips:
             continue
-        first_backward = min((e.node.lineno, e.node.col_offset) for e in backwards)
-        if all((c.lineno, c.col_offset) < first_backward for c in clips):
+        first = min(backwards, key=lambda e: e.order)  # a backward in a function of this file: where it is called
+        if all((c.lineno, c.col_offset) < first.order[:2] for c in clips):
             yield (
                 clips[0],
                 (
-                    f"{call_name(clips[0])}() runs before backward() (line {backwards[0].node.lineno}) in the "
+                    f"{call_name(clips[0])}() runs before backward() (line {first.order[0]}) in the "
                     "iteration: it clips the previous step's gradients, and the ones step() uses are never clipped"
                 ),
             )
@@ -73,7 +74,10 @@ def repeated_backward(source: Source) -> Iterator[tuple[ast.AST, str]]:
 
 
 def accumulation_not_divided(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    """A loop that steps under ``if (i + 1) % k == 0`` and backpropagates a loss never divided."""
+    """A loop that steps under ``if (i + 1) % k == 0`` and backpropagates, every iteration, a loss
+    never divided. Gradients add up only when the backward runs more often than the step and no
+    zero_grad clears them in between: a backward under the step's own condition (an RL update every
+    ``train_frequency`` steps), or a zero_grad that runs whenever the backward does, is no accumulation."""
     for loop, events in training_loops(source):
         steps = [e for e in events if e.kind == "step" and e.depth == 0 and not e.has_closure]
         backwards = [e for e in events if e.kind == "backward" and e.depth == 0]
@@ -81,16 +85,19 @@ def accumulation_not_divided(source: Source) -> Iterator[tuple[ast.AST, str]]:
             continue
         if backwards[0].node.args:
             continue  # accelerator.backward(loss) divides by its accumulation steps itself
-        loss = backwards[0].node.func.value
+        backward, loss = backwards[0].node, backwards[0].node.func.value
         guard = source.enclosing(steps[0].node, ast.If)
         if not isinstance(loss, ast.Name) or guard is None or not _is_modulo_test(guard.test):
             continue
-        if source.enclosing(guard, ast.For, ast.While) is not loop:
+        if source.enclosing(guard, ast.For, ast.While) is not loop or _divided(source, loop, loss.id):
             continue
-        if _divided(source, loop, loss.id):
-            continue
+        every = source.guards(backward, loop)
+        if source.guards(steps[0].node, loop) <= every:
+            continue  # the backward runs only when the step does: one backward per step
+        if any(e.kind == "zero_grad" and source.guards(e.node, loop) <= every for e in events if e.depth == 0):
+            continue  # cleared whenever the backward runs: the gradients never add up
         yield (
-            backwards[0].node,
+            backward,
             (
                 f"{loss.id}.backward() runs every iteration and step() only every k-th (line {guard.lineno}): "
                 f"{loss.id} is never divided by k, so the step is k times what the learning rate says"
