@@ -378,7 +378,11 @@ def eval_overlaps_train(facts: Any, outcome: object) -> list[Finding]:
     found = []
     for rec in facts.invariants.get(FAMILY, {}).get("overlaps", []):
         compared, inside = rec["rows_compared"], rec["rows_in_training"]
-        if compared < _MIN_EVAL_ROWS or inside < _OVERLAP_SHARE * compared or any("train" in n.lower() for n in rec["names"]):
+        if (
+            compared < _MIN_EVAL_ROWS
+            or inside < _OVERLAP_SHARE * compared
+            or any("train" in n.lower() for n in rec["names"])
+        ):
             continue  # a loader named for the training data evaluates it on purpose
         trained = rec["train_loaders"]
         names = ", ".join(f"{t['loader']} ({t['dataset_class']})" for t in trained) or "the training data"

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from torchkeel.diagnose.findings import Finding, site_fields
-from torchkeel.introspect.sites import user_site
+from torchkeel.introspect.sites import site_text, user_frame, user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
@@ -90,36 +91,69 @@ class Listener:
         self.changed_at: dict[str, int] = {}  # generator -> the observation its fingerprint last changed
         self.observations = 0
         self.repeats: dict[str, dict[str, Any]] = {}
-        self.loop_calls_from: int | None = None  # seed calls made before the first step are setup
+        self.loop_started = False
+        self.loop_calls_from = 0  # seed calls (``facts.seeds``) made before the first step are setup
         self.instances: list[dict[str, Any]] = []  # random.Random seeded during the loop
+        self.resets: list[dict[str, Any]] = []  # global seed calls, with whether a model was evaluating
 
     def install(self) -> None:
-        original = random.Random.seed
+        patch = self.probe.patch
+        patch(random.Random, "seed", self._noting_instance(random.Random.seed))
+        # Wrapped over the seed listener's own wrappers: this one notes the context of each reset.
+        patch(torch, "manual_seed", self._noting_reset("torch.manual_seed", torch.manual_seed))
+        patch(torch.random, "manual_seed", self._noting_reset("torch.manual_seed", torch.random.manual_seed))
+        patch(np.random, "seed", self._noting_reset("numpy.random.seed", np.random.seed))
+        patch(random, "seed", self._noting_reset("random.seed", random.seed))
+
+    def _noting_instance(self, original: Callable) -> Callable:
         listener, probe = self, self.probe
 
         def seed(generator: random.Random, a: Any = None, *args: Any, **kwargs: Any) -> Any:
-            if listener.loop_calls_from is not None and not probe.state.busy and a is not None:
-                value = a if isinstance(a, (int, float, str)) else repr(a)[:80]
+            if listener.loop_started and not probe.state.busy and a is not None and type(generator) is random.Random:
                 site = user_site(sys._getframe(1))
                 if site is not None:
-                    listener.instances.append({"function": "random.Random", "value": value, "site": site})
+                    listener.instances.append({"function": "random.Random", "value": _plain(a), "site": site})
             return original(generator, a, *args, **kwargs)
 
-        self.probe.patch(random.Random, "seed", seed)
+        return seed
+
+    def _noting_reset(self, label: str, original: Callable) -> Callable:
+        listener, probe = self, self.probe
+
+        def seed(*args: Any, **kwargs: Any) -> Any:
+            if not probe.state.busy and len(listener.resets) < _MAX_STATES:
+                models = [m for m, _ in probe.state.roots.values()]
+                listener.resets.append(
+                    {
+                        "function": label,
+                        "value": _plain(args[0] if args else kwargs.get("seed")),
+                        "site": user_site(sys._getframe(1)),
+                        "called_from": _caller(sys._getframe(1)),
+                        "evaluating": not torch.is_grad_enabled()
+                        or bool(models and not any(m.training for m in models)),
+                    }
+                )
+            return original(*args, **kwargs)
+
+        return seed
 
     def on_step_begins(self) -> None:
         probe = self.probe
         if probe.light:
             return
-        calls = probe.facts.seeds.get("calls", [])
-        if self.loop_calls_from is None:
-            self.loop_calls_from = len(calls)
+        if not self.loop_started:
+            self.loop_started, self.loop_calls_from = True, len(probe.facts.seeds.get("calls", []))
         step = probe.next_step
         if step > _SAMPLED_FIRST and step % _SAMPLE_EVERY:
             return
-        here = {"step": step, "index": self.observations, "calls": len(calls), "optimizers": len(probe.state.optimizers)}
+        here = {
+            "step": step,
+            "index": self.observations,
+            "calls": len(self.resets),
+            "optimizers": len(probe.state.optimizers),
+        }
         for generator, fingerprint in _fingerprints().items():
-            self._observe(generator, fingerprint, here, calls)
+            self._observe(generator, fingerprint, here, self.resets)
         self.observations += 1
 
     def _observe(self, generator: str, fingerprint: int, here: dict[str, Any], calls: list[dict[str, Any]]) -> None:
@@ -145,20 +179,33 @@ class Listener:
         repeat["repeats"] += 1
         if len(repeat["steps"]) < 5:
             repeat["steps"].append([before["step"], here["step"]])
+        repeat["evaluating"] = repeat.get("evaluating", True) and bool(resets) and all(c["evaluating"] for c in resets)
         if resets and "seed" not in repeat:
             call = resets[-1]
             repeat["seed"] = {"function": call["function"], "value": call["value"], **site_fields(call["site"] or {})}
+            if call["called_from"]:
+                repeat["seed"]["called_from"] = site_text(call["called_from"])
 
     def finish(self) -> None:
         probe = self.probe
         calls = probe.facts.seeds.get("calls", [])
-        start = self.loop_calls_from if self.loop_calls_from is not None else len(calls)
-        loop_calls = calls[start:] + self.instances
+        loop_calls = (calls[self.loop_calls_from :] if self.loop_started else []) + self.instances
         probe.facts.invariants[FAMILY] = {
             "repeats": list(self.repeats.values()),
             "reseeds": _reseeds(loop_calls),
             "steps": probe.facts.steps,
         }
+
+
+def _caller(frame: Any) -> dict[str, Any] | None:
+    """The user frame that called the user function holding ``frame``'s seed call (a ``set_seed()`` helper's caller)."""
+    inner = user_frame(frame)
+    outer = user_frame(inner.f_back) if inner is not None and inner.f_back is not None else None
+    return user_site(outer) if outer is not None else None
+
+
+def _plain(value: Any) -> Any:
+    return value if value is None or isinstance(value, (int, float, str)) else repr(value)[:80]
 
 
 def _reseeds(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -186,14 +233,23 @@ def rng_reset(facts: Any, outcome: object) -> list[Finding]:
         first, again = rec["steps"][0]
         seed = rec.get("seed")
         cause = (
-            f"{seed['function']}({seed['value']!r}) at {seed['file']}:{seed['line']} resets it"
+            f"{seed['function']}({seed['value']!r}) at {seed['file']}:{seed['line']}"
+            + (f" (called from {seed['called_from']})" if seed.get("called_from") else "")
+            + " resets it"
             if seed and seed.get("file")
             else "its state is set back"
         )
+        # Reset only while evaluating (fixed samples to compare): the training draws after it repeat,
+        # a suspicion rather than clear evidence.
+        evaluating = rec.get("evaluating", False)
         message = (
             f"the {rec['generator']} random generator was in the same state at step {again} as at step {first} "
-            f"after drawing in between ({rec['repeats']} repeats): {cause} inside the loop, so the same dropout "
-            "masks, noise and shuffles repeat"
+            f"after drawing in between ({rec['repeats']} repeats): {cause} inside the loop"
+            + (
+                " while evaluating, so the training draws that follow each evaluation repeat"
+                if evaluating
+                else ", so the same dropout masks, noise and shuffles repeat"
+            )
         )
         evidence = {
             "generator": rec["generator"],
@@ -201,11 +257,14 @@ def rng_reset(facts: Any, outcome: object) -> list[Finding]:
             "repeats": rec["repeats"],
             "threshold": _MIN_REPEATS,
             "period": again - first,
+            "while_evaluating": evaluating,
         }
         if seed:
             evidence.update(function=seed["function"], value=seed["value"], **site_fields(seed))
+            if seed.get("called_from"):
+                evidence["called_from"] = seed["called_from"]
         fix = "seed once, before the loop (a seed per run, not per step or epoch); to vary it, seed with the step or epoch"
-        found.append(Finding("invariant-rng-reset", "warning", message, evidence, fix))
+        found.append(Finding("invariant-rng-reset", "info" if evaluating else "warning", message, evidence, fix))
     return found
 
 
@@ -241,4 +300,3 @@ def rng_recreated(facts: Any, outcome: object) -> list[Finding]:
 IDS: tuple[str, ...] = ("invariant-rng-reset", "invariant-rng-recreated")
 DETECTORS: tuple = (rng_reset, rng_recreated)
 EXPLAINED_BY: dict[str, set[str]] = {}
-
