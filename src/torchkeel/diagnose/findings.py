@@ -65,7 +65,12 @@ FINDING_IDS = (
     "invariant-rng-reset",
     "invariant-rng-recreated",
     # -- invariants: updates
+    "invariant-clip-always",
+    "invariant-update-too-small",
+    "invariant-update-too-large",
     # -- invariants: units
+    "invariant-units-identical",
+    "invariant-units-dead",
     "graph-break",
     "recompile",
     "script-error",

@@ -316,11 +316,12 @@ def update_too_large(facts: Facts, outcome: object) -> list[Finding]:
         ranked = sorted(large.items(), key=lambda kv: -statistics.median(h[1] for h in kv[1]))
         opt = _optimizer(facts, index)
         top_name, top_hits = ranked[0]
+        decays = [wd for wd in opt.get("weight_decays", []) if wd > 0]
         message = (
-            f"{len(large)} weight tensor(s) change by as much as they weigh at each step: {top_name} by "
-            f"||dw||/||w|| = {statistics.median(h[1] for h in top_hits):.3g} (median of {len(top_hits)} sampled steps "
-            f"from step {top_hits[0][0]}; healthy runs stay near 1e-3) with {opt.get('class', 'the optimizer')} at "
-            f"lr {top_hits[-1][2]:.3g}{_where(opt)}"
+            f"{len(large)} weight tensor(s) change by about their own size per step: {top_name} by ||dw||/||w|| = "
+            f"{statistics.median(h[1] for h in top_hits):.3g} (median of {len(top_hits)} sampled steps from step "
+            f"{top_hits[0][0]}; healthy runs stay near 1e-3) with {opt.get('class', 'the optimizer')} at lr "
+            f"{top_hits[-1][2]:.3g}" + (f", weight decay {max(decays):.3g}" if decays else "") + _where(opt)
         )
         evidence = {
             "optimizer": opt.get("class"),
