@@ -748,11 +748,11 @@ def test_a_file_that_is_not_python_is_skipped_and_counted_never_a_finding(tmp_pa
     (tmp_path / "template.py").write_text(TEMPLATE)
     (tmp_path / "nul.py").write_bytes(b"import torch\x00\n")
     bad = tmp_path / "train.py"
-    bad.write_text(textwrap.dedent(CASES["TK107"][0]))
+    bad.write_text(textwrap.dedent(CASES["TK113"][0]))
     assert main(["lint", "--json", str(tmp_path)]) == 1  # the real finding still fails the run
     out = json.loads(capsys.readouterr().out)
     jsonschema.validate(out, SCHEMA)
-    assert [f["code"] for f in out["findings"]] == ["TK107"] and out["files"] == 1
+    assert [f["code"] for f in out["findings"]] == ["TK113"] and out["files"] == 1
     assert sorted(Path(s["path"]).name for s in out["skipped"]) == ["nul.py", "template.py"]
     assert all(s["reason"].startswith("does not parse as Python") for s in out["skipped"])
     bad.unlink()
@@ -776,17 +776,17 @@ def test_files_linted_in_parallel_give_the_report_of_one_process(tmp_path):
 
 def test_cli_json_matches_the_schema_and_exit_codes(tmp_path, capsys):
     bad = tmp_path / "bad.py"
-    bad.write_text(textwrap.dedent(CASES["TK107"][0]))
+    bad.write_text(textwrap.dedent(CASES["TK113"][0]))
     good = tmp_path / "good.py"
-    good.write_text(textwrap.dedent(CASES["TK107"][1]))
+    good.write_text(textwrap.dedent(CASES["TK113"][1]))
     assert main(["lint", "--json", str(bad)]) == 1
     out = json.loads(capsys.readouterr().out)
     jsonschema.validate(out, SCHEMA)
-    assert [f["code"] for f in out["findings"]] == ["TK107"]
-    assert out["findings"][0]["id"] == "missing-zero-grad" and out["findings"][0]["line"] > 1
-    assert main(["lint", "--json", "--select", "TK107", str(good)]) == 0
+    assert [f["code"] for f in out["findings"]] == ["TK113"]
+    assert out["findings"][0]["id"] == "probabilities-into-cross-entropy" and out["findings"][0]["line"] > 1
+    assert main(["lint", "--json", "--select", "TK113", str(good)]) == 0
     assert json.loads(capsys.readouterr().out)["findings"] == []
-    assert main(["lint", "--ignore", "TK107", str(bad)]) == 0
+    assert main(["lint", "--ignore", "TK113", str(bad)]) == 0
 
 
 def test_cli_usage_errors_exit_2(tmp_path, capsys):
@@ -801,8 +801,8 @@ def test_pre_commit_hook_runs_keel_lint(tmp_path):
         pytest.fail("pre-commit is a dev dependency: `make setup` installs it")
     repo = tmp_path / "project"
     repo.mkdir()
-    (repo / "train.py").write_text(textwrap.dedent(CASES["TK106"][0]))
-    (repo / "ok.py").write_text(textwrap.dedent(CASES["TK106"][1]))
+    (repo / "train.py").write_text(textwrap.dedent(CASES["TK113"][0]))
+    (repo / "ok.py").write_text(textwrap.dedent(CASES["TK113"][1]))
     env = {
         **os.environ,
         "PRE_COMMIT_HOME": str(tmp_path / "cache"),
@@ -828,7 +828,7 @@ def test_pre_commit_hook_runs_keel_lint(tmp_path):
         timeout=300,
     )
     assert run.returncode == 1, run.stdout + run.stderr
-    assert "train.py" in run.stdout and "TK106" in run.stdout
+    assert "train.py" in run.stdout and "TK113" in run.stdout
     run = subprocess.run(
         [
             os.path.join(os.path.dirname(sys.executable), "pre-commit"),

@@ -1,4 +1,4 @@
-"""``keel lint [--json] [--select CODES] [--ignore CODES] PATHS...``: static checks of PyTorch code."""
+"""``keel lint [--json] [--preview] [--select CODES] [--ignore CODES] PATHS...``: static checks of PyTorch code."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from torchkeel.lint import RULES, Skipped, lint_paths
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", help="Python files or directories")
     parser.add_argument("--json", action="store_true", help='print {"findings": [...]} on stdout')
-    parser.add_argument("--select", help="comma-separated codes or prefixes to run (default: all)")
+    parser.add_argument("--preview", action="store_true", help="also run the preview rules (see docs/lint.md)")
+    parser.add_argument(
+        "--select", help="comma-separated codes or prefixes to run (default: all; a preview rule only by its code)"
+    )
     parser.add_argument("--ignore", help="comma-separated codes or prefixes to skip")
 
 
@@ -28,12 +31,11 @@ def _skipped(skipped: list[Skipped]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-
     for option, value in (("--select", codes(args.select)), ("--ignore", codes(args.ignore))):
         unknown = [c for c in value or [] if not any(code.startswith(c) for code in RULES)]
         if unknown:
             raise ConfigError(f"{option}: unknown rule code(s) {', '.join(unknown)}; see `docs/lint.md` for TK101..")
-    report = lint_paths(args.paths, select=codes(args.select), ignore=codes(args.ignore))
+    report = lint_paths(args.paths, select=codes(args.select), ignore=codes(args.ignore), preview=args.preview)
     if args.json:
         findings = [f.to_dict() for f in report.findings]
         skipped = [s.to_dict() for s in report.skipped]

@@ -325,6 +325,17 @@ _TABLE = [
     ),
 ]
 
+# Rules not yet measured precise on public code they were not tuned on (docs/lint.md, "Measured
+# precision": the default set holds only rules at >= 90 % strict precision there). They run with
+# `keel lint --preview`, or when --select names their whole code.
+PREVIEW = frozenset(
+    {
+        "TK101", "TK102", "TK103", "TK104", "TK105", "TK106", "TK107", "TK108", "TK109", "TK110",
+        "TK111", "TK114", "TK116", "TK117", "TK118", "TK119", "TK120", "TK121", "TK122", "TK123",
+        "TK125", "TK126", "TK128", "TK130", "TK132", "TK133", "TK134", "TK135",
+    }
+)  # fmt: skip
+
 # Rules about what a training run does over time (or costs in memory), quiet in test files (``Rule.in_tests``).
 _NOT_IN_TESTS = {"TK103", "TK111", "TK116", "TK118", "TK123", "TK126"}
 
