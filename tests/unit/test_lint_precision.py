@@ -249,22 +249,31 @@ def test_tk123_fires_on_zip_and_enumerate_outside_a_loop_quiet_once_sorted():
 # --- TK114: a pickle from elsewhere ---------------------------------------------------------------
 
 
-def test_tk114_quiet_on_the_scripts_own_checkpoint_fires_on_a_download():
+def test_tk114_quiet_on_the_projects_own_checkpoints_fires_on_weights_from_elsewhere():
     own = """
         import torch
-        def evaluate(model, args):
+        def fit(model, args):
             torch.save(model.state_dict(), args.save_path)
-            model.load_state_dict(torch.load(args.save_path, weights_only=False))
+        def evaluate(model, args):
+            model.load_state_dict(torch.load(args.load_model_path, weights_only=False))
         """
-    assert found(own, "TK114") == []
+    assert found(own, "TK114", "/nowhere/train.py") == []  # it loads what it wrote
+    pretrained = """
+        import torch
+        def get_detector(net, trained_model, device):
+            net.load_state_dict(torch.load(trained_model, map_location=device, weights_only=False))
+            return net
+        """
+    assert found(pretrained, "TK114", "/nowhere/detection.py") == [4]  # weights it never wrote
     fetched = """
         import torch
         from huggingface_hub import hf_hub_download
-        def load_pretrained(model, repo_id):
+        def fit(model, repo_id):
             path = hf_hub_download(repo_id, "pytorch_model.bin")
             model.load_state_dict(torch.load(path, weights_only=False))
+            torch.save(model.state_dict(), "finetuned.pt")
         """
-    assert found(fetched, "TK114") == [6]
+    assert found(fetched, "TK114", "/nowhere/train.py") == [6]
 
 
 # --- TK107: gradients cleared by hand, optimizers made per iteration, loops over optimizers ---------
@@ -403,3 +412,38 @@ def test_tk118_quiet_in_a_script_that_only_evaluates():
                 print(model.generate(batch))
         """
     assert found(text, "TK118") == []
+
+
+def test_tk123_quiet_on_a_set_of_numbers():
+    text = """
+        def penalize(lprobs, prev_output_tokens, penalty):
+            seen = []
+            for i in range(lprobs.shape[0]):
+                for token in set(prev_output_tokens[i].tolist()):
+                    seen.append(token)
+            return {t: i for i, t in enumerate(list({3, 1, 2}))}
+        """
+    assert found(text, "TK123") == []  # ints hash to themselves: the same order every run
+
+
+def test_tk103_quiet_when_moved_after_a_reshape_or_later_and_on_a_host_coin_flip():
+    text = """
+        import torch
+        class SupConLoss(torch.nn.Module):
+            def forward(self, features, labels):
+                device = features.device
+                mask = torch.eye(features.shape[0]).unsqueeze(0).to(device)
+                logits_mask = torch.arange(features.shape[0]).view(-1, 1).to(device)
+                grid = torch.zeros(features.shape[0], 2)
+                if features.is_cuda:
+                    grid = grid.cuda()
+                return features * mask, logits_mask, grid
+        class RandomFlip(torch.nn.Module):
+            def forward(self, img):
+                if torch.rand(1) < 0.5:
+                    return img.flip(-1)
+                return img
+        """
+    assert found(text, "TK103") == []
+    left = text.replace("                if features.is_cuda:\n                    grid = grid.cuda()\n", "")
+    assert found(left, "TK103") == [8]

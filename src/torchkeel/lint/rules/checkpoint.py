@@ -24,13 +24,17 @@ _DOWNLOADS |= {"cached_path", "download", "download_file", "gdown", "snapshot_do
 
 
 def unsafe_load(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    """A pickle-enabled ``torch.load`` of a file that comes from elsewhere: its path is a URL or
-    what a download returned. A path the script or its user chose (its own checkpoint, a resume
-    argument) is a file they trust: that cannot be told from a stranger's by reading the code."""
+    """A pickle-enabled ``torch.load`` of a file from elsewhere: its path is a URL or what a
+    download returned, or the project (this file and the files next to it) never writes a file
+    with ``torch.save``, so what it loads is someone else's (pretrained weights, a checkpoint to
+    convert). A project that saves its own checkpoints and loads them back trusts what it wrote."""
     version = torch_version()
     default_safe = version is not None and version >= _SAFE_LOAD_SINCE
+    writes_own = source.project_matches(r"\btorch\.save\s*\(", levels=0)
     for call in source.calls():
-        if call_name(call) != "torch.load" or not call.args or not source.reaches(call.args[0], _downloaded):
+        if call_name(call) != "torch.load" or not call.args:
+            continue
+        if writes_own and not source.reaches(call.args[0], _downloaded):
             continue
         value = keyword(call, "weights_only")
         if value is None and not default_safe and not _inside_safe_globals(source, call):

@@ -230,9 +230,14 @@ def _order_free(source: Source, comprehension: ast.AST) -> bool:
 
 
 def _is_set(node: ast.AST) -> bool:
-    return isinstance(node, (ast.Set, ast.SetComp)) or (
-        isinstance(node, ast.Call) and call_name(node) in {"set", "frozenset"}
-    )
+    """A set whose order can change between runs: not one of numbers (``set(ids.tolist())``,
+    ``{1, 2}``, ``set(range(n))``), which hash to themselves and iterate the same every run."""
+    if isinstance(node, ast.Set):
+        return not all(isinstance(e, ast.Constant) and isinstance(e.value, int) for e in node.elts)
+    if isinstance(node, ast.Call) and call_name(node) in {"set", "frozenset"}:
+        numbers = (n for arg in node.args for n in ast.walk(arg) if isinstance(n, ast.Call))
+        return not any(last(call_name(n)) in {"tolist", "range"} for n in numbers)
+    return isinstance(node, ast.SetComp)
 
 
 def sampler_without_set_epoch(source: Source) -> Iterator[tuple[ast.AST, str]]:

@@ -169,10 +169,34 @@ def _only_indexes(source: Source, fn: ast.AST, name: str, depth: int) -> bool:
     return bool(uses)
 
 
+_MOVES = {"to", "cuda", "type_as"}
+
+
 def _moved_after(source: Source, call: ast.Call) -> bool:
-    """``torch.zeros(...).to(x.device)`` / ``.cuda()`` / ``.type_as(x)``: created, then moved at once."""
-    parent = source.parents.get(call)
-    return isinstance(parent, ast.Attribute) and parent.attr in {"to", "cuda", "type_as"}
+    """Created, then moved: ``torch.zeros(...).to(x.device)`` (also after reshapes:
+    ``torch.arange(n).view(-1, 1).to(device)``), a name it is assigned to moved later in the
+    function (``if x.is_cuda: grid = grid.cuda()``), or a host coin flip (``if torch.rand(1) < p:``)."""
+    node, parent = call, source.parents.get(call)
+    while isinstance(parent, ast.Attribute) and getattr(source.parents.get(parent), "func", None) is parent:
+        if parent.attr in _MOVES:
+            return True
+        node = source.parents[parent]
+        parent = source.parents.get(node)
+    if isinstance(parent, ast.Attribute) and parent.attr in _MOVES:
+        return True
+    if isinstance(parent, ast.Compare) and isinstance(source.parents.get(parent), (ast.If, ast.While, ast.IfExp)):
+        return True
+    fn = source.function_of(call)
+    if not (isinstance(parent, ast.Assign) and len(parent.targets) == 1 and fn is not None):
+        return False
+    name = dotted(parent.targets[0])
+    return any(
+        isinstance(c.func, ast.Attribute)
+        and c.func.attr in _MOVES
+        and dotted(c.func.value) == name
+        and c.lineno > call.lineno
+        for c in source.calls(fn)
+    )
 
 
 def inplace_on_activation(source: Source) -> Iterator[tuple[ast.AST, str]]:
