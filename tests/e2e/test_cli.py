@@ -1,10 +1,13 @@
-"""``keel`` as a subprocess: exit codes, one-line errors, run files, the demo."""
+"""``keel``: exit codes, one-line errors, run files, the demo. Each command runs once as a
+subprocess, as a user runs it (``keel``); the other checks call the same ``main`` in the test's
+process (``keel_main``), where no process boundary is needed."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from keelmain import keel_main  # noqa: F401 - a fixture
 from keelproc import run_keel as keel
 
 import torchkeel
@@ -55,32 +58,32 @@ def test_train_writes_metrics_config_and_summary(cfg, tmp_path):
         ),
     ],
 )
-def test_config_errors_exit_2_with_one_line(cfg, tmp_path, args, message):
-    result = keel("train", str(cfg), *args, cwd=tmp_path)
+def test_config_errors_exit_2_with_one_line(keel_main, cfg, tmp_path, args, message):
+    result = keel_main("train", str(cfg), *args, cwd=tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"keel: error: {message}")
     assert not (tmp_path / "runs" / "tiny").exists()
 
 
-def test_debug_shows_the_traceback(cfg, tmp_path):
-    result = keel("train", str(cfg), "train.batchsize=8", "--debug", cwd=tmp_path)
+def test_debug_shows_the_traceback(keel_main, cfg, tmp_path):
+    result = keel_main("train", str(cfg), "train.batchsize=8", "--debug", cwd=tmp_path)
     assert result.returncode == 2
     assert "Traceback (most recent call last)" in result.stderr
     assert result.stderr.strip().endswith("did you mean 'train.batch_size'?")
 
 
-def test_existing_run_dir_exits_2_unless_overwrite(cfg, tmp_path):
-    assert keel("train", str(cfg), "train.max_epochs=null", "train.max_steps=2", cwd=tmp_path).returncode == 0
-    again = keel("train", str(cfg), cwd=tmp_path)
+def test_existing_run_dir_exits_2_unless_overwrite(keel_main, cfg, tmp_path):
+    assert keel_main("train", str(cfg), "train.max_epochs=null", "train.max_steps=2", cwd=tmp_path).returncode == 0
+    again = keel_main("train", str(cfg), cwd=tmp_path)
     assert again.returncode == 2 and "already exists" in again.stderr and "--overwrite" in again.stderr
-    assert keel("train", str(cfg), "--overwrite", "--no-progress", cwd=tmp_path).returncode == 0
+    assert keel_main("train", str(cfg), "--overwrite", "--no-progress", cwd=tmp_path).returncode == 0
 
 
-def test_missing_config_file_and_usage_errors(tmp_path):
-    missing = keel("train", "nope.yaml", cwd=tmp_path)
+def test_missing_config_file_and_usage_errors(keel_main, tmp_path):
+    missing = keel_main("train", "nope.yaml", cwd=tmp_path)
     assert missing.returncode == 2 and "config file 'nope.yaml' not found" in missing.stderr
-    assert keel(cwd=tmp_path).returncode == 2  # no subcommand: argparse usage error
+    assert keel_main(cwd=tmp_path).returncode == 2  # no subcommand: argparse usage error
 
 
 def test_version(tmp_path):
@@ -88,18 +91,14 @@ def test_version(tmp_path):
     assert result.returncode == 0 and result.stdout.strip() == f"torchkeel {torchkeel.__version__}"
 
 
-def test_demo_reaches_95_percent_and_runs_again(tmp_path):
-    for epochs in ("1", "12"):  # `keel demo` can be run again and again (a short first run)
-        result = keel(
-            "demo",
-            "--out-dir",
-            str(tmp_path / "runs"),
-            "--no-progress",
-            f"train.max_epochs={epochs}",
-            cwd=tmp_path,
-            timeout=300,
-        )
-        assert result.returncode == 0, result.stderr
+def test_demo_reaches_95_percent_and_runs_again(keel_main, tmp_path):
+    # `keel demo` can be run again and again: a short first run in this process, then the command
+    first = keel_main("demo", "--out-dir", str(tmp_path / "runs"), "--no-progress", "train.max_epochs=1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    result = keel(
+        "demo", "--out-dir", str(tmp_path / "runs"), "--no-progress", "train.max_epochs=12", cwd=tmp_path, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "runs" / "demo" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["val_accuracy"] >= 0.95
     assert "validation accuracy" in result.stdout
@@ -115,12 +114,12 @@ def test_demo_reaches_95_percent_and_runs_again(tmp_path):
     assert (tmp_path / "runs" / "demo" / "loss.png").is_file()
 
 
-def test_resume_from_a_corrupt_checkpoint_exits_3_with_one_line(cfg, tmp_path):
-    assert keel("train", str(cfg), "train.max_epochs=null", "train.max_steps=2", cwd=tmp_path).returncode == 0
+def test_resume_from_a_corrupt_checkpoint_exits_3_with_one_line(keel_main, cfg, tmp_path):
+    assert keel_main("train", str(cfg), "train.max_epochs=null", "train.max_steps=2", cwd=tmp_path).returncode == 0
     checkpoint = tmp_path / "runs" / "tiny" / "checkpoints" / "step-00000002"
     model_file = checkpoint / "model.safetensors"
     model_file.write_bytes(model_file.read_bytes()[:-1])
-    result = keel("train", str(cfg), "--resume", str(checkpoint), cwd=tmp_path)
+    result = keel_main("train", str(cfg), "--resume", str(checkpoint), cwd=tmp_path)
     assert result.returncode == 3
     lines = result.stderr.strip().splitlines()
     assert lines == [
@@ -129,20 +128,20 @@ def test_resume_from_a_corrupt_checkpoint_exits_3_with_one_line(cfg, tmp_path):
     ]
 
 
-def test_export_and_triton_repo_commands(cfg, tmp_path):
-    assert keel("train", str(cfg), "train.max_epochs=null", "train.max_steps=3", cwd=tmp_path).returncode == 0
+def test_export_and_triton_repo_commands(keel_main, cfg, tmp_path):
+    assert keel_main("train", str(cfg), "train.max_epochs=null", "train.max_steps=3", cwd=tmp_path).returncode == 0
     result = keel("export", "runs/tiny", "--format", "onnx", "--out", "exp", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("parity passed: max abs error")
     repo = keel("triton-repo", "exp", "repo", cwd=tmp_path)
     assert repo.returncode == 0 and (tmp_path / "repo" / "tiny" / "config.pbtxt").is_file()
-    wrong = keel("export", "runs/nope", "--format", "onnx", cwd=tmp_path)
+    wrong = keel_main("export", "runs/nope", "--format", "onnx", cwd=tmp_path)
     assert wrong.returncode == 2 and "neither a run directory" in wrong.stderr
 
 
-def test_export_parity_failure_exits_4(cfg, tmp_path):
+def test_export_parity_failure_exits_4(keel_main, cfg, tmp_path):
     assert (
-        keel(
+        keel_main(
             "train",
             str(cfg),
             "model.target=models:HardcodedBatch",
@@ -152,25 +151,25 @@ def test_export_parity_failure_exits_4(cfg, tmp_path):
         ).returncode
         == 0
     )
-    result = keel("export", "runs/tiny", "--format", "torchscript", cwd=tmp_path)
+    result = keel_main("export", "runs/tiny", "--format", "torchscript", cwd=tmp_path)
     assert result.returncode == 4
     assert "parity FAILED on output 'output' at batch size 1" in result.stderr
 
 
-def test_init_from_a_malicious_pickle_is_refused(cfg, tmp_path):
+def test_init_from_a_malicious_pickle_is_refused(keel_main, cfg, tmp_path):
+    import os
+
+    import torch
+
     marker = tmp_path / "code-ran"
     payload = tmp_path / "evil.pt"
-    script = (
-        "import os, torch\n"
-        "class E:\n"
-        f"    def __reduce__(self): return (os.system, ('touch {marker}',))\n"
-        f"torch.save({{'w': E()}}, {str(payload)!r})\n"
-    )
-    import subprocess
-    import sys
 
-    subprocess.run([sys.executable, "-c", script], check=True)
-    result = keel("train", str(cfg), "--init-from", str(payload), cwd=tmp_path)
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"w": Evil()}, payload)
+    result = keel_main("train", str(cfg), "--init-from", str(payload), cwd=tmp_path)
     assert result.returncode == 3
     assert "disallowed global 'posix.system'" in result.stderr
     assert not marker.exists()
@@ -227,15 +226,15 @@ def make_data():
 """
 
 
-def test_a_failing_overwrite_rerun_puts_the_previous_run_back(cfg, tmp_path):
+def test_a_failing_overwrite_rerun_puts_the_previous_run_back(keel_main, cfg, tmp_path):
     from torchkeel.checkpoint import CheckpointStore
 
-    assert keel("train", str(cfg), "--no-progress", cwd=tmp_path).returncode == 0
+    assert keel_main("train", str(cfg), "--no-progress", cwd=tmp_path).returncode == 0
     run = tmp_path / "runs" / "tiny"
-    assert keel("export", str(run), "--format", "torchscript", cwd=tmp_path).returncode == 0
+    assert keel_main("export", str(run), "--format", "torchscript", cwd=tmp_path).returncode == 0
     before = sorted(p.relative_to(run) for p in run.rglob("*"))
     (tmp_path / "broken.py").write_text(BROKEN_DATA)
-    failed = keel("train", str(cfg), "--overwrite", "data.target=broken:make_data", "--no-progress", cwd=tmp_path)
+    failed = keel_main("train", str(cfg), "--overwrite", "data.target=broken:make_data", "--no-progress", cwd=tmp_path)
     assert failed.returncode == 1
     line = failed.stderr.strip().splitlines()[-1]
     assert "cannot be decoded" in line and "the previous run was put back in 'runs/tiny'" in line
@@ -244,24 +243,24 @@ def test_a_failing_overwrite_rerun_puts_the_previous_run_back(cfg, tmp_path):
     assert found is not None and problems == [] and found.step == 15
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
     assert not (tmp_path / "runs" / ".tiny.previous").exists()
-    ok = keel(
+    ok = keel_main(
         "train", str(cfg), "--overwrite", "train.max_epochs=null", "train.max_steps=2", "--no-progress", cwd=tmp_path
     )
     assert ok.returncode == 0 and not (tmp_path / "runs" / ".tiny.previous").exists()
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
 
 
-def test_serve_usage_errors_exit_2_with_one_line(tmp_path):
+def test_serve_usage_errors_exit_2_with_one_line(keel_main, tmp_path):
     import socket
 
-    missing = keel("serve", str(tmp_path / "nope"), "--grpc-port", "0", cwd=tmp_path)
+    missing = keel_main("serve", str(tmp_path / "nope"), "--grpc-port", "0", cwd=tmp_path)
     assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0
     assert "no model could be loaded" in missing.stderr and "not a directory" in missing.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        busy = keel("serve", str(tmp_path), "--port", "0", "--grpc-port", str(port), cwd=tmp_path)
+        busy = keel_main("serve", str(tmp_path), "--port", "0", "--grpc-port", str(port), cwd=tmp_path)
     assert busy.returncode == 2 and f"--grpc-port {port}: cannot listen on 127.0.0.1:{port}" in busy.stderr
 
 
@@ -312,17 +311,17 @@ def test_export_image_flags_become_a_preprocess_spec():
         (["train.batch_size=33"], "train.batch_size 33 does not divide by the world size 2"),
     ],
 )
-def test_a_config_error_under_nproc_is_said_once_before_any_rank_starts(cfg, tmp_path, args, message):
-    result = keel("train", str(cfg), *args, "--nproc", "2", cwd=tmp_path)
+def test_a_config_error_under_nproc_is_said_once_before_any_rank_starts(keel_main, cfg, tmp_path, args, message):
+    result = keel_main("train", str(cfg), *args, "--nproc", "2", cwd=tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"keel: error: {message}"), result.stderr
     assert not (tmp_path / "runs").exists()
 
 
-def test_an_existing_run_directory_under_nproc_is_said_once_before_any_rank_starts(cfg, tmp_path):
-    assert keel("train", str(cfg), "train.max_epochs=null", "train.max_steps=2", cwd=tmp_path).returncode == 0
-    result = keel("train", str(cfg), "train.max_epochs=null", "train.max_steps=2", "--nproc", "2", cwd=tmp_path)
+def test_an_existing_run_directory_under_nproc_is_said_once_before_any_rank_starts(keel_main, cfg, tmp_path):
+    assert keel_main("train", str(cfg), "train.max_epochs=null", "train.max_steps=2", cwd=tmp_path).returncode == 0
+    result = keel_main("train", str(cfg), "train.max_epochs=null", "train.max_steps=2", "--nproc", "2", cwd=tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("keel: error: run directory 'runs/"), result.stderr
