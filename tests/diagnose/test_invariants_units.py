@@ -8,29 +8,36 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torchkeel.diagnose.invariants.units import _copies, units_dead, units_identical
+from torchkeel.diagnose.invariants.units import _copies, _unit_weights, units_dead, units_identical
 from torchkeel.diagnose.probe import Facts, Probe
 from torchkeel.diagnose.runner import ScriptOutcome
 
 OK = ScriptOutcome(path="train.py", argv=[])
 
 
-def trained(layer: nn.Module) -> set[int]:
-    return {id(layer.weight)}
-
-
 def test_rows_equal_to_another_row_are_copies_and_random_rows_are_not():
     layer = nn.Linear(10, 6)
-    assert _copies(layer, trained(layer))["num_copies"] == 0
+    assert _copies(layer.weight)["num_copies"] == 0
     with torch.no_grad():
         layer.weight[2:5] = layer.weight[0]
-    found = _copies(layer, trained(layer))
+    found = _copies(layer.weight)
     assert found["num_copies"] == 4 and found["num_distinct"] == 3 and found["num_units"] == 6
     conv = nn.Conv2d(3, 8, 3)
     nn.init.constant_(conv.weight, 0.1)
-    assert _copies(conv, trained(conv))["num_copies"] == 8
-    assert _copies(conv, set()) is None  # not trained: frozen or outside every optimizer
-    assert _copies(nn.ConvTranspose2d(3, 8, 3), set()) is None
+    assert _copies(conv.weight)["num_copies"] == 8
+    assert _copies(nn.Linear(4, 1).weight) is None  # one unit
+
+
+def test_the_units_of_linear_conv_and_recurrent_layers_are_the_rows_of_their_weights():
+    assert [n for n, _ in _unit_weights(nn.Linear(3, 4))] == ["weight"]
+    assert [n for n, _ in _unit_weights(nn.Conv1d(3, 4, 3))] == ["weight"]
+    assert [n for n, _ in _unit_weights(nn.LSTM(3, 4, num_layers=2))] == [
+        "weight_ih_l0",
+        "weight_hh_l0",
+        "weight_ih_l1",
+        "weight_hh_l1",
+    ]
+    assert _unit_weights(nn.ConvTranspose2d(3, 8, 3)) == [] and _unit_weights(nn.Embedding(5, 3)) == []
 
 
 def identical_facts(num_copies: int, num_units: int = 64) -> Facts:

@@ -115,7 +115,7 @@ class Listener:
     # ---------------------------------------------------------------- symmetry
     def check_fill(self, func: Callable, args: Any, kwargs: dict) -> None:
         t = args[0] if args else kwargs.get("tensor")
-        if self.probe.facts.steps > 0 or not isinstance(t, torch.Tensor) or t.dim() < 2:
+        if self.probe.facts.steps > 0 or not isinstance(t, torch.Tensor) or t.dim() < 2 or t.is_meta:
             return
         self.fills[t.data_ptr()] = {"call": getattr(func, "__name__", "fill_"), **(user_site() or {})}
 
@@ -141,10 +141,18 @@ class Listener:
             )
         if probe.facts.steps >= MIN_STEPS:
             for module in list(probe.state.leaf_order.values()):
-                layer = _copies(module, probe.state.trained)
-                if layer is not None:
-                    fill = self.fills.get(module.weight.data_ptr())
-                    found["identical"].append({"module": probe.name_of(module), **layer, "filled_by": fill})
+                for param, weight in _unit_weights(module):
+                    layer = _copies(weight) if id(weight) in probe.state.trained else None
+                    if layer is not None:
+                        found["identical"].append(
+                            {
+                                "module": probe.name_of(module),
+                                "module_class": type(module).__name__,
+                                "param": param,
+                                **layer,
+                                "filled_by": self.fills.get(weight.data_ptr()),
+                            }
+                        )
         probe.facts.invariants[FAMILY] = found
 
 
@@ -160,16 +168,23 @@ def _chained(existing: Callable | None, check: Callable) -> Callable:
     return both
 
 
-def _copies(module: torch.nn.Module, trained: set[int]) -> dict[str, Any] | None:
-    """How many rows (units) of a trained Linear/Conv weight equal another row, or None when the
-    layer is not one or is not judged (frozen, pruned, non-finite)."""
-    weight = getattr(module, "weight", None)
-    is_layer = isinstance(module, torch.nn.Linear) or (
+def _unit_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The weights whose rows are the module's units: a Linear's or a Conv's (not transposed, not
+    pruned), a recurrent layer's input and hidden weights (a row per gate and unit)."""
+    if isinstance(module, torch.nn.Linear) or (
         isinstance(module, torch.nn.modules.conv._ConvNd) and not module.transposed
-    )
-    if not is_layer or not isinstance(weight, torch.Tensor) or id(weight) not in trained:
-        return None
-    if hasattr(module, "weight_orig") or weight.dim() < 2 or weight.shape[0] < 2 or is_nonfinite(weight):
+    ):
+        weight = getattr(module, "weight", None)
+        return [("weight", weight)] if isinstance(weight, torch.Tensor) and not hasattr(module, "weight_orig") else []
+    if isinstance(module, torch.nn.RNNBase):
+        return [(n, p) for n, p in module.named_parameters(recurse=False) if n.startswith(("weight_ih", "weight_hh"))]
+    return []
+
+
+def _copies(weight: torch.Tensor) -> dict[str, Any] | None:
+    """How many rows (units) of ``weight`` equal another row; None when it is not judged (fewer
+    than two rows, non-finite values)."""
+    if weight.dim() < 2 or weight.shape[0] < 2 or is_nonfinite(weight):
         return None
     rows = weight.detach().reshape(weight.shape[0], -1).float()
     scale = float(rows.norm(dim=1).max())
@@ -185,7 +200,6 @@ def _copies(module: torch.nn.Module, trained: set[int]) -> dict[str, Any] | None
     num_copies = int(is_copy.sum())
     groups = int(close.logical_not().sum()) + 1  # distinct rows among neighbours
     return {
-        "module_class": type(module).__name__,
         "num_units": rows.shape[0],
         "num_copies": num_copies,
         "num_distinct": groups,
@@ -207,7 +221,7 @@ def units_identical(facts: Facts, outcome: object) -> list[Finding]:
     fill = first.get("filled_by") or {}
     filled = f", filled by {fill['call']} at {site_text(fill)} before the first step" if fill.get("file") else ""
     message = (
-        f"{first['module']} ({first['module_class']}): {first['num_copies']} of its {first['num_units']} units are "
+        f"{first['module']} ({first['module_class']}{_param(first)}): {first['num_copies']} of its {first['num_units']} units are "
         f"copies of one another after {data.get('steps')} steps ({first['num_distinct']} distinct){filled}; units "
         f"that start equal get equal gradients and never differ"
         + (f"; {len(layers) - 1} more layer(s) alike" if len(layers) > 1 else "")
@@ -215,6 +229,7 @@ def units_identical(facts: Facts, outcome: object) -> list[Finding]:
     evidence = {
         "module": first["module"],
         "module_class": first["module_class"],
+        "param": first.get("param", "weight"),
         "num_units": first["num_units"],
         "num_copies": first["num_copies"],
         "num_distinct": first["num_distinct"],
@@ -285,6 +300,10 @@ def units_dead(facts: Facts, outcome: object) -> list[Finding]:
             "it negative; lower the learning rate, normalise the input, or use LeakyReLU/GELU.",
         )
     ]
+
+
+def _param(layer: dict[str, Any]) -> str:
+    return f" {layer['param']}" if layer.get("param", "weight") != "weight" else ""
 
 
 DETECTORS = (units_identical, units_dead)

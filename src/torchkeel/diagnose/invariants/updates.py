@@ -39,6 +39,7 @@ TOO_LARGE = 0.9  # a parameter's ratio at or above this (~1): each step replaces
 WEIGHT_FLOOR = 1e-6  # ||w|| below this is not judged (a zero-initialised bias or LoRA factor)
 CLIP_FACTOR = 10.0  # norm / max_norm at or above this: the clip, not the lr, sets the step
 CLIP_FRACTION = 0.9  # ... at this fraction of the sampled clip calls
+COPY_BYTES = 2**30  # the most a sampled step copies (a large model is measured on its first tensors)
 GRAD_FLOOR = 1e-3  # ||g|| / ||w|| of the whole model below this: converging, not stuck
 
 
@@ -77,10 +78,13 @@ class Listener:
             self.probe.safely(self._compare, optimizer)
 
     def _copy(self, optimizer: torch.optim.Optimizer) -> None:
-        params, lrs = [], []
+        params, lrs, num_bytes = [], [], 0
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.requires_grad and p.grad is not None and p.numel() > 0:
+                if p.requires_grad and p.grad is not None and not p.grad.is_sparse and p.numel() > 0:
+                    num_bytes += p.numel() * p.element_size()
+                    if num_bytes > COPY_BYTES:
+                        break  # a model too large to copy whole: the parameters up to the budget
                     params.append(p)
                     lrs.append(float(group["lr"]))
         if not params:
