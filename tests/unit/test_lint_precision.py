@@ -17,7 +17,8 @@ def found(text: str, code: str, path: str = "train.py") -> list[int]:
 DQN = """
     import torch
     import torch.nn.functional as F
-    def train(q_network, target_network, rb, optimizer, args):
+    def train(q_network, target_network, rb, args):
+        optimizer = torch.optim.SGD(q_network.parameters(), lr=args.learning_rate)
         for global_step in range(args.total_timesteps):
             data = rb.sample(args.batch_size)
             if global_step > args.learning_starts:
@@ -38,7 +39,9 @@ def test_tk134_quiet_when_backward_and_step_share_the_condition():
 
 def test_tk134_quiet_when_zero_grad_runs_whenever_backward_does():
     text = """
-        def train(model, loader, optimizer, criterion, k):
+        import torch
+        def train(model, loader, criterion, k):
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             for i, (x, y) in enumerate(loader):
                 optimizer.zero_grad()
                 loss = criterion(model(x), y)
@@ -49,9 +52,11 @@ def test_tk134_quiet_when_zero_grad_runs_whenever_backward_does():
     assert found(text, "TK134") == []  # cleared before every backward: nothing accumulates
 
 
-def test_tk134_fires_on_accumulation_never_divided():
+def test_tk134_fires_on_sgd_accumulation_never_divided_quiet_under_adam():
     text = """
-        def train(model, loader, optimizer, criterion, k):
+        import torch
+        def train(model, loader, criterion, k):
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             for i, (x, y) in enumerate(loader):
                 loss = criterion(model(x), y)
                 loss.backward()
@@ -59,7 +64,11 @@ def test_tk134_fires_on_accumulation_never_divided():
                     optimizer.step()
                     optimizer.zero_grad()
         """
-    assert found(text, "TK134") == [5]
+    assert found(text, "TK134") == [7]
+    adam = text.replace(
+        "torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)", "torch.optim.Adam(model.parameters())"
+    )
+    assert found(adam, "TK134") == []  # Adam divides the scale out: k summed gradients step like their mean
 
 
 # --- TK109: the branch a clip is in --------------------------------------------------------------

@@ -74,8 +74,8 @@ def repeated_backward(source: Source) -> Iterator[tuple[ast.AST, str]]:
 
 
 def accumulation_not_divided(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    """A loop that steps under ``if (i + 1) % k == 0`` and backpropagates, every iteration, a loss
-    never divided. Gradients add up only when the backward runs more often than the step and no
+    """A loop that steps an SGD optimizer under ``if (i + 1) % k == 0`` and backpropagates, every
+    iteration, a loss never divided. Gradients add up only when the backward runs more often than the step and no
     zero_grad clears them in between: a backward under the step's own condition (an RL update every
     ``train_frequency`` steps), or a zero_grad that runs whenever the backward does, is no accumulation."""
     for loop, events in training_loops(source):
@@ -96,6 +96,8 @@ def accumulation_not_divided(source: Source) -> Iterator[tuple[ast.AST, str]]:
             continue  # the backward runs only when the step does: one backward per step
         if any(e.kind == "zero_grad" and source.guards(e.node, loop) <= every for e in events if e.depth == 0):
             continue  # cleared whenever the backward runs: the gradients never add up
+        if not _scale_sensitive(source, steps[0].target):
+            continue  # Adam and its kin divide the scale out: k summed gradients step like their mean
         yield (
             backward,
             (
@@ -103,6 +105,18 @@ def accumulation_not_divided(source: Source) -> Iterator[tuple[ast.AST, str]]:
                 f"{loss.id} is never divided by k, so the step is k times what the learning rate says"
             ),
         )
+
+
+_SCALED_BY_GRADIENT = {"SGD", "LBFGS", "ASGD", "Rprop"}
+
+
+def _scale_sensitive(source: Source, optimizer: str) -> bool:
+    """The optimizer is built in this file with an update proportional to the gradient (SGD):
+    summing k gradients makes its step k times larger. Adam, AdamW, RMSprop, Adagrad normalise
+    the gradient, and an optimizer built elsewhere cannot be told."""
+    return source.assigned_from(
+        optimizer, lambda v: isinstance(v, ast.Call) and last(call_name(v)) in _SCALED_BY_GRADIENT
+    )
 
 
 def _is_modulo_test(test: ast.expr) -> bool:
