@@ -57,6 +57,13 @@ def test_evaluation_rows_that_are_training_rows_warn_from_half_on_unless_the_loa
     assert found.evidence["share"] == 0.5 and found.evidence["line"] == 9
     assert data.eval_overlaps_train(overlap(99), OK) == []
     assert data.eval_overlaps_train(overlap(200, ["loader", "train_eval_loader"]), OK) == []
+    f = overlap(200, ["memory_loader"])
+    held_out = dict(
+        f.invariants["data"]["overlaps"][0], loader="test_loader", names=["test_loader"], rows_in_training=0
+    )
+    f.invariants["data"]["overlaps"].append(held_out)
+    (suspicion,) = data.eval_overlaps_train(f, OK)  # with a held-out loader beside it: only a suspicion
+    assert suspicion.severity == "info" and suspicion.evidence["held_out_loaders"] == ["test_loader"]
 
 
 def test_labels_that_change_for_the_same_rows_warn_from_a_fifth_of_the_rows_seen_again():
@@ -117,3 +124,32 @@ def test_the_listener_finds_training_rows_in_evaluation_and_labels_shuffled_apar
     healthy = train_and_evaluate(slice(256, 320), shuffled_labels=False)
     assert healthy["overlaps"][0]["rows_in_training"] == 0
     assert healthy["labels"][0]["rows_changed"] == 0 and healthy["classes"]["values"] == [0, 1]
+
+
+class Scorer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 2)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.linear(features)
+
+
+def test_a_model_called_by_keyword_is_seen_through_the_loaders_batch():
+    rows = [{"features": torch.randn(6), "label": i % 2} for i in range(96)]
+    train_loader = DataLoader(rows, batch_size=16, shuffle=True)
+    val_loader = DataLoader(rows[:48], batch_size=16)
+    model = Scorer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Probe() as probe:
+        for batch in train_loader:
+            label = batch.pop("label")
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(**batch), label).backward()
+            optimizer.step()
+        model.eval()
+        with torch.no_grad():
+            for batch in val_loader:
+                model(features=batch["features"])
+    (rec,) = probe.facts.invariants["data"]["overlaps"]
+    assert rec["loader"] == "val_loader" and rec["rows_in_training"] == rec["rows_compared"] == 48

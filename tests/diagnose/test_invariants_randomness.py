@@ -33,7 +33,13 @@ def test_a_state_seen_again_twice_is_a_reset_and_one_made_while_evaluating_only_
 def test_a_generator_made_with_one_constant_seed_at_least_every_other_step_is_reported():
     def facts(calls: int, values: list, steps: int = 20) -> Facts:
         f = Facts()
-        rec = {"function": "numpy.random.default_rng", "calls": calls, "values": values, "file": "d.py", "line": 3}
+        rec = {
+            "function": "numpy.random.default_rng",
+            "training_calls": calls,
+            "values": values,
+            "file": "d.py",
+            "line": 3,
+        }
         f.invariants["randomness"] = {"repeats": [], "reseeds": [rec], "steps": steps}
         return f
 
@@ -68,3 +74,22 @@ def test_the_listener_sees_a_seed_inside_the_loop_and_not_a_changing_seed_or_a_s
     assert rec["generator"] == "torch" and rec["repeats"] >= 10 and rec["seed"]["function"] == "torch.manual_seed"
     assert train(seed_each_step=False, seed_per_epoch=True)["repeats"] == []
     assert train(seed_each_step=False, runs=2)["repeats"] == []
+
+
+def test_a_generator_made_per_sample_counts_while_training_and_not_while_evaluating():
+    import numpy as np
+
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Probe() as probe:
+        for _ in range(20):
+            crops = [np.random.default_rng(0).integers(0, 8) for _ in range(4)]
+            with torch.no_grad():
+                fixed = [np.random.default_rng(1).integers(0, 8) for _ in range(4)]
+            optimizer.zero_grad()
+            model(torch.randn(4, 4) + float(sum(crops) + sum(fixed))).sum().backward()
+            optimizer.step()
+    by_value = {r["values"][0]: r for r in probe.facts.invariants["randomness"]["reseeds"]}
+    assert by_value[0]["training_calls"] >= 76 and by_value[1]["training_calls"] == 0
+    (found,) = randomness.rng_recreated(probe.facts, OK)
+    assert found.evidence["value"] == 0 and found.evidence["function"] == "numpy.random.default_rng"

@@ -39,12 +39,13 @@ if TYPE_CHECKING:
 
 FAMILY = "data"
 
-_MAX_FEATURES = 4096  # values of a row that are hashed (evenly spaced)
+_MAX_FEATURES = 1024  # values of a row that are hashed (evenly spaced)
 _MAX_HASHES = 100_000  # training row hashes kept (a set of ints: a few MiB)
 _MAX_LABEL_ROWS = 50_000  # rows per epoch whose labels are kept
 _LABEL_EPOCHS = 2  # a loader's first epochs whose labels are compared
 _MIN_EVAL_ROWS = 32
 _OVERLAP_SHARE = 0.5  # evaluation rows that are training rows: half is far beyond duplicates
+_HELD_OUT_SHARE = 0.1  # a loader with fewer training rows than this is held out
 _MIN_LABEL_ROWS = 50
 _CHANGED_SHARE = 0.2  # rows whose labels changed from one epoch to the next (0 when labels are fixed)
 _MIN_ONE_CLASS_BATCHES = 20
@@ -86,6 +87,16 @@ class _Pending:
     source: _Source | None
 
 
+_LABEL_KEYS = ("label", "labels", "target", "targets", "y")
+
+
+def _input_of(batch: Any, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """A batch's input: its first tensor that is not under a label's key."""
+    if isinstance(batch, dict):
+        tensors = [v for k, v in batch.items() if isinstance(v, torch.Tensor) and str(k).lower() not in _LABEL_KEYS]
+    return next((t for t in tensors if t.dim() >= 1), None)
+
+
 def _names_of(obj: Any, depth: int = 8) -> list[str]:
     """The names the user's frames bind to ``obj``, innermost first (``loader`` inside
     ``evaluate(loader)``, then ``val_loader`` where it was called)."""
@@ -108,6 +119,7 @@ class Listener:
         self.source_of: dict[int, _Source] = {}  # id(loader) or id(iterator) -> source
         self.current: _Source | None = None
         self.batch_ints: list[torch.Tensor] = []  # the last batch's integer tensors (labels, maybe)
+        self.batch_input: torch.Tensor | None = None  # the last batch's input (for models called by keyword)
         self.mask = 0  # a row hash is kept when hash & mask == 0
         self.train_hashes: dict[int, int] = {}  # row hash -> index of the source it came from (-1: none)
         self.pending: _Pending | None = None
@@ -152,19 +164,24 @@ class Listener:
             try:
                 batch = original(it)
             except StopIteration:
-                listener.current, listener.batch_ints = None, []
+                listener.current, listener.batch_ints, listener.batch_input = None, [], None
                 raise
             listener.current = listener.source_of.get(id(it))
+            tensors = tensors_in(batch)
             listener.batch_ints = [
-                t for t in tensors_in(batch) if not t.is_floating_point() and t.dtype != torch.bool and t.dim() <= 2
+                t for t in tensors if not t.is_floating_point() and t.dtype != torch.bool and t.dim() <= 2
             ]
+            listener.batch_input = _input_of(batch, tensors)
             return batch
 
         return __next__
 
     # ---------------------------------------------------------------- events
     def on_model_called(self, module: torch.nn.Module, args: Any) -> None:
-        x = next((t for t in tensors_in(args) if t.dim() >= 1 and not t.is_complex()), None)
+        # A model called by keyword only (``model(**batch)``): the loader's batch input stands in.
+        x = next((t for t in tensors_in(args) if t.dim() >= 1), None) if args else self.batch_input
+        if x is not None and x.is_complex():
+            return
         if x is None or x.shape[0] < 1 or x.is_meta:
             return
         started = time.perf_counter()
@@ -376,7 +393,15 @@ def one_class(facts: Any, outcome: object) -> list[Finding]:
 def eval_overlaps_train(facts: Any, outcome: object) -> list[Finding]:
     """Rows evaluated from a loader that did not train are, for the most part, rows the model trained on."""
     found = []
-    for rec in facts.invariants.get(FAMILY, {}).get("overlaps", []):
+    overlaps = facts.invariants.get(FAMILY, {}).get("overlaps", [])
+    # Another evaluation loader that is held out: this one (a kNN monitor's bank, a training-accuracy pass
+    # under another name) is more likely deliberate; a suspicion only.
+    held_out = [
+        r["loader"]
+        for r in overlaps
+        if r["rows_compared"] >= _MIN_EVAL_ROWS and r["rows_in_training"] < _HELD_OUT_SHARE * r["rows_compared"]
+    ]
+    for rec in overlaps:
         compared, inside = rec["rows_compared"], rec["rows_in_training"]
         if (
             compared < _MIN_EVAL_ROWS
@@ -403,10 +428,12 @@ def eval_overlaps_train(facts: Any, outcome: object) -> list[Finding]:
             "share": inside / compared,
             "threshold": _OVERLAP_SHARE,
             "step": rec["step"],
+            "held_out_loaders": held_out,
             **site_fields(rec["site"] or {}),
         }
         fix = "evaluate on held-out data: build the evaluation loader from a split the training loader never reads"
-        found.append(Finding("invariant-eval-overlaps-train", "warning", message, evidence, fix))
+        severity = "info" if held_out else "warning"
+        found.append(Finding("invariant-eval-overlaps-train", severity, message, evidence, fix))
     return found
 
 

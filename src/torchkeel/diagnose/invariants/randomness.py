@@ -12,10 +12,12 @@ What every healthy run's random state satisfies, whatever its fault: draws do no
   state (its fingerprint is not the freshly seeded one).
 - A generator is not made again and again with one constant seed during training (a
   ``np.random.default_rng(0)`` or ``random.Random(0)`` per ``__getitem__``, a seed call per step):
-  every sample, or every step, would get the same draws. Seed calls made after the first step
-  (``probe.seeds`` records them with their site, and this listener records ``random.Random``
-  instances seeded) are counted per line: one constant value, at least ``_MIN_RESEEDS`` times and
-  at least once every other step.
+  every sample, or every step, would get the same draws. The seed functions (``torch.manual_seed``,
+  ``np.random.seed``/``default_rng``, ``random.seed``, ``random.Random(seed)``) are wrapped over
+  the seed listener's wrappers; the calls made after the first step while training (not under
+  ``no_grad`` or with every model in eval: a fixed evaluation crop is deliberate) are counted per
+  line: one constant value, at least ``_MIN_RESEEDS`` times and at least once every other step.
+  Calls inside DataLoader workers (other processes) are not seen.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ FAMILY = "randomness"
 _SAMPLED_FIRST = 64
 _SAMPLE_EVERY = 4
 _MAX_STATES = 10_000  # fingerprints kept per generator
+_GLOBAL = ("torch.manual_seed", "numpy.random.seed", "random.seed")  # seed calls that reset a global generator
 _MIN_REPEATS = 2  # a state seen three times, or two states seen again
 _MIN_RESEEDS = 16
 _RESEEDS_PER_STEP = 0.5
@@ -82,7 +85,7 @@ def _seeded(generator: str, value: Any) -> int | None:
 
 
 class Listener:
-    """Fingerprints the global generators at sampled step starts; records seeded ``random.Random``."""
+    """Fingerprints the global generators at sampled step starts; notes each seed call's line and context."""
 
     def __init__(self, probe: Probe) -> None:
         self.probe = probe
@@ -92,57 +95,62 @@ class Listener:
         self.observations = 0
         self.repeats: dict[str, dict[str, Any]] = {}
         self.loop_started = False
-        self.loop_calls_from = 0  # seed calls (``facts.seeds``) made before the first step are setup
-        self.instances: list[dict[str, Any]] = []  # random.Random seeded during the loop
         self.resets: list[dict[str, Any]] = []  # global seed calls, with whether a model was evaluating
+        self.by_site: dict[tuple, dict[str, Any]] = {}  # seed calls during the loop, per line
 
     def install(self) -> None:
         patch = self.probe.patch
-        patch(random.Random, "seed", self._noting_instance(random.Random.seed))
-        # Wrapped over the seed listener's own wrappers: this one notes the context of each reset.
-        patch(torch, "manual_seed", self._noting_reset("torch.manual_seed", torch.manual_seed))
-        patch(torch.random, "manual_seed", self._noting_reset("torch.manual_seed", torch.random.manual_seed))
-        patch(np.random, "seed", self._noting_reset("numpy.random.seed", np.random.seed))
-        patch(random, "seed", self._noting_reset("random.seed", random.seed))
+        # Wrapped over the seed listener's own wrappers: these note the context of each call.
+        patch(torch, "manual_seed", self._noting("torch.manual_seed", torch.manual_seed))
+        patch(torch.random, "manual_seed", self._noting("torch.manual_seed", torch.random.manual_seed))
+        patch(np.random, "seed", self._noting("numpy.random.seed", np.random.seed))
+        patch(random, "seed", self._noting("random.seed", random.seed))
+        patch(np.random, "default_rng", self._noting("numpy.random.default_rng", np.random.default_rng))
+        patch(random.Random, "seed", self._noting("random.Random", random.Random.seed, method=True))
 
-    def _noting_instance(self, original: Callable) -> Callable:
-        listener, probe = self, self.probe
-
-        def seed(generator: random.Random, a: Any = None, *args: Any, **kwargs: Any) -> Any:
-            if listener.loop_started and not probe.state.busy and a is not None and type(generator) is random.Random:
-                site = user_site(sys._getframe(1))
-                if site is not None:
-                    listener.instances.append({"function": "random.Random", "value": _plain(a), "site": site})
-            return original(generator, a, *args, **kwargs)
-
-        return seed
-
-    def _noting_reset(self, label: str, original: Callable) -> Callable:
+    def _noting(self, label: str, original: Callable, method: bool = False) -> Callable:
         listener, probe = self, self.probe
 
         def seed(*args: Any, **kwargs: Any) -> Any:
-            if not probe.state.busy and len(listener.resets) < _MAX_STATES:
-                models = [m for m, _ in probe.state.roots.values()]
-                listener.resets.append(
-                    {
-                        "function": label,
-                        "value": _plain(args[0] if args else kwargs.get("seed")),
-                        "site": user_site(sys._getframe(1)),
-                        "called_from": _caller(sys._getframe(1)),
-                        "evaluating": not torch.is_grad_enabled()
-                        or bool(models and not any(m.training for m in models)),
-                    }
-                )
+            values = args[1:] if method else args
+            value = values[0] if values else kwargs.get("a" if method else "seed")
+            if not probe.state.busy and not (method and type(args[0]) is not random.Random):
+                probe.safely(listener._record, label, value, sys._getframe(1))
             return original(*args, **kwargs)
 
         return seed
+
+    def _record(self, label: str, value: Any, frame: Any) -> None:
+        site = user_site(frame)
+        if site is None:
+            return
+        models = [m for m, _ in self.probe.state.roots.values()]
+        evaluating = not torch.is_grad_enabled() or bool(models and not any(m.training for m in models))
+        if label in _GLOBAL and len(self.resets) < _MAX_STATES:
+            self.resets.append(
+                {
+                    "function": label,
+                    "value": _plain(value),
+                    "site": site,
+                    "called_from": _caller(frame),
+                    "evaluating": evaluating,
+                }
+            )
+        if self.loop_started and value is not None:
+            key = (label, site["file"], site["line"])
+            entry = self.by_site.setdefault(
+                key, {"function": label, "calls": 0, "training_calls": 0, "values": [], **site_fields(site)}
+            )
+            entry["calls"] += 1
+            entry["training_calls"] += not evaluating
+            if len(entry["values"]) < 3 and _plain(value) not in entry["values"]:
+                entry["values"].append(_plain(value))
 
     def on_step_begins(self) -> None:
         probe = self.probe
         if probe.light:
             return
-        if not self.loop_started:
-            self.loop_started, self.loop_calls_from = True, len(probe.facts.seeds.get("calls", []))
+        self.loop_started = True
         step = probe.next_step
         if step > _SAMPLED_FIRST and step % _SAMPLE_EVERY:
             return
@@ -187,13 +195,10 @@ class Listener:
                 repeat["seed"]["called_from"] = site_text(call["called_from"])
 
     def finish(self) -> None:
-        probe = self.probe
-        calls = probe.facts.seeds.get("calls", [])
-        loop_calls = (calls[self.loop_calls_from :] if self.loop_started else []) + self.instances
-        probe.facts.invariants[FAMILY] = {
+        self.probe.facts.invariants[FAMILY] = {
             "repeats": list(self.repeats.values()),
-            "reseeds": _reseeds(loop_calls),
-            "steps": probe.facts.steps,
+            "reseeds": sorted(self.by_site.values(), key=lambda e: -e["calls"])[:10],
+            "steps": self.probe.facts.steps,
         }
 
 
@@ -206,21 +211,6 @@ def _caller(frame: Any) -> dict[str, Any] | None:
 
 def _plain(value: Any) -> Any:
     return value if value is None or isinstance(value, (int, float, str)) else repr(value)[:80]
-
-
-def _reseeds(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Seed calls per line during the loop: how many, and with how many values."""
-    by_site: dict[tuple, dict[str, Any]] = {}
-    for call in calls:
-        site = call.get("site")
-        if not site or call.get("value") is None:
-            continue
-        key = (call["function"], site["file"], site["line"])
-        entry = by_site.setdefault(key, {"function": call["function"], "calls": 0, "values": [], **site_fields(site)})
-        entry["calls"] += 1
-        if call["value"] not in entry["values"] and len(entry["values"]) < 3:
-            entry["values"].append(call["value"])
-    return sorted(by_site.values(), key=lambda e: -e["calls"])[:10]
 
 
 # ---------------------------------------------------------------- detectors
@@ -275,19 +265,19 @@ def rng_recreated(facts: Any, outcome: object) -> list[Finding]:
     steps = max(data.get("steps", 0), 1)
     found = []
     for rec in data.get("reseeds", []):
-        if len(rec["values"]) != 1 or rec["calls"] < max(_MIN_RESEEDS, _RESEEDS_PER_STEP * steps):
+        if len(rec["values"]) != 1 or rec["training_calls"] < max(_MIN_RESEEDS, _RESEEDS_PER_STEP * steps):
             continue
         if (rec["file"], rec["line"]) in reset_sites:
             continue  # already named as the reset of a global generator
         message = (
-            f"{rec['function']}({rec['values'][0]!r}) at {rec['file']}:{rec['line']} ran {rec['calls']} times in "
-            f"{steps} steps, always with the same seed: every generator it makes draws the same numbers, so each "
+            f"{rec['function']}({rec['values'][0]!r}) at {rec['file']}:{rec['line']} ran {rec['training_calls']} times "
+            f"while training in {steps} steps, always with the same seed: every generator it makes draws the same numbers, so each "
             "sample (or step) gets the same crops, noise or masks"
         )
         evidence = {
             "function": rec["function"],
             "value": rec["values"][0],
-            "calls": rec["calls"],
+            "calls": rec["training_calls"],
             "steps": steps,
             "threshold_per_step": _RESEEDS_PER_STEP,
             **site_fields(rec),
