@@ -421,12 +421,16 @@ out = model(torch.randn(1, 2))
     ),
     "TK123": (
         """
+import torch
 words = "a b c a".split()
 vocab = {w: i for i, w in enumerate(set(words))}
+torch.save(vocab, "vocab.pt")
 """,
         """
+import torch
 words = "a b c a".split()
 vocab = {w: i for i, w in enumerate(sorted(set(words)))}
+torch.save(vocab, "vocab.pt")
 """,
     ),
     "TK124": (

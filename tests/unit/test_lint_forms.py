@@ -344,6 +344,7 @@ def test_tk123_quiet_where_order_cannot_matter():
         found = any(p in "x.add(y)" for p in patterns)
         upper = {p.upper() for p in patterns}
         vocab = {w: i for i, w in enumerate(patterns)}
+        json.dump(vocab, open("vocab.json", "w"))
         """
     assert lines(text, "TK123") == [5]
 
@@ -538,11 +539,13 @@ def test_tk123_quiet_on_a_joined_message_and_in_tests():
     joined = """
         devices = {"cpu": 1, "disk": 2}
         text = " and ".join([d for d in set(devices) if d in ("cpu", "disk")])
+        torch.manual_seed(0)
     """
     assert in_file(joined, "TK123") == []
     ordered = """
         words = "a b c a".split()
         vocab = {w: i for i, w in enumerate(set(words))}
+        torch.manual_seed(0)
     """
     assert in_file(ordered, "TK123") == [3] and in_file(ordered, "TK123", "tests/test_vocab.py") == []
 
@@ -757,6 +760,7 @@ def test_tk123_quiet_when_each_item_is_only_acted_on():
         names = {"small.pt", "large.pt"}
         for name in names:
             download(name)
+        torch.manual_seed(0)
     """
     assert in_file(text, "TK123") == []
     for body in ("index.append(name)", "vocab[name] = len(vocab)", "count += 1", "return name"):

@@ -238,8 +238,12 @@ def test_tk123_fires_on_a_vocabulary_listed_from_a_set():
         word2idx = {w: i for i, w in enumerate(vocab)}
         chars = sorted(set(words))
         stoi = {c: i for i, c in enumerate(chars)}
+        torch.manual_seed(1337)
         """
     assert found(text, "TK123") == [4]
+    assert (
+        found(text.replace("torch.manual_seed(1337)", "print(len(word2idx))"), "TK123", "/nowhere/vocab.py") == []
+    )  # nothing repeats
 
 
 def test_tk123_fires_on_zip_and_enumerate_outside_a_loop_quiet_once_sorted():
@@ -249,7 +253,9 @@ def test_tk123_fires_on_zip_and_enumerate_outside_a_loop_quiet_once_sorted():
             for s in sentences:
                 vocab.update(s.split())
             words = list(vocab)
-            return dict(zip(words, range(len(words))))
+            word2idx = dict(zip(words, range(len(words))))
+            json.dump(word2idx, open("vocab.json", "w"))
+            return word2idx
         """
     assert found(text, "TK123") == [7]
     assert found(text.replace("words = list(vocab)", "words = list(vocab)\n            words.sort()"), "TK123") == []
@@ -431,6 +437,7 @@ def test_tk123_quiet_on_a_set_of_numbers():
                 for token in set(prev_output_tokens[i].tolist()):
                     seen.append(token)
             return {t: i for i, t in enumerate(list({3, 1, 2}))}
+        torch.manual_seed(0)
         """
     assert found(text, "TK123") == []  # ints hash to themselves: the same order every run
 

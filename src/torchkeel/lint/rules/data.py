@@ -156,7 +156,19 @@ def _set_ordered(node: ast.AST, sets: set[str]) -> bool:
     return _is_set(node) or (isinstance(node, ast.Name) and node.id in sets)
 
 
+# A run meant to repeat (something is seeded), or a result that outlives the process (saved).
+_KEEPS_OR_REPEATS = (
+    r"\b(?:manual_seed|seed_everything|set_seed|seed_all|random\.seed|torch\.save|save_pretrained|"
+    r"pickle\.dump|json\.dump|np\.save)\s*\("
+)
+
+
 def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
+    """Indices or a list built in a set's order, in a project where that order matters: one that
+    seeds (a run meant to repeat) or saves (a model or vocabulary read back by another process).
+    A script that does neither changes everything on every run anyway."""
+    if not source.project_matches(_KEEPS_OR_REPEATS, levels=1):
+        return
     scopes: dict[ast.AST, set[str]] = {}
     for node in source.nodes:
         if isinstance(node, (ast.For, ast.AsyncFor)):
