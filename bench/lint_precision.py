@@ -5,9 +5,9 @@ Not a test: it prints figures. Every rule runs (preview ones too); each finding 
 finding, findings, labelled, true, false, debatable, and strict precision (true / labelled).
 Findings not labelled yet are listed under the table, and so are labels no finding matches.
 
-    python bench/lint_precision.py TREES [--labels bench/lint_labels] [--markdown] [--stub]
+    python bench/lint_precision.py TREES... [--labels bench/lint_labels] [--markdown] [--stub]
 
-TREES holds one folder per public repository, named ``<owner>__<name>``, extracted at the commit
+Each TREES folder holds one folder per public repository, named ``<owner>__<name>``, extracted at the commit
 its labels file names (outside this repository), e.g.::
 
     git --git-dir=MIRROR archive COMMIT | tar -x -C TREES/<owner>__<name>
@@ -59,6 +59,11 @@ def to_label(findings: list[LintFinding], tree: str) -> list[LintFinding]:
     return chosen
 
 
+def tree_dirs(folders: list[Path]) -> list[Path]:
+    """The ``<owner>__<name>`` folders under ``folders``, by name."""
+    return sorted((p for folder in folders for p in folder.iterdir() if p.is_dir()), key=lambda p: p.name.lower())
+
+
 def load_labels(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {"repo": path.stem.replace("__", "/", 1), "commit": None, "labels": []}
@@ -72,11 +77,11 @@ def dump(data: dict[str, Any]) -> str:
     return json.dumps(head, indent=1, ensure_ascii=False)[:-2] + ',\n "labels": [\n' + ",\n".join(lines) + "\n ]\n}\n"
 
 
-def measure(trees: Path, labels_dir: Path, stub: bool) -> tuple[dict[str, dict[str, int]], list[str], list[str]]:
+def measure(trees: list[Path], labels_dir: Path, stub: bool) -> tuple[dict[str, dict[str, int]], list[str], list[str]]:
     """Per rule counts, the findings not labelled yet and the labels no finding matches."""
     rows: dict[str, dict[str, int]] = {code: defaultdict(int) for code in RULES}
     todo, stale = [], []
-    for tree in sorted(p for p in trees.iterdir() if p.is_dir()):
+    for tree in tree_dirs(trees):
         labels_path = labels_dir / f"{tree.name}.json"
         data = load_labels(labels_path)
         verdicts: dict[Key, str | None] = {(x["path"], x["line"], x["code"]): x["verdict"] for x in data["labels"]}
@@ -134,12 +139,12 @@ def table(rows: dict[str, dict[str, int]], markdown: bool) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trees", type=Path, help="a folder of <owner>__<name> folders")
+    parser.add_argument("trees", type=Path, nargs="+", help="folders of <owner>__<name> folders")
     parser.add_argument("--labels", type=Path, default=Path(__file__).parent / "lint_labels")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     parser.add_argument("--stub", action="store_true", help="append unlabelled findings to the labels files")
     args = parser.parse_args()
-    for tree in sorted(p for p in args.trees.iterdir() if p.is_dir()):
+    for tree in tree_dirs(args.trees):
         data = load_labels(args.labels / f"{tree.name}.json")
         print(f"{data['repo']} @ {data['commit']}")
     rows, todo, stale = measure(args.trees, args.labels, args.stub)
