@@ -245,8 +245,8 @@ def _grads_assigned(scope: ast.AST) -> bool:
 
 def step_without_backward(source: Source) -> Iterator[tuple[ast.AST, str]]:
     """A loop that computes a loss, never hands it on, and steps: no backward can have run. A loss
-    handed to a call (``loss.accumulate_gradients(...)`` aside, ``agent.learn(loss)``) or a call
-    into this file's functions that reaches a backward (three levels deep) may run one."""
+    handed to any call but printing or logging (``agent.learn(loss)``), or a call into this file's
+    functions that reaches a backward (three calls deep), may run one: then it stays quiet."""
     for loop, events in training_loops(source):
         steps = [e for e in events if e.kind == "step" and e.depth == 0 and not e.has_closure]
         if not steps or any(e.kind == "backward" for e in events) or _grads_assigned(loop):
