@@ -77,6 +77,15 @@ def test_a_schedule_that_reaches_zero_at_the_end_or_a_run_that_converged_is_not_
     assert update_too_small(facts_with(tiny), OK)  # the same updates with gradients that are not small
 
 
+def test_updates_near_1e_6_are_too_small_only_while_the_loss_does_not_fall():
+    f = facts_with({s: {"model.0.weight": 1e-6} for s in SAMPLED})  # Adam at lr 1e-7
+    f.losses = [{"step": s, "value": 2.30 + 0.01 * (s % 3)} for s in range(1, 401)]
+    (found,) = update_too_small(f, OK)
+    assert found.evidence["threshold"] == 1e-5 and "does not fall" in found.message
+    f.losses = [{"step": s, "value": 2.3 - 0.002 * s} for s in range(1, 401)]  # a fine-tune at a small lr learns
+    assert update_too_small(f, OK) == []
+
+
 def test_a_clip_that_rescales_by_a_large_factor_explains_tiny_gradients():
     tiny = {s: {"model.0.weight": 1e-9} for s in SAMPLED}
     clip = {

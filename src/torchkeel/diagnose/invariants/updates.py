@@ -35,6 +35,8 @@ FAMILY = "updates"
 IDS: tuple[str, ...] = ("invariant-clip-always", "invariant-update-too-small", "invariant-update-too-large")
 
 TOO_SMALL = 1e-7  # every parameter's ratio below this: no learning at any useful pace
+SMALL = 1e-5  # ... below this, and the loss does not fall (a fine-tune at lr 1e-6 moves ~1e-5 and learns)
+LOSS_FALL = 0.02  # a loss that falls by less than this fraction over those steps does not fall
 TOO_LARGE = 0.9  # a parameter's ratio at or above this (~1): each step replaces the weights
 WEIGHT_FLOOR = 1e-6  # ||w|| below this is not judged (a zero-initialised bias or LoRA factor)
 CLIP_FACTOR = 10.0  # norm / max_norm at or above this: the clip, not the lr, sets the step
@@ -358,65 +360,99 @@ def update_too_large(facts: Facts, outcome: object) -> list[Finding]:
 
 
 def update_too_small(facts: Facts, outcome: object) -> list[Finding]:
-    """Every measured parameter's ratio below TOO_SMALL at every sampled step of the run's latter
-    part (≥ 3 samples, from half-way or earlier), while the gradients are not what is tiny (the
-    whole model's ||g|| / ||w|| ≥ GRAD_FLOOR: a run that converged moves little too), or a clip
-    rescales them by ≥ CLIP_FACTOR."""
+    """Every measured parameter's ratio below TOO_SMALL (or below SMALL while the loss does not
+    fall) at every sampled step of the run's latter part (≥ 3 samples, from half-way or earlier),
+    while the gradients are not what is tiny (the whole model's ||g|| / ||w|| ≥ GRAD_FLOOR: a run
+    that converged moves little too), or a clip rescales them by ≥ CLIP_FACTOR."""
     findings = []
     clipped = bool(_large_clips(facts))
     for index, samples in _by_optimizer(facts).items():
         judged = [(s, r) for s in samples if (r := _ratios(s))]
-        tail: list[tuple[dict[str, Any], dict[str, float]]] = []
-        for sample, ratios in reversed(judged):
-            if max(ratios.values()) >= TOO_SMALL:
-                break
-            tail.insert(0, (sample, ratios))
-        last_step = samples[-1]["step"]
-        if len(tail) < 3 or tail[0][0]["step"] - 1 > last_step / 2:
-            continue
+        tail = _below(judged, TOO_SMALL, samples[-1]["step"])
+        threshold = TOO_SMALL
+        if not tail:
+            tail, threshold = _below(judged, SMALL, samples[-1]["step"]), SMALL
+            if not tail or not _loss_flat(facts, tail[0][0]["step"], tail[-1][0]["step"]):
+                continue
         grads = [s["grad_norm"] / math.sqrt(sum(w * w for w in s["weights"]) or 1.0) for s, _ in tail]
         if statistics.median(grads) < GRAD_FLOOR and not clipped:
             continue
-        largest: dict[str, float] = {}
-        for _, ratios in tail:
-            for name, ratio in ratios.items():
-                largest[name] = max(largest.get(name, 0.0), ratio)
-        ranked = sorted(largest.items(), key=lambda kv: -kv[1])
-        opt = _optimizer(facts, index)
-        first, last = tail[0][0], tail[-1][0]
-        lrs = sorted(set(last["lrs"]))
-        message = (
-            f"no weight moves: every parameter of {opt.get('class', 'the optimizer')} changes by less than "
-            f"{TOO_SMALL:g} of its norm per step from step {first['step']} to {last['step']} (largest {ranked[0][0]}, "
-            f"{ranked[0][1]:.2g}; healthy runs move about 1e-3) at lr {', '.join(f'{x:.3g}' for x in lrs)}"
-            + ("; a clip rescales the gradients at nearly every step" if clipped else "")
-            + _where(opt)
-        )
-        evidence = {
-            "optimizer": opt.get("class"),
-            "params": [{"param": name, "max_ratio": ratio} for name, ratio in ranked[:8]],
-            "num_params": len(ranked),
-            "lrs": lrs,
-            "first_lrs": sorted(set(samples[0]["lrs"])),
-            "steps": [first["step"], last["step"]],
-            "step": first["step"],
-            "samples": len(tail),
-            "grad_to_weight": statistics.median(grads),
-            "clipped": clipped,
-            "threshold": TOO_SMALL,
-            **site_fields(opt),
-        }
-        findings.append(
-            Finding(
-                "invariant-update-too-small",
-                "warning",
-                message,
-                evidence,
-                "Raise the learning rate (1e-4..1e-3 for Adam, 1e-2..1e-1 for SGD), check the schedule does not "
-                "reach 0 early, and clip at a norm the gradients reach only in a spike.",
-            )
-        )
+        findings.append(_too_small(facts, index, samples, tail, threshold, statistics.median(grads), clipped))
     return findings
+
+
+def _below(
+    judged: list[tuple[dict[str, Any], dict[str, float]]], threshold: float, last_step: int
+) -> list[tuple[dict[str, Any], dict[str, float]]]:
+    """The latest samples whose every ratio is below ``threshold``, when there are ≥ 3 of them
+    and they reach back to half-way through the run or earlier; else []."""
+    tail: list[tuple[dict[str, Any], dict[str, float]]] = []
+    for sample, ratios in reversed(judged):
+        if max(ratios.values()) >= threshold:
+            break
+        tail.insert(0, (sample, ratios))
+    return tail if len(tail) >= 3 and tail[0][0]["step"] - 1 <= last_step / 2 else []
+
+
+def _loss_flat(facts: Facts, first_step: int, last_step: int) -> bool:
+    """The losses between the two steps do not fall: the median of their last third is within
+    LOSS_FALL of the median of their first third (≥ 6 losses; a slow fine-tune still falls)."""
+    values = [x["value"] for x in facts.losses if first_step <= x["step"] <= last_step and math.isfinite(x["value"])]
+    if len(values) < 6:
+        return False
+    third = len(values) // 3
+    start, end = statistics.median(values[:third]), statistics.median(values[-third:])
+    return start - end < LOSS_FALL * max(abs(start), 1e-12)
+
+
+def _too_small(
+    facts: Facts,
+    index: int,
+    samples: list[dict[str, Any]],
+    tail: list[tuple[dict[str, Any], dict[str, float]]],
+    threshold: float,
+    grad_to_weight: float,
+    clipped: bool,
+) -> Finding:
+    largest: dict[str, float] = {}
+    for _, ratios in tail:
+        for name, ratio in ratios.items():
+            largest[name] = max(largest.get(name, 0.0), ratio)
+    ranked = sorted(largest.items(), key=lambda kv: -kv[1])
+    opt = _optimizer(facts, index)
+    first, last = tail[0][0], tail[-1][0]
+    lrs = sorted(set(last["lrs"]))
+    message = (
+        f"the weights hardly move: every parameter of {opt.get('class', 'the optimizer')} changes by less than "
+        f"{threshold:g} of its norm per step from step {first['step']} to {last['step']} (largest {ranked[0][0]}, "
+        f"{ranked[0][1]:.2g}; healthy runs move about 1e-3)"
+        + (", and the loss does not fall" if threshold > TOO_SMALL else "")
+        + f", at lr {', '.join(f'{x:.3g}' for x in lrs)}"
+        + ("; a clip rescales the gradients at nearly every step" if clipped else "")
+        + _where(opt)
+    )
+    evidence = {
+        "optimizer": opt.get("class"),
+        "params": [{"param": name, "max_ratio": ratio} for name, ratio in ranked[:8]],
+        "num_params": len(ranked),
+        "lrs": lrs,
+        "first_lrs": sorted(set(samples[0]["lrs"])),
+        "steps": [first["step"], last["step"]],
+        "step": first["step"],
+        "samples": len(tail),
+        "grad_to_weight": grad_to_weight,
+        "clipped": clipped,
+        "threshold": threshold,
+        **site_fields(opt),
+    }
+    return Finding(
+        "invariant-update-too-small",
+        "warning",
+        message,
+        evidence,
+        "Raise the learning rate (1e-4..1e-3 for Adam, 1e-2..1e-1 for SGD), check the schedule does not reach 0 "
+        "early, and clip at a norm the gradients reach only in a spike.",
+    )
 
 
 def _where(opt: dict[str, Any]) -> str:
