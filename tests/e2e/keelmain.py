@@ -28,14 +28,17 @@ class Result:
 
 @pytest.fixture
 def keel_main(monkeypatch, capsys):
-    """``keel_main(*args, cwd=DIR) -> Result``: ``keel`` run in DIR in this process, with one torch
+    """``keel_main(*args, cwd=DIR, **env) -> Result``: ``keel`` run in DIR in this process, with one torch
     thread as ``keelproc``'s subprocesses have (OMP_NUM_THREADS=1); the working directory and
-    ``sys.path`` (keel train puts its working directory on it) are put back after the test."""
+    ``sys.path`` (keel train puts its working directory on it) and the environment variables set
+    from ``env`` are put back after the test."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(sys, "path", list(sys.path))
 
-    def call(*args: str, cwd: Path) -> Result:
+    def call(*args: str, cwd: Path, **env: str) -> Result:
         monkeypatch.chdir(cwd)
+        for name, value in env.items():  # until the test ends
+            monkeypatch.setenv(name, value)
         capsys.readouterr()
         try:
             code = main(list(args))

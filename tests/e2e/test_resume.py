@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from keelmain import keel_main  # noqa: F401 - a fixture
 from keelproc import run_keel, start_keel
 
 from torchkeel.checkpoint import CheckpointStore
@@ -54,9 +55,11 @@ class Run:
         position = found.state["progress"]["samples"] if found else 0
         self.segments.append((position, self.log.stat().st_size if self.log.exists() else 0))
 
-    def run(self, resume: bool, **env: str):
+    def run(self, resume: bool, keel=run_keel, **env: str):
+        """A ``keel train`` to its end: a subprocess, or ``keel=keel_main`` in this process (no kill
+        or signal comes: a resume or an uninterrupted run needs no process of its own)."""
         self.begin_segment()
-        return run_keel(*self.args(resume), cwd=self.root, **env)
+        return keel(*self.args(resume), cwd=self.root, **env)
 
     def start(self, resume: bool, **env: str):
         self.begin_segment()
@@ -101,10 +104,10 @@ def references(tmp_path_factory):
     """The uninterrupted run's final weights and index log, per number of epochs."""
     cache = {}
 
-    def get(epochs: int = 3):
+    def get(keel_main, epochs: int = 3):
         if epochs not in cache:
             run = Run(tmp_path_factory.mktemp(f"reference{epochs}"), epochs=epochs)
-            result = run.run(resume=False)
+            result = run.run(resume=False, keel=keel_main)
             assert result.returncode == 0, result.stderr
             ((position, indices),) = run.segment_indices()
             assert position == 0 and len(indices) == epochs * 480
@@ -115,8 +118,8 @@ def references(tmp_path_factory):
 
 
 @pytest.fixture
-def reference(references):
-    return references(3)
+def reference(references, keel_main):
+    return references(keel_main)
 
 
 def assert_same_as_reference(run: Run, reference) -> None:
@@ -150,14 +153,14 @@ DEFAULT_POINTS = ("model.safetensors:mid_write", "state.json:after_replace", "af
         for point, newest in KILL_POINTS
     ],
 )
-def test_kill_during_a_checkpoint_write(tmp_path, reference, point, newest_valid):
+def test_kill_during_a_checkpoint_write(tmp_path, keel_main, reference, point, newest_valid):
     run = Run(tmp_path)
     killed = run.run(resume=False, TORCHKEEL_TEST_FAULTS=f"kill:{point}#3")  # the third save: step 12
     assert killed.returncode == -signal.SIGKILL
     found, problems = run.store.latest_valid()
     assert found is not None and found.step == newest_valid
     assert len(problems) == (0 if newest_valid == 12 else 1)
-    resumed = run.run(resume=True)
+    resumed = run.run(resume=True, keel=keel_main)
     assert resumed.returncode == 0, resumed.stderr
     if newest_valid == 8:
         assert "skipping invalid checkpoint" in resumed.stderr and "step-00000012" in resumed.stderr
@@ -172,7 +175,7 @@ def test_kill_during_a_checkpoint_write(tmp_path, reference, point, newest_valid
         pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow),
     ],
 )
-def test_preemption_saves_and_exits_with_128_plus_signal(tmp_path, reference, signum, exit_code):
+def test_preemption_saves_and_exits_with_128_plus_signal(tmp_path, keel_main, reference, signum, exit_code):
     run = Run(tmp_path, delay=0.002, every=100)
     proc = run.start(resume=False)
     deadline = time.monotonic() + 60
@@ -185,13 +188,13 @@ def test_preemption_saves_and_exits_with_128_plus_signal(tmp_path, reference, si
     assert summary["status"] == "preempted" and summary["signal"] == signal.Signals(signum).name
     found, _ = run.store.latest_valid()
     assert found.step == summary["steps"] and 6 <= found.step < run.total_steps
-    resumed = run.run(resume=True)
+    resumed = run.run(resume=True, keel=keel_main)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((run.run_dir / "summary.json").read_text())["status"] == "completed"
     assert_same_as_reference(run, reference)
 
 
-def chaos(tmp_path, reference, num_kills: int, seed: int, epochs: int = 3) -> None:
+def chaos(tmp_path, keel_main, reference, num_kills: int, seed: int, epochs: int = 3) -> None:
     """SIGKILL at random moments, every third kill while a checkpoint is being written."""
     rng = random.Random(seed)
     run = Run(tmp_path, delay=0.001, every=3, epochs=epochs)
@@ -218,16 +221,16 @@ def chaos(tmp_path, reference, num_kills: int, seed: int, epochs: int = 3) -> No
         kills += 1
         during_write += want_write
     assert kills >= num_kills and during_write >= num_kills // 3
-    final = run.run(resume=True, TORCHKEEL_TEST_FAULTS=slow_writes)
+    final = run.run(resume=True, keel=keel_main, TORCHKEEL_TEST_FAULTS=slow_writes)
     assert final.returncode == 0, final.stderr
     assert_same_as_reference(run, reference)
 
 
-def test_chaos_six_kills(tmp_path, reference):  # 30 kills of longer runs under `slow`
-    chaos(tmp_path, reference, num_kills=6, seed=0)
+def test_chaos_six_kills(tmp_path, keel_main, reference):  # 30 kills of longer runs under `slow`
+    chaos(tmp_path, keel_main, reference, num_kills=6, seed=0)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
-def test_chaos_long(tmp_path, references, seed):
-    chaos(tmp_path, references(10), num_kills=30, seed=seed, epochs=10)
+def test_chaos_long(tmp_path, keel_main, references, seed):
+    chaos(tmp_path, keel_main, references(keel_main, 10), num_kills=30, seed=seed, epochs=10)
