@@ -35,7 +35,7 @@ FAMILY = "updates"
 IDS: tuple[str, ...] = ("invariant-clip-always", "invariant-update-too-small", "invariant-update-too-large")
 
 TOO_SMALL = 1e-7  # every parameter's ratio below this: no learning at any useful pace
-SMALL = 1e-5  # ... below this, and the loss does not fall (a fine-tune at lr 1e-6 moves ~1e-5 and learns)
+SMALL = 3e-5  # ... below this, and the loss does not fall (Adam at lr 1e-7: 1e-6..1e-5; a fine-tune at 1e-5: ~1e-4)
 LOSS_FALL = 0.02  # a loss that falls by less than this fraction over those steps does not fall
 TOO_LARGE = 0.9  # a parameter's ratio at or above this (~1): each step replaces the weights
 WEIGHT_FLOOR = 1e-6  # ||w|| below this is not judged (a zero-initialised bias or LoRA factor)
@@ -360,14 +360,19 @@ def update_too_large(facts: Facts, outcome: object) -> list[Finding]:
 
 
 def update_too_small(facts: Facts, outcome: object) -> list[Finding]:
-    """Every measured parameter's ratio below TOO_SMALL (or below SMALL while the loss does not
-    fall) at every sampled step of the run's latter part (≥ 3 samples, from half-way or earlier),
+    """Every measured weight tensor's ratio (≥ 2-D; every parameter when there are none) below
+    TOO_SMALL (or below SMALL while the loss does not fall) at every sampled step of the run's latter part (≥ 3 samples, from half-way or earlier),
     while the gradients are not what is tiny (the whole model's ||g|| / ||w|| ≥ GRAD_FLOOR: a run
     that converged moves little too), or a clip rescales them by ≥ CLIP_FACTOR."""
     findings = []
     clipped = bool(_large_clips(facts))
     for index, samples in _by_optimizer(facts).items():
-        judged = [(s, r) for s in samples if (r := _ratios(s))]
+        dims = facts.invariants[FAMILY]["params"]
+        weights = {name for s in samples for name in s["params"] if dims.get(name, {}).get("dims", 0) >= 2}
+        # Weight tensors only when there are some: a bias near zero moves by a large fraction of itself.
+        judged = [
+            (s, r) for s in samples if (r := {n: x for n, x in _ratios(s).items() if not weights or n in weights})
+        ]
         tail = _below(judged, TOO_SMALL, samples[-1]["step"])
         threshold = TOO_SMALL
         if not tail:
@@ -423,7 +428,7 @@ def _too_small(
     first, last = tail[0][0], tail[-1][0]
     lrs = sorted(set(last["lrs"]))
     message = (
-        f"the weights hardly move: every parameter of {opt.get('class', 'the optimizer')} changes by less than "
+        f"the weights hardly move: every weight tensor of {opt.get('class', 'the optimizer')} changes by less than "
         f"{threshold:g} of its norm per step from step {first['step']} to {last['step']} (largest {ranked[0][0]}, "
         f"{ranked[0][1]:.2g}; healthy runs move about 1e-3)"
         + (", and the loss does not fall" if threshold > TOO_SMALL else "")
