@@ -463,3 +463,36 @@ def test_tk103_quiet_when_moved_after_a_reshape_or_later_and_on_a_host_coin_flip
     assert found(text, "TK103") == []
     left = text.replace("                if features.is_cuda:\n                    grid = grid.cuda()\n", "")
     assert found(left, "TK103") == [8]
+
+
+def test_tk123_quiet_on_a_check_that_stops_at_the_first_mismatch_fires_when_the_item_is_kept():
+    text = """
+        import json
+        def check(base_dims, base_alphas):
+            dims_list = list(set(base_dims.values()))
+            all_same_dims = True
+            for dims in dims_list:
+                if dims != dims_list[0]:
+                    all_same_dims = False
+                    break
+            json.dump(base_alphas, open("alphas.json", "w"))
+            return all_same_dims
+        """
+    assert found(text, "TK123") == []
+    kept = text.replace("return all_same_dims", "return dims")
+    assert found(kept, "TK123") == [6]  # the item it stopped at depends on the order
+
+
+def test_tk103_quiet_on_a_coin_flip_inside_a_condition_tk104_on_autograd_function_function():
+    dropout = """
+        import torch
+        class LoConLayer(torch.nn.Module):
+            def forward(self, x):
+                if (not self.training) or (self.training and torch.rand(1) > self.module_dropout):
+                    return self.lora(x)
+                return x
+        model = LoConLayer().cuda()
+        """
+    assert found(dropout, "TK103") == []
+    flash = MASKED_SOFTMAX.replace("torch.autograd.Function", "torch.autograd.function.Function")
+    assert found(flash, "TK104") == []

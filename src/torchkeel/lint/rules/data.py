@@ -187,7 +187,7 @@ def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
             continue
         if isinstance(node, ast.Call) and _order_free(source, node):
             continue
-        if isinstance(node, (ast.For, ast.AsyncFor)) and not _builds_in_order(node):
+        if isinstance(node, (ast.For, ast.AsyncFor)) and not _builds_in_order(source, node):
             continue
         for it in iters:
             inner = it.args if isinstance(it, ast.Call) and call_name(it) in {"enumerate", "zip"} else [it]
@@ -213,21 +213,41 @@ _ORDER_FREE = {"any", "all", "sum", "min", "max", "len", "set", "frozenset", "so
 _ORDERED_WRITES = {"append", "extend", "insert", "write", "add_module", "register_buffer", "register_parameter"}
 
 
-def _builds_in_order(loop: ast.For | ast.AsyncFor) -> bool:
+def _builds_in_order(source: Source, loop: ast.For | ast.AsyncFor) -> bool:
     """A ``for`` over a set whose body records the order it met the items: ``enumerate``, a list
     appended to, a counter or string grown, an item stored by key or position, a value yielded or
-    returned (the first match wins). A body that only acts on each item (``download(name)``,
-    ``os.remove(path)``) does not depend on the order."""
+    returned, or kept past a ``break`` (the first match wins). A body that only acts on each item
+    (``download(name)``, ``os.remove(path)``), or stops at the first item that fails a test
+    (``if dims != dims_list[0]: same = False; break``, ``return False``), does not depend on the order."""
     if isinstance(loop.iter, ast.Call) and call_name(loop.iter) == "enumerate":
         return True
+    items = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
     for node in ast.walk(ast.Module(body=loop.body, type_ignores=[])):
-        if isinstance(node, (ast.Yield, ast.YieldFrom, ast.AugAssign, ast.Return, ast.Break)):
+        if isinstance(node, (ast.Yield, ast.YieldFrom, ast.AugAssign)):
+            return True
+        if isinstance(node, ast.Return) and node.value is not None and _names(node.value) & items:
+            return True  # return name: the first match wins
+        if isinstance(node, ast.Break) and _read_after(source, loop, items):
             return True
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _ORDERED_WRITES:
             return True
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Subscript) for t in node.targets):
             return True
     return False
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _read_after(source: Source, loop: ast.For | ast.AsyncFor, names: set[str]) -> bool:
+    """A name the loop binds is read after the loop (the item it stopped at is used)."""
+    end = loop.end_lineno or loop.lineno
+    scope = source.function_of(loop) or source.tree
+    return any(
+        isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in names and n.lineno > end
+        for n in ast.walk(scope)
+    )
 
 
 def _order_free(source: Source, comprehension: ast.AST) -> bool:

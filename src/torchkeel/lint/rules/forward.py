@@ -184,8 +184,10 @@ def _moved_after(source: Source, call: ast.Call) -> bool:
         parent = source.parents.get(node)
     if isinstance(parent, ast.Attribute) and parent.attr in _MOVES:
         return True
-    if isinstance(parent, ast.Compare) and isinstance(source.parents.get(parent), (ast.If, ast.While, ast.IfExp)):
-        return True
+    while isinstance(parent, (ast.Compare, ast.BoolOp, ast.UnaryOp)):  # if training and torch.rand(1) > p:
+        node, parent = parent, source.parents.get(parent)
+        if isinstance(parent, (ast.If, ast.While, ast.IfExp)) and parent.test is node:
+            return True
     fn = source.function_of(call)
     if not (isinstance(parent, ast.Assign) and len(parent.targets) == 1 and fn is not None):
         return False
@@ -243,7 +245,7 @@ def _autograd_function(source: Source, fn: ast.FunctionDef) -> bool:
     if not isinstance(cls, ast.ClassDef):
         return False
     for base in map(dotted, cls.bases):
-        if base.endswith("autograd.Function") or base.endswith("InplaceFunction"):
+        if base.endswith(("autograd.Function", "autograd.function.Function", "InplaceFunction")):
             return True
         if base == "Function" and (source.imported_from("Function") or "").startswith("torch.autograd"):
             return True
