@@ -496,3 +496,20 @@ def test_tk103_quiet_on_a_coin_flip_inside_a_condition_tk104_on_autograd_functio
     assert found(dropout, "TK103") == []
     flash = MASKED_SOFTMAX.replace("torch.autograd.Function", "torch.autograd.function.Function")
     assert found(flash, "TK104") == []
+
+
+def test_tk119_quiet_on_a_scheduler_stepped_to_a_count_fires_on_a_bare_step_first():
+    text = """
+        import torch
+        def optimize(model, batches, counter):
+            optimizer = torch.optim.Adam(model.parameters())
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: min(1.0, n / 1000))
+            for batch in batches:
+                counter += 1
+                scheduler.step(counter)
+                optimizer.zero_grad()
+                model(batch).mean().backward()
+                optimizer.step()
+        """
+    assert found(text, "TK119") == []
+    assert found(text.replace("scheduler.step(counter)", "scheduler.step()"), "TK119") == [8]
