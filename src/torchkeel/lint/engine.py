@@ -344,7 +344,7 @@ def _sibling(folder: str, module: str) -> Source | None:
     return None
 
 
-@functools.lru_cache(maxsize=128)
+@functools.lru_cache(maxsize=1024)
 def _folder_matches(folder: str, regex: str) -> bool:
     pattern = re.compile(regex)
     try:

@@ -30,10 +30,12 @@ def unsafe_load(source: Source) -> Iterator[tuple[ast.AST, str]]:
     convert). A project that saves its own checkpoints and loads them back trusts what it wrote."""
     version = torch_version()
     default_safe = version is not None and version >= _SAFE_LOAD_SINCE
-    writes_own = source.project_matches(r"\btorch\.save\s*\(", levels=0)
+    writes_own: bool | None = None  # read the project only when the file loads something
     for call in source.calls():
         if call_name(call) != "torch.load" or not call.args:
             continue
+        if writes_own is None:
+            writes_own = source.project_matches(r"\btorch\.save\s*\(", levels=0)
         if writes_own and not source.reaches(call.args[0], _downloaded):
             continue
         value = keyword(call, "weights_only")

@@ -167,8 +167,7 @@ def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
     """Indices or a list built in a set's order, in a project where that order matters: one that
     seeds (a run meant to repeat) or saves (a model or vocabulary read back by another process).
     A script that does neither changes everything on every run anyway."""
-    if not source.project_matches(_KEEPS_OR_REPEATS, levels=1):
-        return
+    matters: bool | None = None  # read the project only once a candidate is found
     scopes: dict[ast.AST, set[str]] = {}
     for node in source.nodes:
         if isinstance(node, (ast.For, ast.AsyncFor)):
@@ -192,6 +191,10 @@ def set_iteration(source: Source) -> Iterator[tuple[ast.AST, str]]:
         for it in iters:
             inner = it.args if isinstance(it, ast.Call) and call_name(it) in {"enumerate", "zip"} else [it]
             if any(_set_ordered(arg, sets) for arg in inner):
+                if matters is None:
+                    matters = source.project_matches(_KEEPS_OR_REPEATS, levels=1)
+                if not matters:
+                    return
                 yield (
                     it,
                     (

@@ -78,8 +78,7 @@ def factory_without_device(source: Source) -> Iterator[tuple[ast.AST, str]]:
     one next to it or up to two folders above, calls ``torch.set_default_device`` (or
     ``set_default_tensor_type``), under ``with torch.device(...)``, and where neither this folder
     nor its parent names a device (``cuda``, ``device``, ``mps``): the model runs on the CPU."""
-    if source.project_matches(_SETS_DEFAULT_DEVICE) or not source.project_matches(_NAMES_A_DEVICE, levels=1):
-        return
+    default_kept: bool | None = None  # read the project only once a candidate is found
     for call in source.calls():
         name = call_name(call)
         if (
@@ -93,6 +92,12 @@ def factory_without_device(source: Source) -> Iterator[tuple[ast.AST, str]]:
             and not _kept_as_host_index(source, call)
             and not _under_device_block(source, call)
         ):
+            if default_kept is None:
+                default_kept = not source.project_matches(_SETS_DEFAULT_DEVICE) and source.project_matches(
+                    _NAMES_A_DEVICE, levels=1
+                )
+            if not default_kept:
+                return
             yield (
                 call,
                 (
