@@ -40,15 +40,17 @@ def test_the_units_of_linear_conv_and_recurrent_layers_are_the_rows_of_their_wei
     assert _unit_weights(nn.ConvTranspose2d(3, 8, 3)) == [] and _unit_weights(nn.Embedding(5, 3)) == []
 
 
-def identical_facts(num_copies: int, num_units: int = 64) -> Facts:
+def identical_facts(num_copies: int, num_units: int = 64, at_start: dict | None = None) -> Facts:
     f = Facts(steps=100)
     layer = {
         "module": "model.fc1",
         "module_class": "Linear",
+        "param": "weight",
         "num_units": num_units,
         "num_copies": num_copies,
         "num_distinct": num_units - num_copies + 1,
         "row_norm": 0.2,
+        "at_start": at_start,
         "filled_by": {"call": "constant_", "file": "train.py", "line": 16, "function": "init"},
     }
     f.invariants["units"] = {"identical": [layer], "dead": [], "steps": 100}
@@ -61,6 +63,14 @@ def test_a_layer_of_copies_is_reported_with_the_line_that_filled_it():
     assert found.evidence["module"] == "model.fc1" and found.evidence["num_copies"] == 64
     assert found.evidence["filled_by"] == "constant_" and found.evidence["line"] == 16
     assert units_identical(identical_facts(2), OK) == []  # two rows alike by chance in a wide layer
+
+
+def test_copies_of_a_non_zero_row_at_the_first_step_are_a_constant_init_even_once_they_part():
+    (found,) = units_identical(identical_facts(0, at_start={"num_copies": 64, "row_norm": 0.4}), OK)
+    assert found.evidence["num_copies_at_start"] == 64 and found.evidence["num_copies"] == 0
+    assert "at the first step" in found.message
+    # A zero-initialised layer (a LoRA factor, a head) starts as copies of the zero row and parts.
+    assert units_identical(identical_facts(0, at_start={"num_copies": 64, "row_norm": 0.0}), OK) == []
 
 
 def dead_facts(fractions: list[float]) -> Facts:
@@ -128,6 +138,8 @@ def test_the_listener_finds_copies_made_by_a_fill_before_the_first_step():
     assert layers["model.hidden"]["num_copies"] == 32
     assert layers["model.hidden"]["filled_by"]["call"] == "fill_"
     assert layers["model.out"]["num_copies"] == 0  # the output rows get different gradients: they part
+    assert layers["model.out"]["at_start"]["num_copies"] == 3 and layers["model.out"]["at_start"]["row_norm"] > 0
+    assert layers["model.hidden"]["at_start"]["num_copies"] == 32
 
 
 def test_the_listener_measures_relus_inside_the_model_only_at_sampled_steps():

@@ -116,6 +116,23 @@ def test_first_steps_of_a_zero_initialised_tensor_a_single_spike_and_lbfgs_are_n
     assert update_too_large(facts_with(lbfgs, optimizer="LBFGS"), OK) == []
 
 
+def test_a_layer_of_copies_moving_by_its_own_size_is_the_symmetry_not_the_lr():
+    f = facts_with({s: {"model.0.weight": 1.5} for s in SAMPLED[:8]})
+    layer = {
+        "module": "model.0",
+        "module_class": "Linear",
+        "param": "weight",
+        "num_units": 8,
+        "num_copies": 8,
+        "num_distinct": 1,
+        "row_norm": 0.1,
+        "at_start": None,
+        "filled_by": None,
+    }
+    f.invariants["units"] = {"identical": [layer], "dead": [], "steps": f.steps}
+    assert update_too_large(f, OK) == []
+
+
 def clip_record(factors: list[float]) -> dict:
     return {
         "call": "clip_grad_norm_",

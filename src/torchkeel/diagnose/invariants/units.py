@@ -61,6 +61,7 @@ class Listener:
         self.probe = probe
         self.relus: dict[tuple, dict[str, Any]] = {}  # (module id, unit shape) → its samples
         self.fills: dict[int, dict[str, Any]] = {}  # data_ptr → the constant fill before step 1
+        self.at_start: dict[int, dict[str, Any]] | None = None  # weight id → its copies at the first step
         checks = probe.modules.loss_checks
         for func in _RELUS:
             checks[func] = _chained(checks.get(func), self.check_relu)
@@ -119,41 +120,58 @@ class Listener:
             return
         self.fills[t.data_ptr()] = {"call": getattr(func, "__name__", "fill_"), **(user_site() or {})}
 
+    def on_step_begins(self) -> None:
+        if self.at_start is None:
+            self.at_start = {}
+            self.probe.safely(self._note_start)
+
+    def _note_start(self) -> None:
+        """The copies among each layer's units before the first update (its initialisation)."""
+        for module in list(self.probe.state.leaf_order.values()):
+            for _, weight in _unit_weights(module):
+                if weight.requires_grad and weight.grad is not None:
+                    layer = _copies(weight)
+                    if layer is not None:
+                        self.at_start[id(weight)] = {k: layer[k] for k in ("num_copies", "row_norm")}
+
     def finish(self) -> None:
         probe = self.probe
-        found: dict[str, Any] = {"dead": [], "identical": [], "steps": probe.facts.steps}
-        for record in self.relus.values():
-            if not record["samples"]:
-                continue
-            steps = [s for s, _ in record["samples"]]
-            fractions = torch.stack([f.to("cpu") for _, f in record["samples"]]).tolist()
-            found["dead"].append(
-                {
-                    "module": probe.name_of(record["module"]),
-                    "module_class": type(record["module"]).__name__,
-                    "activation": record["activation"],
-                    "unit_shape": record["shape"],
-                    "steps": steps,
-                    "dead_fractions": fractions,
-                    "num_samples": record["num_samples"],
-                    **(record["site"] or {}),
-                }
-            )
-        if probe.facts.steps >= MIN_STEPS:
-            for module in list(probe.state.leaf_order.values()):
-                for param, weight in _unit_weights(module):
-                    layer = _copies(weight) if id(weight) in probe.state.trained else None
-                    if layer is not None:
-                        found["identical"].append(
-                            {
-                                "module": probe.name_of(module),
-                                "module_class": type(module).__name__,
-                                "param": param,
-                                **layer,
-                                "filled_by": self.fills.get(weight.data_ptr()),
-                            }
-                        )
-        probe.facts.invariants[FAMILY] = found
+        probe.facts.invariants[FAMILY] = {
+            "dead": [self._dead_record(record) for record in self.relus.values() if record["samples"]],
+            "identical": self._identical_records(),
+            "steps": probe.facts.steps,
+        }
+
+    def _dead_record(self, record: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "module": self.probe.name_of(record["module"]),
+            "module_class": type(record["module"]).__name__,
+            "activation": record["activation"],
+            "unit_shape": record["shape"],
+            "steps": [s for s, _ in record["samples"]],
+            "dead_fractions": torch.stack([f.to("cpu") for _, f in record["samples"]]).tolist(),
+            "num_samples": record["num_samples"],
+            **(record["site"] or {}),
+        }
+
+    def _identical_records(self) -> list[dict[str, Any]]:
+        """Each trained layer's copies at the end, with those at the first step."""
+        probe, found = self.probe, []
+        for module in list(probe.state.leaf_order.values()):
+            for param, weight in _unit_weights(module):
+                layer = _copies(weight) if id(weight) in probe.state.trained else None
+                if layer is not None:
+                    found.append(
+                        {
+                            "module": probe.name_of(module),
+                            "module_class": type(module).__name__,
+                            "param": param,
+                            **layer,
+                            "at_start": (self.at_start or {}).get(id(weight)),
+                            "filled_by": self.fills.get(weight.data_ptr()),
+                        }
+                    )
+        return found
 
 
 def _chained(existing: Callable | None, check: Callable) -> Callable:
@@ -208,22 +226,43 @@ def _copies(weight: torch.Tensor) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------- detectors (pure: Facts → findings)
-def units_identical(facts: Facts, outcome: object) -> list[Finding]:
-    """A trained Linear/Conv layer with ≥ COPIES of its units (and ≥ 2) equal to another unit
-    after ≥ MIN_STEPS steps."""
+def symmetric_layers(facts: Facts) -> list[dict[str, Any]]:
+    """The layers with ≥ COPIES of their units (and ≥ 2) copies of one another after ≥ MIN_STEPS
+    steps, or copies of one non-zero row at the first step (a constant initialisation: a
+    zero-initialised layer starts as copies of the zero row and parts at once)."""
     data = facts.invariants.get(FAMILY, {})
-    layers = [
-        layer for layer in data.get("identical", []) if layer["num_copies"] >= max(2, COPIES * layer["num_units"])
+
+    def many(layer: dict[str, Any], copies: int) -> bool:
+        return copies >= max(2, COPIES * layer["num_units"])
+
+    return [
+        layer
+        for layer in data.get("identical", [])
+        if (data.get("steps", 0) >= MIN_STEPS and many(layer, layer["num_copies"]))
+        or (many(layer, (layer.get("at_start") or {}).get("num_copies", 0)) and layer["at_start"]["row_norm"] > 0)
     ]
+
+
+def units_identical(facts: Facts, outcome: object) -> list[Finding]:
+    """A trained layer whose units are copies of one another (``symmetric_layers``)."""
+    layers = symmetric_layers(facts)
     if not layers:
         return []
+    steps = facts.invariants[FAMILY].get("steps")
     first = layers[0]
+    at_start = (first.get("at_start") or {}).get("num_copies", 0)
     fill = first.get("filled_by") or {}
-    filled = f", filled by {fill['call']} at {site_text(fill)} before the first step" if fill.get("file") else ""
+    filled = f", filled by {fill['call']} at {site_text(fill)}" if fill.get("file") else ""
     message = (
-        f"{first['module']} ({first['module_class']}{_param(first)}): {first['num_copies']} of its {first['num_units']} units are "
-        f"copies of one another after {data.get('steps')} steps ({first['num_distinct']} distinct){filled}; units "
-        f"that start equal get equal gradients and never differ"
+        f"{first['module']} ({first['module_class']}{_param(first)}): "
+        + (
+            f"{at_start} of its {first['num_units']} units were copies of one another at the first step{filled}, "
+            if at_start
+            else ""
+        )
+        + f"{first['num_copies']} of its {first['num_units']} units are copies after {steps} steps "
+        f"({first['num_distinct']} distinct); units that start equal get equal gradients and learn one feature "
+        f"until the layers after them tell them apart"
         + (f"; {len(layers) - 1} more layer(s) alike" if len(layers) > 1 else "")
     )
     evidence = {
@@ -232,11 +271,13 @@ def units_identical(facts: Facts, outcome: object) -> list[Finding]:
         "param": first.get("param", "weight"),
         "num_units": first["num_units"],
         "num_copies": first["num_copies"],
+        "num_copies_at_start": at_start,
         "num_distinct": first["num_distinct"],
         "layers": [
-            {k: layer[k] for k in ("module", "num_units", "num_copies", "num_distinct")} for layer in layers[:10]
+            {k: layer[k] for k in ("module", "param", "num_units", "num_copies", "num_distinct")}
+            for layer in layers[:10]
         ],
-        "step": data.get("steps"),
+        "step": steps,
         "threshold": COPIES,
         "filled_by": fill.get("call"),
         **site_fields(fill),

@@ -297,8 +297,12 @@ def update_too_large(facts: Facts, outcome: object) -> list[Finding]:
     """A weight tensor (2-D or more) whose ratio is ≥ TOO_LARGE at ≥ 3 sampled steps. Tensors that
     start at zero (a LoRA factor, a zero-initialised head: their first steps are as large as
     they are) and LBFGS (a step() is many iterations) are left out."""
+    from torchkeel.diagnose.invariants.units import symmetric_layers  # units reads this module's sampling
+
     findings = []
     dims = facts.invariants.get(FAMILY, {}).get("params", {})
+    # A layer of copies moves as one unit: its large steps are the symmetry's (units-identical).
+    symmetric = {f"{layer['module']}.{layer['param']}" for layer in symmetric_layers(facts)}
     for index, samples in _by_optimizer(facts).items():
         if _optimizer(facts, index).get("class") == "LBFGS":
             continue
@@ -312,7 +316,7 @@ def update_too_large(facts: Facts, outcome: object) -> list[Finding]:
                     started_at_zero.add(name)
                 seen.setdefault(name, [])
             for name, ratio in ratios.items():
-                if dims.get(name, {}).get("dims", 0) >= 2 and name not in started_at_zero:
+                if dims.get(name, {}).get("dims", 0) >= 2 and name not in started_at_zero | symmetric:
                     seen[name].append((sample["step"], ratio, lr_of[name]))
         large = {
             name: hits for name, series in seen.items() if len(hits := [h for h in series if h[1] >= TOO_LARGE]) >= 3
