@@ -513,3 +513,17 @@ def test_tk119_quiet_on_a_scheduler_stepped_to_a_count_fires_on_a_bare_step_firs
         """
     assert found(text, "TK119") == []
     assert found(text.replace("scheduler.step(counter)", "scheduler.step()"), "TK119") == [8]
+
+
+def test_tk104_quiet_on_the_evaluation_path_fires_on_the_training_path():
+    text = """
+        import torch
+        class Head(torch.nn.Module):
+            def forward(self, x):
+                probs = torch.softmax(x, -1)
+                if not self.training:
+                    probs.masked_fill_(probs < 0.1, 0.0)
+                return probs
+        """
+    assert found(text, "TK104") == []
+    assert found(text.replace("if not self.training:", "if self.training:"), "TK104") == [7]

@@ -208,17 +208,20 @@ def _moved_after(source: Source, call: ast.Call) -> bool:
 
 def inplace_on_activation(source: Source) -> Iterator[tuple[ast.AST, str]]:
     """An in-place write, in a module's ``forward``, to the output of an op whose backward reads
-    that output. A custom ``torch.autograd.Function`` is left alone: its forward runs without
-    autograd and saves what its own backward needs (``ctx.save_for_backward``)."""
+    that output. Left alone: a custom ``torch.autograd.Function`` (its forward runs without
+    autograd and saves what its own backward needs), an output made under no_grad or from
+    factories alone (nothing requires grad), a write in the other branch of an ``if``, and one on
+    the evaluation path (``if not self.training:``)."""
     for fn in source.nodes:
         if not (isinstance(fn, ast.FunctionDef) and fn.name == "forward") or _autograd_function(source, fn):
             continue
-        saved: dict[str, str] = {}
+        params = {a.arg for a in fn.args.args + fn.args.kwonlyargs} - {"self"}
+        saved: dict[str, tuple[str, ast.AST]] = {}
         for node in sorted((n for n in ast.walk(fn) if hasattr(n, "lineno")), key=lambda n: (n.lineno, n.col_offset)):
             if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
                 op = last(call_name(node.value)) if isinstance(node.value, ast.Call) else ""
-                if op in _SAVES_OUTPUT and not _no_graph_here(source, node, fn):
-                    saved[node.targets[0].id] = op  # made under no_grad, nothing is saved for backward
+                if op in _SAVES_OUTPUT and not _no_graph_here(source, node, fn) and _may_need_grad(node.value, params):
+                    saved[node.targets[0].id] = (op, node)
                 else:
                     saved.pop(node.targets[0].id, None)
             target = None
@@ -232,15 +235,27 @@ def inplace_on_activation(source: Source) -> Iterator[tuple[ast.AST, str]]:
                 and isinstance(node.func, ast.Attribute)
             ):
                 target = dotted(node.func.value)
-            if target in saved:
-                yield (
-                    node,
-                    (
-                        f"'{target}' holds the output of {saved[target]}(), which its backward needs; modifying "
-                        "it in place makes backward() fail"
-                    ),
-                )
-                saved.pop(target)
+            if target not in saved or source.exclusive(node, saved[target][1]):
+                continue
+            if ("self.training", False) in source.guards(node, fn):
+                continue  # the evaluation path: nothing is backpropagated through it
+            yield (
+                node,
+                (
+                    f"'{target}' holds the output of {saved[target][0]}(), which its backward needs; modifying "
+                    "it in place makes backward() fail"
+                ),
+            )
+            saved.pop(target)
+
+
+def _may_need_grad(value: ast.expr, params: set[str]) -> bool:
+    """The op reads the forward's inputs or the module's state; ``torch.exp(-torch.arange(n) * c)``
+    is made from factories and constants alone, and nothing of it requires grad."""
+    names = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+    own = any(isinstance(n, ast.Attribute) and dotted(n).startswith("self.") for n in ast.walk(value))
+    made = any(isinstance(n, ast.Call) and last(call_name(n)) in _FACTORIES for n in ast.walk(value))
+    return own or bool(names & params) or not made or bool(names - {"torch", "math", "F"} - params)
 
 
 def _autograd_function(source: Source, fn: ast.FunctionDef) -> bool:
