@@ -527,3 +527,16 @@ def test_tk104_quiet_on_the_evaluation_path_fires_on_the_training_path():
         """
     assert found(text, "TK104") == []
     assert found(text.replace("if not self.training:", "if self.training:"), "TK104") == [7]
+
+
+def test_tk103_quiet_on_a_value_read_on_the_host_and_a_factory_given_out():
+    text = """
+        import torch
+        class DiT(torch.nn.Module):
+            def forward(self, x, para_cov):
+                crop = False if self.rate == 0.0 else torch.rand(1).item() < self.rate
+                eye = torch.eye(*para_cov.size(), out=torch.empty_like(para_cov))
+                return x, crop, eye
+        model = DiT().cuda()
+        """
+    assert found(text, "TK103") == []

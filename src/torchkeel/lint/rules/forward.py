@@ -182,9 +182,11 @@ def _moved_after(source: Source, call: ast.Call) -> bool:
     ``torch.arange(n).view(-1, 1).to(device)``), a name it is assigned to moved later in the
     function (``if x.is_cuda: grid = grid.cuda()``), or a host coin flip (``if torch.rand(1) < p:``)."""
     node, parent = call, source.parents.get(call)
+    if keyword(call, "out") is not None:
+        return True  # torch.eye(n, out=torch.empty_like(x)): made where ``out`` lives
     while isinstance(parent, ast.Attribute) and getattr(source.parents.get(parent), "func", None) is parent:
-        if parent.attr in _MOVES:
-            return True
+        if parent.attr in _MOVES or parent.attr in {"item", "tolist"}:
+            return True  # moved, or read on the host on purpose (torch.rand(1).item() < p)
         node = source.parents[parent]
         parent = source.parents.get(node)
     if isinstance(parent, ast.Attribute) and parent.attr in _MOVES:
