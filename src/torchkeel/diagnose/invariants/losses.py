@@ -97,7 +97,8 @@ class Listener:
 
     # ---------------------------------------------------------------- events
     def on_model_called(self, module: torch.nn.Module, args: Any) -> None:
-        self._note_ints(args)
+        if next(module.parameters(), None) is not None:  # a model, not a loss module
+            self._note_ints(args)
         if not torch.is_grad_enabled():
             self.no_grad_call = True
 
@@ -391,11 +392,11 @@ def _chance(site: dict[str, Any]) -> tuple[float | None, float]:
 
 
 # ---------------------------------------------------------------- detectors
-_LEARN_STEPS = 50  # a run this long has had time to leave chance level (healthy corpus: well before)
+_LEARN_STEPS = 100  # a run this long has had time to leave chance level (the healthy corpus: by 64 steps)
 _WARMUP = 0.1  # the first tenth of the run (at least 10 steps) is not judged
-_AT_CHANCE = 0.95  # the median loss of the run's second half, as a fraction of chance, at or above this
+_AT_CHANCE = 0.98  # the median loss of the run's second half, as a fraction of chance, at or above this
 _FAST = 0.01  # a loss under 1 % of chance ...
-_FAST_STEPS = 30  # ... within this many steps, from a start near chance
+_FAST_STEPS = 100  # ... within this many steps, from a start near chance (healthy corpus: 210 at the soonest)
 _MIN_CHANCE = 0.05  # nats (classes) or a fraction of the targets' spread too small to judge
 
 
@@ -516,8 +517,16 @@ def _too_fast(site: dict[str, Any], step: int) -> Finding:
     )
 
 
+def _warming_up(facts: Any) -> bool:
+    """A scheduler left the learning rate under half the one set: a warm-up still under way, or a run
+    whose rate decayed early (its loss need not have left chance yet)."""
+    return any(
+        s.get("lr_reached", 1.0) < 0.5 * (s.get("lr_set") or 0.0) for s in facts.events.get("scheduler-calls", [])
+    )
+
+
 def loss_at_chance(facts: Any, outcome: Any) -> list[Finding]:
-    if facts.steps < _LEARN_STEPS or len(facts.optimizers) > 1:
+    if facts.steps < _LEARN_STEPS or len(facts.optimizers) > 1 or _warming_up(facts):
         return []  # too short to judge; several optimizers: losses against each other (GANs, actor-critic)
     warmup = max(10, _WARMUP * facts.steps)
     for site in _sites(facts):
