@@ -253,16 +253,11 @@ def units_identical(facts: Facts, outcome: object) -> list[Finding]:
     at_start = (first.get("at_start") or {}).get("num_copies", 0)
     fill = first.get("filled_by") or {}
     filled = f", filled by {fill['call']} at {site_text(fill)}" if fill.get("file") else ""
+    start = f"{at_start} of its units were copies of one another at the first step{filled}; " if at_start else ""
     message = (
-        f"{first['module']} ({first['module_class']}{_param(first)}): "
-        + (
-            f"{at_start} of its {first['num_units']} units were copies of one another at the first step{filled}, "
-            if at_start
-            else ""
-        )
-        + f"{first['num_copies']} of its {first['num_units']} units are copies after {steps} steps "
-        f"({first['num_distinct']} distinct); units that start equal get equal gradients and learn one feature "
-        f"until the layers after them tell them apart"
+        f"{first['module']} ({first['module_class']}{_param(first)}, {first['num_units']} units): {start}"
+        f"{first['num_copies']} are copies after {steps} steps ({first['num_distinct']} distinct); units that start "
+        f"equal get equal gradients and learn one feature until the layers after them tell them apart"
         + (f"; {len(layers) - 1} more layer(s) alike" if len(layers) > 1 else "")
     )
     evidence = {
