@@ -540,3 +540,34 @@ def test_tk103_quiet_on_a_value_read_on_the_host_and_a_factory_given_out():
         model = DiT().cuda()
         """
     assert found(text, "TK103") == []
+
+
+def test_tk125_quiet_on_a_zero_grad_that_skips_the_step_fires_before_the_step():
+    text = """
+        import torch
+        def train(model, loader, optimizer):
+            for x in loader:
+                loss = model(x).mean()
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                if not torch.isfinite(grad_norm):
+                    optimizer.zero_grad(set_to_none=True)
+                    continue
+                optimizer.step()
+                optimizer.zero_grad()
+        """
+    assert found(text, "TK125") == []
+    assert found(text.replace("                    continue\n", ""), "TK125") == [9]
+
+
+def test_tk103_quiet_when_moved_after_indexing_or_a_torch_function_of_it():
+    text = """
+        import torch
+        class CTRL(torch.nn.Module):
+            def forward(self, x, new_src, device):
+                mask = torch.triu(torch.ones(x.shape[1], x.shape[1]), 1).to(x.device)
+                rows = x[torch.arange(x.shape[0])[:, None].to(device), new_src]
+                return x.masked_fill(mask.bool(), 0), rows
+        model = CTRL().cuda()
+        """
+    assert found(text, "TK103") == []

@@ -184,10 +184,17 @@ def _moved_after(source: Source, call: ast.Call) -> bool:
     node, parent = call, source.parents.get(call)
     if keyword(call, "out") is not None:
         return True  # torch.eye(n, out=torch.empty_like(x)): made where ``out`` lives
-    while isinstance(parent, ast.Attribute) and getattr(source.parents.get(parent), "func", None) is parent:
-        if parent.attr in _MOVES or parent.attr in {"item", "tolist"}:
-            return True  # moved, or read on the host on purpose (torch.rand(1).item() < p)
-        node = source.parents[parent]
+    while True:  # up through methods, indexing and torch functions of it: torch.triu(torch.ones(n, n)).to(d)
+        if isinstance(parent, ast.Attribute) and getattr(source.parents.get(parent), "func", None) is parent:
+            if parent.attr in _MOVES or parent.attr in {"item", "tolist"}:
+                return True  # moved, or read on the host on purpose (torch.rand(1).item() < p)
+            node = source.parents[parent]
+        elif isinstance(parent, ast.Subscript) and parent.value is node:
+            node = parent
+        elif isinstance(parent, ast.Call) and call_name(parent).startswith("torch.") and node in parent.args:
+            node = parent
+        else:
+            break
         parent = source.parents.get(node)
     if isinstance(parent, ast.Attribute) and parent.attr in _MOVES:
         return True

@@ -223,11 +223,26 @@ def zero_grad_between(source: Source) -> Iterator[tuple[ast.AST, str]]:
 
 def _some_gradients_cleared(source: Source, node: ast.AST) -> bool:
     """``if "prototypes" in name: p.grad = None`` in a loop over the parameters: a chosen few are
-    frozen for this step on purpose, the others still step."""
+    frozen for this step on purpose, the others still step. Also a zero_grad that leaves the
+    iteration (``zero_grad(); continue``: a step skipped on a non-finite gradient)."""
+    if _leaves_after(source, node):
+        return True
     if not isinstance(node, ast.Assign):
         return False
     branch = source.enclosing(node, ast.If, ast.For, ast.While)
     return isinstance(branch, ast.If) and isinstance(source.enclosing(branch, ast.For, ast.While), ast.For)
+
+
+def _leaves_after(source: Source, node: ast.AST) -> bool:
+    """The statements after ``node`` in its block end with continue, break, return or raise."""
+    stmt = node if isinstance(node, ast.stmt) else source.enclosing(node, ast.stmt)
+    block = source.parents.get(stmt) if stmt is not None else None
+    for field in ("body", "orelse", "finalbody"):
+        stmts = getattr(block, field, None)
+        if isinstance(stmts, list) and any(s is stmt for s in stmts):
+            after = stmts[[id(s) for s in stmts].index(id(stmt)) + 1 :]
+            return any(isinstance(s, (ast.Continue, ast.Break, ast.Return, ast.Raise)) for s in after)
+    return False
 
 
 def _grads_assigned(scope: ast.AST) -> bool:
