@@ -53,6 +53,7 @@ FINDING_IDS = (
     # -- invariants: data
     "invariant-identical-inputs",
     "invariant-labels-change",
+    "invariant-labels-uninformative",
     "invariant-one-class",
     "invariant-eval-overlaps-train",
     # -- invariants: losses

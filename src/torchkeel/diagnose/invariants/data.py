@@ -23,6 +23,8 @@ an epoch's labels are compared with the next epoch's per row, as multisets.
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +51,13 @@ _HELD_OUT_SHARE = 0.1  # a loader with fewer training rows than this is held out
 _MIN_LABEL_ROWS = 50
 _CHANGED_SHARE = 0.2  # rows whose labels changed from one epoch to the next (0 when labels are fixed)
 _MIN_ONE_CLASS_BATCHES = 20
+_POOL_ROWS = 512  # training rows (with their labels) for the nearest-neighbour test
+_POOL_FEATURES = 256
+_MIN_POOL_ROWS = 128
+_NEIGHBOUR_Z = 2.0  # nearest neighbours agree on labels no more than chance (within 2 standard errors)
+_MIN_LOSS_STEPS = 50
+_LOSS_FELL = 0.75  # the loss's late median against its first steps': a run that learns falls below this
+_BELOW_CHANCE = 0.8  # ... or below this share of the labels' entropy (a cross entropy at chance level)
 _MIN_IDENTICAL_BATCHES = 5
 _IDENTICAL_SHARE = 0.9  # training batches whose rows are all the same row
 
@@ -85,6 +94,7 @@ class _Pending:
     hashes: list[int]
     step: int
     source: _Source | None
+    rows: torch.Tensor | None  # the input itself, while the pool of rows for the neighbour test fills
 
 
 _LABEL_KEYS = ("label", "labels", "target", "targets", "y")
@@ -125,6 +135,7 @@ class Listener:
         self.pending: _Pending | None = None
         self.identical = {"sampled": 0, "identical": 0, "steps": [], "module": None, "shape": None, "site": None}
         self.classes = {"batches": 0, "targets": 0, "values": set(), "loader": None}
+        self.pool: dict[str, Any] = {"rows": [], "labels": [], "site": None, "loader": None}
         self.coeffs: dict[tuple[int, str], torch.Tensor] = {}
 
     def install(self) -> None:
@@ -218,7 +229,8 @@ class Listener:
         if len(self.train_hashes) > _MAX_HASHES:
             self.mask = self.mask * 2 + 1
             self.train_hashes = {h: i for h, i in self.train_hashes.items() if not h & self.mask}
-        self.pending = _Pending(hashes, probe.next_step, source)
+        pooling = x.is_floating_point() and len(self.pool["labels"]) < _POOL_ROWS
+        self.pending = _Pending(hashes, probe.next_step, source, x if pooling else None)
         if len(hashes) >= 2:
             same = self.identical
             same["sampled"] += 1
@@ -241,6 +253,8 @@ class Listener:
             return
         self.pending = None
         self._note_classes(target, source)
+        if pending.rows is not None and target.dim() == 1:
+            self._pool(pending.rows, target, source)
         if source.epochs > _LABEL_EPOCHS:
             return
         while len(source.labels) < source.epochs:
@@ -252,6 +266,19 @@ class Listener:
             entry = table.setdefault(h, [0, 0])
             entry[0] += 1
             entry[1] += label
+
+    def _pool(self, x: torch.Tensor, target: torch.Tensor, source: _Source) -> None:
+        """Keep rows (≤ ``_POOL_FEATURES`` evenly spaced values each) and their labels for the neighbour test."""
+        pool = self.pool
+        rows = x.detach().reshape(x.shape[0], -1)
+        if rows.shape[1] > _POOL_FEATURES:
+            picks = torch.linspace(0, rows.shape[1] - 1, _POOL_FEATURES, device=rows.device).long()
+            rows = rows.index_select(1, picks)
+        room = _POOL_ROWS - len(pool["labels"])
+        pool["rows"].append(rows[:room].float().cpu())
+        pool["labels"].extend(target[:room].tolist())
+        if pool["site"] is None:
+            pool["site"], pool["loader"] = user_site(), source.describe()
 
     def _from_batch(self, target: torch.Tensor) -> bool:
         """Whether ``target`` holds the same values as an integer tensor of the last batch (in any order)."""
@@ -299,6 +326,7 @@ class Listener:
         labels = [self._labels(source) for source in self.sources if len(source.labels) >= 2]
         classes = dict(self.classes, values=sorted(self.classes["values"]))
         self.probe.facts.invariants[FAMILY] = {
+            "neighbours": _neighbour_agreement(self.pool),
             "overlaps": [o for o in overlaps if o is not None],
             "labels": labels,
             "classes": classes,
@@ -328,6 +356,32 @@ class Listener:
                 compared += 1
                 changed += again[1] != total
         return {**source.describe(), "rows_compared": compared, "rows_changed": changed}
+
+
+def _neighbour_agreement(pool: dict[str, Any]) -> dict[str, Any] | None:
+    """How often a pooled row's nearest other row (Euclidean, in input space) has its label, against
+    chance (the agreement of labels drawn independently of the inputs: the sum of squared class shares)."""
+    labels = torch.tensor(pool["labels"])
+    if len(labels) < _MIN_POOL_ROWS:
+        return None
+    rows = torch.cat(pool["rows"])
+    distances = torch.cdist(rows, rows)
+    distances.fill_diagonal_(float("inf"))
+    nearest = distances.argmin(dim=1)
+    agreement = float((labels[nearest] == labels).float().mean())
+    shares = torch.unique(labels, return_counts=True)[1].float() / len(labels)
+    chance = float((shares**2).sum())
+    entropy = float(-(shares * shares.log()).sum())
+    spread = math.sqrt(max(chance * (1 - chance), 1e-12) / len(labels))
+    return {
+        "rows": len(labels),
+        "agreement": round(agreement, 4),
+        "chance": round(chance, 4),
+        "entropy": round(entropy, 4),
+        "z": round((agreement - chance) / spread, 2),
+        "site": pool["site"],
+        **(pool["loader"] or {}),
+    }
 
 
 # ---------------------------------------------------------------- detectors
@@ -372,6 +426,41 @@ def labels_change(facts: Any, outcome: object) -> list[Finding]:
         fix = "keep each sample's label with its input: labels drawn at random or shuffled apart from the inputs teach nothing"
         found.append(Finding("invariant-labels-change", "warning", message, evidence, fix))
     return found[:1]
+
+
+def labels_uninformative(facts: Any, outcome: object) -> list[Finding]:
+    """A row's nearest neighbour in input space has its label no more often than chance, and the loss
+    does not fall: the labels carry no information about the inputs (shuffled apart from them once)."""
+    rec = facts.invariants.get(FAMILY, {}).get("neighbours")
+    if not rec or rec["z"] >= _NEIGHBOUR_Z or rec["chance"] > 0.9:
+        return []
+    losses = [x["value"] for x in facts.losses if math.isfinite(x["value"])]
+    if len(losses) < _MIN_LOSS_STEPS:
+        return []
+    first, late = statistics.median(losses[:5]), statistics.median(losses[len(losses) // 2 :])
+    if late < _LOSS_FELL * first or late < _BELOW_CHANCE * rec["entropy"]:
+        return []  # the model learns: raw inputs' neighbours may say little (audio, shifted images)
+    message = (
+        f"the labels from {rec.get('loader')} ({rec.get('dataset_class')}) carry no information about the inputs: "
+        f"a training row's nearest other row has its label {rec['agreement']:.1%} of the time, what labels drawn "
+        f"apart from the inputs give ({rec['chance']:.1%}; {rec['rows']} rows), and the loss stayed at "
+        f"{late:.4g} from {first:.4g} (the labels' entropy: {rec['entropy']:.4g})"
+    )
+    evidence = {
+        "loader": rec.get("loader"),
+        "dataset_class": rec.get("dataset_class"),
+        "rows": rec["rows"],
+        "neighbour_agreement": rec["agreement"],
+        "chance": rec["chance"],
+        "z": rec["z"],
+        "threshold_z": _NEIGHBOUR_Z,
+        "loss_first": first,
+        "loss_late": late,
+        "label_entropy": rec["entropy"],
+        **site_fields(rec.get("site") or {}),
+    }
+    fix = "check that labels stay paired with their inputs (a shuffle or a sort applied to one and not the other)"
+    return [Finding("invariant-labels-uninformative", "warning", message, evidence, fix)]
 
 
 def one_class(facts: Any, outcome: object) -> list[Finding]:
@@ -440,10 +529,11 @@ def eval_overlaps_train(facts: Any, outcome: object) -> list[Finding]:
 IDS: tuple[str, ...] = (
     "invariant-identical-inputs",
     "invariant-labels-change",
+    "invariant-labels-uninformative",
     "invariant-one-class",
     "invariant-eval-overlaps-train",
 )
-DETECTORS: tuple = (identical_inputs, labels_change, one_class, eval_overlaps_train)
+DETECTORS: tuple = (identical_inputs, labels_change, labels_uninformative, one_class, eval_overlaps_train)
 EXPLAINED_BY: dict[str, set[str]] = {
     "invariant-identical-inputs": {"nonfinite-input"},
     "invariant-one-class": {"label-out-of-range"},
