@@ -23,8 +23,9 @@ class MLP(nn.Module):
 
 
 torch.manual_seed(0)
-x_all = torch.randn(640, 20)
-y_all = torch.bucketize((x_all[:, :3] * torch.tensor([1.0, -2.0, 0.5])).sum(1), torch.tensor([-1.0, 1.0]))
+centers = torch.randn(3, 20) * 2
+y_all = torch.randint(0, 3, (640,))
+x_all = centers[y_all] + torch.randn(640, 20)
 loader = DataLoader(TensorDataset(x_all, y_all), batch_size=32, shuffle=True)
 model = MLP()
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
