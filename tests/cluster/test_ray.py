@@ -8,13 +8,15 @@ import json
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[train]')")
 
-from distrun import final, max_difference, train, write_config  # noqa: E402
+from distrun import final, max_difference, write_config  # noqa: E402
 from ray.exceptions import ActorDiedError  # noqa: E402
 from ray.train import WorkerGroupError  # noqa: E402
 
@@ -42,9 +44,18 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single(work):
-    """The reference: the same run in one process."""
-    reference = train(work, 1, "name=single", "train.max_steps=24")
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    """The reference: the same run in one process, this one (``keel train``, one thread as Ray's workers)."""
+    from torchkeel.cli.main import main
+
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        patch.setattr(sys, "path", list(sys.path))  # keel train puts its working directory on it
+        torch.set_num_threads(1)
+        try:
+            assert main(["train", "cfg.yaml", "--no-progress", "name=single", "train.max_steps=24"]) == 0
+        finally:
+            torch.set_num_threads(threads)
     return final(work, "single")[1]
 
 
