@@ -10,13 +10,13 @@ with 2 ranks (train, kill, resume) is ``slow``."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import textdata
 import torch
+from keelmain import keel_main  # noqa: F401 - a fixture
 from test_journeys import Journey, Served
 
 pytest.importorskip("transformers")  # in `all`, so in `make test`; an install without it skips only this
@@ -73,9 +73,11 @@ class TextJourney(Journey):
         bad = sorted(r["where"] for r in incidents if r["kind"] == "bad_sample")
         assert bad == sorted(self.bad * 2), bad
 
-    def export_and_serve(self, name: str) -> None:
+    def export_and_serve(self, name: str, keel_main) -> None:
         """ONNX export with parity at the data's length and another; served answers at a third
-        length equal the eager model's."""
+        length equal the eager model's. ``keel export`` (ONNX) and ``keel serve`` run as a user
+        runs them; ``keel export --format hf`` and ``keel generate`` in this process (``keel_main``):
+        test_cli and test_lm_generation run them as subprocesses."""
         from transformers import AutoModelForCausalLM, GPT2Config
 
         meta = self.export(name, "onnx", self.root / "export-onnx")
@@ -96,17 +98,20 @@ class TextJourney(Journey):
             served = self.served_text(server, meta["name"])
         assert answer.shape == (2, prompt.shape[1], 257)
         assert np.abs(answer - expected).max() <= 1e-5
-        self.export(name, "hf", self.root / "export-hf")
+        exported = keel_main("export", str(self.run_dir(name)), "--format", "hf", "--out", "export-hf", cwd=self.root)
+        assert exported.returncode == 0, exported.stderr[-3000:]
         with Served(self.root / "export-hf", self.env()) as server:  # decoded with its cache
             served_hf = self.served_text(server, meta["name"])
-        sampled = self.generated(self.run_dir(name))  # the other sources: tests/e2e/test_lm_generation.py
+        sampled = self.generated(self.run_dir(name), keel_main)  # the other sources: tests/e2e/test_lm_generation.py
         assert sampled == PROMPT + served["generate"], (sampled, served)
         assert served == served_hf and len(set(served.values())) == 1, (served, served_hf)
 
-    def generated(self, source: Path) -> str:
+    def generated(self, source: Path, keel_main) -> str:
         """``keel generate`` greedy, as a user samples from a run or an export."""
-        command = [sys.executable, "-m", "torchkeel.cli.main", "generate", str(source), "--prompt", PROMPT]
-        result = self.succeeds([*command, "--temperature", "0", "--max-new-tokens", "24"], "cache")
+        result = keel_main(
+            "generate", str(source), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "24", cwd=self.root
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout[:-1]
 
     def served_text(self, server: Served, name: str) -> dict[str, str]:
@@ -124,7 +129,7 @@ class TextJourney(Journey):
 
 
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"])
-def test_the_text_journey(tmp_path, ranks):
+def test_the_text_journey(tmp_path, keel_main, ranks):
     run = TextJourney(tmp_path, ranks)
     run.train("first", "cache")
     run.check_bad_lines("first")
@@ -139,4 +144,4 @@ def test_the_text_journey(tmp_path, ranks):
     differ = {k: float((reference[k] - v).abs().max()) for k, v in weights.items() if not torch.equal(reference[k], v)}
     assert differ == {}
     if ranks == 1:
-        run.export_and_serve("first")
+        run.export_and_serve("first", keel_main)
