@@ -153,3 +153,28 @@ def test_a_model_called_by_keyword_is_seen_through_the_loaders_batch():
                 model(features=batch["features"])
     (rec,) = probe.facts.invariants["data"]["overlaps"]
     assert rec["loader"] == "val_loader" and rec["rows_in_training"] == rec["rows_compared"] == 48
+
+
+def test_labels_at_chance_among_neighbours_are_uninformative_only_while_the_loss_does_not_learn():
+    def facts(z: float, late: float) -> Facts:
+        f = Facts()
+        rec = {"rows": 512, "agreement": 0.26, "chance": 0.25, "entropy": 1.386, "z": z, "site": None}
+        f.invariants["data"] = {"neighbours": dict(rec, loader="loader", dataset_class="TensorDataset")}
+        f.losses = [{"step": i + 1, "value": 1.45 if i < 5 else late} for i in range(60)]
+        return f
+
+    (found,) = data.labels_uninformative(facts(z=0.5, late=1.40), OK)
+    assert found.severity == "warning" and found.evidence["neighbour_agreement"] == 0.26
+    assert data.labels_uninformative(facts(z=2.5, late=1.40), OK) == []  # neighbours share labels
+    assert data.labels_uninformative(facts(z=0.5, late=1.05), OK) == []  # the loss learns
+
+
+def test_the_neighbour_agreement_is_high_for_clustered_labels_and_at_chance_for_shuffled_ones():
+    centers = torch.randn(4, 16) * 3
+    classes = torch.randint(0, 4, (512,))
+    points = centers[classes] + torch.randn(512, 16)
+    paired = data._neighbour_agreement({"rows": [points], "labels": classes.tolist(), "site": None, "loader": None})
+    assert paired["agreement"] > 0.9 and paired["z"] > 10
+    shuffled = classes[torch.randperm(512)].tolist()
+    apart = data._neighbour_agreement({"rows": [points], "labels": shuffled, "site": None, "loader": None})
+    assert abs(apart["agreement"] - apart["chance"]) < 0.1 and apart["z"] < 4
