@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 FAMILY = "data"
 
 _MAX_FEATURES = 1024  # values of a row that are hashed (evenly spaced)
+_FIRST_STEPS = 200  # training calls hashed at every step without a loader; then every _SAMPLE_EVERY-th
+_SAMPLE_EVERY = 8
 _MAX_HASHES = 100_000  # training row hashes kept (a set of ints: a few MiB)
 _MAX_LABEL_ROWS = 50_000  # rows per epoch whose labels are kept
 _LABEL_EPOCHS = 2  # a loader's first epochs whose labels are compared
@@ -191,17 +193,25 @@ class Listener:
     def on_model_called(self, module: torch.nn.Module, args: Any) -> None:
         # A model called by keyword only (``model(**batch)``): the loader's batch input stands in.
         x = next((t for t in tensors_in(args) if t.dim() >= 1), None) if args else self.batch_input
-        if x is not None and x.is_complex():
+        if x is None or x.is_complex() or x.shape[0] < 1 or x.is_meta:
             return
-        if x is None or x.shape[0] < 1 or x.is_meta:
+        evaluating = self._evaluating()
+        if not evaluating and not self._sampled():
             return
         started = time.perf_counter()
         hashes = self.row_hashes(x)
-        if self._evaluating():
+        if evaluating:
             self._note_eval(hashes)
         else:
             self._note_train(module, x, hashes)
         self.probe.state.overhead_s += time.perf_counter() - started
+
+    def _sampled(self) -> bool:
+        """Every training call while its loader is in its first epochs (or the first steps without a
+        loader), then every ``_SAMPLE_EVERY``-th step: the training rows are all seen by then."""
+        source, step = self.current, self.probe.next_step
+        early = source.epochs <= _LABEL_EPOCHS if source is not None else step <= _FIRST_STEPS
+        return early or step % _SAMPLE_EVERY == 0
 
     def _evaluating(self) -> bool:
         models = [m for m, _ in self.probe.state.roots.values()]
@@ -249,7 +259,10 @@ class Listener:
         if target.is_floating_point() or target.dim() < 1 or target.shape[0] != len(pending.hashes):
             return
         source = pending.source
-        if source is None or not self._from_batch(target):
+        if source is None:
+            return
+        wanted = source.epochs <= _LABEL_EPOCHS or len(self.classes["values"]) < 2 or pending.rows is not None
+        if not wanted or not self._from_batch(target):
             return
         self.pending = None
         self._note_classes(target, source)
