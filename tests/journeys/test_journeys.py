@@ -18,9 +18,10 @@ under torchrun}. Each journey asserts:
 
 Two journeys run in the default suite — Parquet × dict × 1 rank and WebDataset × pairs × 2
 ranks — in a shorter form: no rerun (``tests/unit/test_reproducibility.py`` reruns runs of each
-kind), the killed run uses the filled cache, the 1-rank one serves only its ONNX export (the
-TorchScript one is exported and run in the test's process) and the 2-rank one neither exports
-nor serves. The whole matrix, in full, is ``slow`` (``make test-slow``).
+kind), the killed run uses the filled cache, the 1-rank one exports in the test's process (what
+``keel export`` calls; ``tests/e2e/test_cli.py`` runs the command) and serves only its ONNX
+export (the TorchScript one is run in the test's process) and the 2-rank one neither exports nor
+serves. The whole matrix, in full, is ``slow`` (``make test-slow``).
 """
 
 from __future__ import annotations
@@ -171,9 +172,10 @@ class Journey:
         assert "keel: resumed: step" in resumed.stderr  # said also with --no-progress
         return resume[0]
 
-    def export_and_serve(self, name: str, serve: tuple[str, ...]) -> None:
-        """Export ONNX and TorchScript; serve those in ``serve`` (the others run as a server
-        would load them, in this process) and compare with the eager model."""
+    def export_and_serve(self, name: str, serve: tuple[str, ...], keel_export: bool = True) -> None:
+        """Export ONNX and TorchScript (``keel_export``: those served with ``keel export``); serve
+        those in ``serve`` (the others run as a server would load them, in this process) and
+        compare with the eager model."""
         eager = (journeymodels.mlp() if self.batch == "pair" else journeymodels.tiny_lm()).eval()
         eager.load_state_dict(self.weights(name))
         inputs = self.requests()
@@ -182,7 +184,8 @@ class Journey:
         for fmt in ("onnx", "torchscript"):
             out = self.root / f"export-{fmt}"
             # keel export as a user runs it, or the function it calls, in this process
-            meta = self.export(name, fmt, out) if fmt in serve else export_run(self.run_dir(name), fmt, out)
+            by_keel = keel_export and fmt in serve
+            meta = self.export(name, fmt, out) if by_keel else export_run(self.run_dir(name), fmt, out)
             assert meta["parity"]["passed"] and [i["name"] for i in meta["inputs"]] == list(inputs)
             if fmt not in serve:
                 run = load_exported(fmt, out / meta["file"], list(inputs), meta["outputs"][0]["name"])
@@ -331,4 +334,6 @@ def test_a_journey(tmp_path, journey):
     run.kill_mid_epoch_and_resume("killed", cache="cache" if is_short else "cache-killed")
     assert run.differences("first", "killed") == {}
     if not (is_short and run.ranks > 1):  # short: the 1-rank journey exports and serves
-        run.export_and_serve("first", serve=("onnx",) if is_short else ("onnx", "torchscript"))
+        run.export_and_serve(
+            "first", serve=("onnx",) if is_short else ("onnx", "torchscript"), keel_export=not is_short
+        )
