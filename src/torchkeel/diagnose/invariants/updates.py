@@ -296,71 +296,73 @@ def clip_always(facts: Facts, outcome: object) -> list[Finding]:
 def update_too_large(facts: Facts, outcome: object) -> list[Finding]:
     """A weight tensor (2-D or more) whose ratio is ≥ TOO_LARGE at ≥ 3 sampled steps. Tensors that
     start at zero (a LoRA factor, a zero-initialised head: their first steps are as large as
-    they are) and LBFGS (a step() is many iterations) are left out."""
+    they are), the layers of copies (``units.symmetric_layers``: they move as one unit) and LBFGS
+    (a step() is many iterations) are left out."""
     from torchkeel.diagnose.invariants.units import symmetric_layers  # units reads this module's sampling
 
-    findings = []
-    dims = facts.invariants.get(FAMILY, {}).get("params", {})
-    # A layer of copies moves as one unit: its large steps are the symmetry's (units-identical).
     symmetric = {f"{layer['module']}.{layer['param']}" for layer in symmetric_layers(facts)}
+    findings = []
     for index, samples in _by_optimizer(facts).items():
         if _optimizer(facts, index).get("class") == "LBFGS":
             continue
-        seen: dict[str, list[tuple[int, float, float]]] = {}
-        started_at_zero: set[str] = set()
-        for sample in samples:
-            lr_of = dict(zip(sample["params"], sample["lrs"]))
-            ratios = _ratios(sample)
-            for name in sample["params"]:
-                if name not in seen and name not in ratios:
-                    started_at_zero.add(name)
-                seen.setdefault(name, [])
-            for name, ratio in ratios.items():
-                if dims.get(name, {}).get("dims", 0) >= 2 and name not in started_at_zero | symmetric:
-                    seen[name].append((sample["step"], ratio, lr_of[name]))
-        large = {
-            name: hits for name, series in seen.items() if len(hits := [h for h in series if h[1] >= TOO_LARGE]) >= 3
-        }
-        if not large:
-            continue
-        ranked = sorted(large.items(), key=lambda kv: -statistics.median(h[1] for h in kv[1]))
-        opt = _optimizer(facts, index)
-        top_name, top_hits = ranked[0]
-        decays = [wd for wd in opt.get("weight_decays", []) if wd > 0]
-        message = (
-            f"{len(large)} weight tensor(s) change by about their own size per step: {top_name} by ||dw||/||w|| = "
-            f"{statistics.median(h[1] for h in top_hits):.3g} (median of {len(top_hits)} sampled steps from step "
-            f"{top_hits[0][0]}; healthy runs stay near 1e-3) with {opt.get('class', 'the optimizer')} at lr "
-            f"{top_hits[-1][2]:.3g}" + (f", weight decay {max(decays):.3g}" if decays else "") + _where(opt)
-        )
-        evidence = {
-            "optimizer": opt.get("class"),
-            "params": [
-                {
-                    "param": name,
-                    "median_ratio": statistics.median(h[1] for h in hits),
-                    "steps": [h[0] for h in hits][:8],
-                }
-                for name, hits in ranked[:8]
-            ],
-            "num_params": len(large),
-            "lrs": sorted({h[2] for _, hits in ranked for h in hits}),
-            "weight_decays": opt.get("weight_decays", []),
-            "step": top_hits[0][0],
-            "threshold": TOO_LARGE,
-            **site_fields(opt),
-        }
-        findings.append(
-            Finding(
-                "invariant-update-too-large",
-                "warning",
-                message,
-                evidence,
-                "Lower the learning rate (and the weight decay, if it is above ~0.1) until each step changes the "
-                "weights by about 1e-3 of their size.",
-            )
-        )
+        large = _large_updates(facts, samples, symmetric)
+        if large:
+            findings.append(_too_large(_optimizer(facts, index), large))
     return findings
+
+
+def _large_updates(
+    facts: Facts, samples: list[dict[str, Any]], left_out: set[str]
+) -> dict[str, list[tuple[int, float, float]]]:
+    """Weight tensor → its (step, ratio, lr) at the sampled steps where the ratio was ≥ TOO_LARGE,
+    for those with ≥ 3 such steps."""
+    dims = facts.invariants[FAMILY]["params"]
+    seen: dict[str, list[tuple[int, float, float]]] = {}
+    started_at_zero: set[str] = set()
+    for sample in samples:
+        lr_of = dict(zip(sample["params"], sample["lrs"]))
+        ratios = _ratios(sample)
+        for name in sample["params"]:
+            if name not in seen and name not in ratios:
+                started_at_zero.add(name)
+            seen.setdefault(name, [])
+        for name, ratio in ratios.items():
+            if dims.get(name, {}).get("dims", 0) >= 2 and name not in started_at_zero | left_out:
+                seen[name].append((sample["step"], ratio, lr_of[name]))
+    return {name: hits for name, series in seen.items() if len(hits := [h for h in series if h[1] >= TOO_LARGE]) >= 3}
+
+
+def _too_large(opt: dict[str, Any], large: dict[str, list[tuple[int, float, float]]]) -> Finding:
+    ranked = sorted(large.items(), key=lambda kv: -statistics.median(h[1] for h in kv[1]))
+    top_name, top_hits = ranked[0]
+    decays = [wd for wd in opt.get("weight_decays", []) if wd > 0]
+    message = (
+        f"{len(large)} weight tensor(s) change by about their own size per step: {top_name} by ||dw||/||w|| = "
+        f"{statistics.median(h[1] for h in top_hits):.3g} (median of {len(top_hits)} sampled steps from step "
+        f"{top_hits[0][0]}; healthy runs stay near 1e-3) with {opt.get('class', 'the optimizer')} at lr "
+        f"{top_hits[-1][2]:.3g}" + (f", weight decay {max(decays):.3g}" if decays else "") + _where(opt)
+    )
+    evidence = {
+        "optimizer": opt.get("class"),
+        "params": [
+            {"param": name, "median_ratio": statistics.median(h[1] for h in hits), "steps": [h[0] for h in hits][:8]}
+            for name, hits in ranked[:8]
+        ],
+        "num_params": len(large),
+        "lrs": sorted({h[2] for _, hits in ranked for h in hits}),
+        "weight_decays": opt.get("weight_decays", []),
+        "step": top_hits[0][0],
+        "threshold": TOO_LARGE,
+        **site_fields(opt),
+    }
+    return Finding(
+        "invariant-update-too-large",
+        "warning",
+        message,
+        evidence,
+        "Lower the learning rate (and the weight decay, if it is above ~0.1) until each step changes the weights by "
+        "about 1e-3 of their size.",
+    )
 
 
 def update_too_small(facts: Facts, outcome: object) -> list[Finding]:
