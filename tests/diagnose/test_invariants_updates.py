@@ -90,7 +90,7 @@ def test_a_clip_that_rescales_by_a_large_factor_explains_tiny_gradients():
     tiny = {s: {"model.0.weight": 1e-9} for s in SAMPLED}
     clip = {
         "call": "clip_grad_norm_",
-        "limit": 1e-8,
+        "max_norm": 1e-8,
         "file": "train.py",
         "line": 28,
         "calls": [{"step": s, "norm": 2.0, "factor": 2e8} for s in SAMPLED],
@@ -136,7 +136,7 @@ def test_a_layer_of_copies_moving_by_its_own_size_is_the_symmetry_not_the_lr():
 def clip_record(factors: list[float]) -> dict:
     return {
         "call": "clip_grad_norm_",
-        "limit": 1.0,
+        "max_norm": 1.0,
         "file": "train.py",
         "line": 28,
         "calls": [{"step": s, "norm": x, "factor": x} for s, x in zip(SAMPLED, factors)],
@@ -187,5 +187,24 @@ def test_the_listener_measures_each_sampled_step_and_the_clip_even_from_a_genera
     ratios = [s["deltas"][0] / s["weights"][0] for s in samples]
     assert ratios == pytest.approx([expected[i - 1] for i in (1, 2, 3, 4, 5, 10)], rel=1e-4)
     (clip,) = data["clips"]
-    assert clip["call"] == "clip_grad_norm_" and clip["limit"] == 0.01 and len(clip["calls"]) == 6
+    assert clip["call"] == "clip_grad_norm_" and clip["max_norm"] == 0.01 and len(clip["calls"]) == 6
     assert clip["calls"][-1]["factor"] == pytest.approx(float(norm) / 0.01, rel=1e-5)
+
+
+def test_a_value_clip_is_measured_as_the_norm_before_over_the_norm_after():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    with Probe(anomaly_steps=0) as probe:
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            before = float(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=1e-3)
+            after = float(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
+            assert after <= 1e-3 * 36**0.5 + 1e-9
+            opt.step()
+    (clip,) = probe.facts.invariants["updates"]["clips"]
+    assert clip["call"] == "clip_grad_value_" and clip["clip_value"] == 1e-3
+    assert clip["calls"][-1]["factor"] == pytest.approx(before / after, rel=1e-5)
