@@ -167,6 +167,9 @@ def test_labels_at_chance_among_neighbours_are_uninformative_only_while_the_loss
     assert found.severity == "warning" and found.evidence["neighbour_agreement"] == 0.26
     assert data.labels_uninformative(facts(z=2.5, late=1.40), OK) == []  # neighbours share labels
     assert data.labels_uninformative(facts(z=0.5, late=1.05), OK) == []  # the loss learns
+    several = facts(z=0.5, late=1.40)
+    several.optimizers = [{"class": "SGD"}, {"class": "SGD"}]
+    assert data.labels_uninformative(several, OK) == []
 
 
 def test_the_neighbour_agreement_is_high_for_clustered_labels_and_at_chance_for_shuffled_ones():

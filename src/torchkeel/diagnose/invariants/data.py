@@ -448,8 +448,8 @@ def labels_uninformative(facts: Any, outcome: object) -> list[Finding]:
     if not rec or rec["z"] >= _NEIGHBOUR_Z or rec["chance"] > 0.9:
         return []
     losses = [x["value"] for x in facts.losses if math.isfinite(x["value"])]
-    if len(losses) < _MIN_LOSS_STEPS:
-        return []
+    if len(losses) < _MIN_LOSS_STEPS or len(facts.optimizers) > 1:
+        return []  # too short; several optimizers: their losses do not tell whether one model learns
     first, late = statistics.median(losses[:5]), statistics.median(losses[len(losses) // 2 :])
     if late < _LOSS_FELL * first or late < _BELOW_CHANCE * rec["entropy"]:
         return []  # the model learns: raw inputs' neighbours may say little (audio, shifted images)
