@@ -59,7 +59,7 @@ _MIN_POOL_ROWS = 128
 _NEIGHBOUR_Z = 2.0  # nearest neighbours agree on labels no more than chance (within 2 standard errors)
 _MIN_LOSS_STEPS = 50
 _LOSS_FELL = 0.75  # the loss's late median against its first steps': a run that learns falls below this
-_BELOW_CHANCE = 0.8  # ... or below this share of the labels' entropy (a cross entropy at chance level)
+_BELOW_CHANCE = 0.95  # ... or below this share of the labels' entropy (at chance level: as invariant-loss-at-chance)
 _MIN_IDENTICAL_BATCHES = 5
 _IDENTICAL_SHARE = 0.9  # training batches whose rows are all the same row
 
