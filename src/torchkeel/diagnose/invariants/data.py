@@ -171,7 +171,7 @@ class Listener:
         self.source_of[id(it)] = source
 
     def _noting_next(self, original: Callable) -> Callable:
-        listener = self
+        listener, probe = self, self.probe
 
         def __next__(it: Any) -> Any:
             try:
@@ -180,14 +180,15 @@ class Listener:
                 listener.current, listener.batch_ints, listener.batch_input = None, [], None
                 raise
             listener.current = listener.source_of.get(id(it))
-            tensors = tensors_in(batch)
-            listener.batch_ints = [
-                t for t in tensors if not t.is_floating_point() and t.dtype != torch.bool and t.dim() <= 2
-            ]
-            listener.batch_input = _input_of(batch, tensors)
+            probe.safely(listener._note_batch, batch)
             return batch
 
         return __next__
+
+    def _note_batch(self, batch: Any) -> None:
+        tensors = tensors_in(batch)
+        self.batch_ints = [t for t in tensors if not t.is_floating_point() and t.dtype != torch.bool and t.dim() <= 2]
+        self.batch_input = _input_of(batch, tensors)
 
     # ---------------------------------------------------------------- events
     def on_model_called(self, module: torch.nn.Module, args: Any) -> None:

@@ -147,9 +147,11 @@ class Listener:
                 entry["values"].append(_plain(value))
 
     def on_step_begins(self) -> None:
+        if not self.probe.light:
+            self.probe.safely(self._step_begins)  # emitted outside an observation: a bug here must not reach the script
+
+    def _step_begins(self) -> None:
         probe = self.probe
-        if probe.light:
-            return
         self.loop_started = True
         step = probe.next_step
         if step > _SAMPLED_FIRST and step % _SAMPLE_EVERY:
