@@ -61,7 +61,6 @@ FINDING_IDS = (
     "invariant-loss-broadcast",
     "invariant-loss-target-range",
     "invariant-loss-too-fast",
-    "invariant-loss-at-chance",
     # -- invariants: randomness
     "invariant-rng-reset",
     "invariant-rng-recreated",
@@ -72,6 +71,8 @@ FINDING_IDS = (
     # -- invariants: units
     "invariant-units-identical",
     "invariant-units-dead",
+    # -- invariants: the loss at chance, a symptom of most faults above: ranked after every other invariant
+    "invariant-loss-at-chance",
     "graph-break",
     "recompile",
     "script-error",
