@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import inspect
 import math
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -183,7 +184,11 @@ class Listener:
             log_target = bool(bound.get("log_target", False))
             low, high = float(t.min()), float(t.max())
             if float(x.detach().max()) > 1e-3:
-                why, low, high = "kl_div's input must be log-probabilities (<= 0)", float(x.min()), float(x.max())
+                why, low, high = (
+                    "kl_div's input must be log-probabilities (<= 0)",
+                    float(x.detach().min()),
+                    float(x.detach().max()),
+                )
             elif not log_target and low < -1e-4:
                 why = "kl_div's target must be probabilities (or pass log_target=True for log-probabilities)"
             elif log_target and high > 1e-3:
@@ -254,9 +259,13 @@ class Listener:
             site["kind"] = None  # a chance level this probe does not know
             return
         with torch.no_grad():
-            value = float(func(**{**bound, "input": x.detach()}))
             stats = _target_stats(site["kind"], func, bound, x.detach(), target.detach())
-        if stats is None or not math.isfinite(value):
+            if stats is None:
+                return
+            with warnings.catch_warnings():  # the call itself warns the user once already
+                warnings.simplefilter("ignore")
+                value = float(func(**{**bound, "input": x.detach()}))
+        if not math.isfinite(value):
             return
         _accumulate(site, stats)
         site["samples"].append([self.probe.next_step, value])
