@@ -263,7 +263,7 @@ class Listener:
         if source is None:
             return
         wanted = source.epochs <= _LABEL_EPOCHS or len(self.classes["values"]) < 2 or pending.rows is not None
-        if not wanted or not self._from_batch(target):
+        if not wanted or not self._from_batch(target) or not self._input_from_batch(pending.hashes):
             return
         self.pending = None
         self._note_classes(target, source)
@@ -293,6 +293,12 @@ class Listener:
         pool["labels"].extend(target[:room].tolist())
         if pool["site"] is None:
             pool["site"], pool["loader"] = user_site(), source.describe()
+
+    def _input_from_batch(self, hashes: list[int]) -> bool:
+        """Whether the model's input rows are the last batch's input rows (reshaped or moved, not
+        another batch): only then are the targets its rows' labels."""
+        x = self.batch_input
+        return x is not None and x.shape[0] == len(hashes) and sorted(self.row_hashes(x)) == sorted(hashes)
 
     def _from_batch(self, target: torch.Tensor) -> bool:
         """Whether ``target`` holds the same values as an integer tensor of the last batch (in any order)."""
