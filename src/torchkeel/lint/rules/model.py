@@ -76,15 +76,27 @@ def bare_mode_switch(source: Source) -> Iterator[tuple[ast.AST, str]]:
             yield node, f"{dotted(node.value)} is not called: the module stays in its current mode"
 
 
-def _grad_disabled(source: Source, node: ast.AST) -> bool:
+def _disables_grad(item: ast.withitem) -> bool:
+    """``with torch.no_grad():``, ``torch.inference_mode()`` or ``torch.set_grad_enabled(False)``."""
+    expr = item.context_expr
+    name = last(call_name(expr))
+    if name == "set_grad_enabled":
+        return isinstance(expr, ast.Call) and bool(expr.args) and ast.unparse(expr.args[0]) == "False"
+    return name in {"no_grad", "inference_mode"}
+
+
+def _grad_disabled(source: Source, node: ast.AST, depth: int = 0) -> bool:
+    """Whether ``node`` runs with gradients off: under a disabling ``with`` or decorator, or in a
+    function of this file whose every call here runs so (a caller's ``with torch.no_grad():``)."""
     parent = source.parents.get(node)
     while parent is not None:
-        if isinstance(parent, ast.With) and any(
-            last(call_name(i.context_expr)) in {"no_grad", "inference_mode"} for i in parent.items
-        ):
+        if isinstance(parent, ast.With) and any(_disables_grad(i) for i in parent.items):
             return True
-        if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)) and grad_free(parent):
-            return True
+        if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if grad_free(parent):
+                return True
+            callers = source.calls_of(parent) if depth < 2 else []
+            return bool(callers) and all(_grad_disabled(source, c, depth + 1) for c in callers)
         parent = source.parents.get(parent)
     return False
 
