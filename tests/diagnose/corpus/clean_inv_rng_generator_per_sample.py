@@ -28,7 +28,9 @@ class Patches(Dataset):
 
 dataset = Patches(640)
 loader = DataLoader(dataset, batch_size=32, shuffle=True)
-model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+model = nn.Sequential(
+    nn.Conv2d(3, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 2)
+)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 for epoch in range(2):
     dataset.epoch = epoch
