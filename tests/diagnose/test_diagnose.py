@@ -259,3 +259,18 @@ def test_looking_at_a_view_autograd_refuses_to_describe_does_not_break_the_scrip
     report, code, _ = diagnose("views.py", "--no-repro", cwd=tmp_path)
     assert report["script"]["error"] is None and code == 0
     assert report["steps"] == 3
+
+
+def test_dataloader_bottleneck_is_a_warning_only_when_data_takes_twice_the_compute():
+    from torchkeel.diagnose.input_detectors import dataloader_bottleneck
+    from torchkeel.diagnose.probe import Facts
+    from torchkeel.diagnose.runner import ScriptOutcome
+
+    def judged(wait_s: float) -> list:
+        loader = {"dataset_class": "MNIST", "num_workers": 0, "batches": 150, "wait_s": wait_s}
+        facts = Facts(data={"loaders": [loader], "wait_s": wait_s, "loop_s": 1.5})
+        return [(x.id, x.severity) for x in dataloader_bottleneck(facts, ScriptOutcome("t.py", []))]
+
+    assert judged(0.84) == [("dataloader-bottleneck", "info")]  # 56 %: as long as the compute
+    assert judged(1.3) == [("dataloader-bottleneck", "warning")]  # 87 %
+    assert judged(0.5) == []

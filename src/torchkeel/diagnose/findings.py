@@ -49,7 +49,8 @@ FINDING_IDS = (
     "dataloader-bottleneck",
     "scheduler-before-optimizer",
     # Invariants of a healthy run (diagnose.invariants): reported when no named finding explains
-    # them, each family's ids in the order of diagnose.invariants.FAMILIES.
+    # them. Causes before symptoms: what the data, the loss's arguments, the generators, the updates
+    # and the units show, then how the loss moves.
     # -- invariants: data
     "invariant-identical-inputs",
     "invariant-labels-change",
@@ -60,7 +61,6 @@ FINDING_IDS = (
     "invariant-loss-targets-are-inputs",
     "invariant-loss-broadcast",
     "invariant-loss-target-range",
-    "invariant-loss-too-fast",
     # -- invariants: randomness
     "invariant-rng-reset",
     "invariant-rng-recreated",
@@ -71,7 +71,8 @@ FINDING_IDS = (
     # -- invariants: units
     "invariant-units-identical",
     "invariant-units-dead",
-    # -- invariants: the loss at chance, a symptom of most faults above: ranked after every other invariant
+    # -- invariants: how the loss moves, a symptom of most faults above: ranked after every other invariant
+    "invariant-loss-too-fast",
     "invariant-loss-at-chance",
     "graph-break",
     "recompile",
