@@ -60,3 +60,89 @@ def test_tk111_still_fires_when_a_caller_keeps_gradients_on():
     assert found(enabled, "TK111") == [18]
     also_bare = EVALUATOR.rstrip(" ") + "    def report(evaluator):\n        evaluator.evaluate_clm({})\n"
     assert found(also_bare, "TK111") == [18]  # one caller with gradients on is enough
+
+
+# --- TK133 / TK110: a model with no dropout and no batch norm behaves the same in both modes -------
+
+BEGINNER = """
+    import torch
+    from torch import nn, optim
+
+    class neuralNetwork(nn.Module):
+        def __init__(self, in_dim, n_hidden, out_dim):
+            super().__init__()
+            self.layer1 = nn.Sequential(nn.Linear(in_dim, n_hidden), nn.ReLU(True))
+            self.layer2 = nn.Linear(n_hidden, out_dim)
+
+        def forward(self, x):
+            return self.layer2(self.layer1(x))
+
+    model = neuralNetwork(28 * 28, 300, 10)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    criterion = nn.CrossEntropyLoss()
+    optimizer = optim.SGD(model.parameters(), lr=1e-2)
+    for epoch in range(10):
+        for img, label in train_loader:
+            loss = criterion(model(img.view(img.size(0), -1)), label)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        model.eval()
+        eval_loss = 0.0
+        for img, label in test_loader:
+            with torch.no_grad():
+                eval_loss += criterion(model(img.view(img.size(0), -1)), label).item()
+    """
+
+
+def test_tk133_quiet_on_a_model_without_dropout_or_batch_norm():
+    assert found(BEGINNER, "TK133") == []  # model = model.cuda() is the same module, read through
+
+
+def test_tk133_still_fires_when_the_model_has_dropout():
+    with_dropout = BEGINNER.replace("nn.ReLU(True))", "nn.ReLU(True), nn.Dropout(0.5))")
+    assert found(with_dropout, "TK133") == [25]
+
+
+ATTENTION = """
+    import torch
+    import torch.nn as nn
+    from torch.distributions import Normal
+
+    class LocationNetwork(nn.Module):
+        def __init__(self, input_size, output_size, std):
+            super().__init__()
+            self.std = std
+            self.fc = nn.Linear(input_size, output_size)
+
+        def forward(self, h_t):
+            mu = torch.tanh(self.fc(h_t.detach()))
+            l_t = Normal(mu, self.std).rsample()
+            return mu, torch.clamp(l_t, -1, 1)
+
+    def train(loader, valid_loader):
+        model = LocationNetwork(256, 2, 0.05)
+        optimizer = torch.optim.Adam(model.parameters())
+        for x, y in loader:
+            mu, l_t = model(x)
+            loss = (l_t - y).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        with torch.no_grad():
+            for x, y in valid_loader:
+                mu, l_t = model(x)
+    """
+
+
+def test_tk110_quiet_when_the_model_draws_from_a_torch_distribution_but_holds_no_mode_layer():
+    assert found(ATTENTION, "TK110") == []  # Normal(mu, std) is a value, not a layer
+
+
+def test_tk110_still_fires_when_the_model_has_batch_norm():
+    with_norm = ATTENTION.replace(
+        "self.fc = nn.Linear(input_size, output_size)",
+        "self.fc = nn.Sequential(nn.Linear(input_size, output_size), nn.BatchNorm1d(output_size))",
+    )
+    assert found(with_norm, "TK110") == [28]

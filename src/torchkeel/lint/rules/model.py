@@ -85,9 +85,10 @@ def _disables_grad(item: ast.withitem) -> bool:
     return name in {"no_grad", "inference_mode"}
 
 
-def _grad_disabled(source: Source, node: ast.AST, depth: int = 0) -> bool:
-    """Whether ``node`` runs with gradients off: under a disabling ``with`` or decorator, or in a
-    function of this file whose every call here runs so (a caller's ``with torch.no_grad():``)."""
+def _grad_disabled(source: Source, node: ast.AST, callers: int = 0) -> bool:
+    """Whether ``node`` runs with gradients off: under a disabling ``with`` or decorator or, with
+    ``callers`` > 0, in a function of this file whose every call here runs so (a caller's
+    ``with torch.no_grad():``), followed that many calls up."""
     parent = source.parents.get(node)
     while parent is not None:
         if isinstance(parent, ast.With) and any(_disables_grad(i) for i in parent.items):
@@ -95,8 +96,9 @@ def _grad_disabled(source: Source, node: ast.AST, depth: int = 0) -> bool:
         if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
             if grad_free(parent):
                 return True
-            callers = source.calls_of(parent) if depth < 2 else []
-            return bool(callers) and all(_grad_disabled(source, c, depth + 1) for c in callers)
+            calls = source.calls_of(parent) if callers > 0 else []
+            if calls:
+                return all(_grad_disabled(source, c, callers - 1) for c in calls)
         parent = source.parents.get(parent)
     return False
 
@@ -155,11 +157,26 @@ def _has_mode_layers(source: Source, model: str) -> bool | None:
     """Whether the module that ``model`` names holds layers that act differently in train and eval
     mode (dropout, batch norm): False only when every class it is built from is read here or in
     a sibling file and none has one; None when that cannot be told (an installed model)."""
-    values = source.assigned.get(model, [])
+    values = [v for v in source.assigned.get(model, []) if not _moved_self(v, model)]
     if not values:
         return None
     answers = {_class_has_mode_layers(source, v, depth=3) for v in values}
     return True if True in answers else (None if None in answers else False)
+
+
+def _moved_self(value: ast.AST, model: str) -> bool:
+    """``model = model.cuda()`` (or ``.to(device)``): the same module moved, not another one."""
+    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in {"to", "cuda"}:
+        value = value.func.value
+    return dotted(value) == model
+
+
+def _torch_value_class(source: Source, call: ast.Call) -> bool:
+    """A class of torch outside ``torch.nn`` (``Normal(mu, std)``, ``torch.Generator()``): a value,
+    never a module with dropout or batch norm."""
+    name = call_name(call)
+    module = name.rsplit(".", 1)[0] if "." in name else (source.imported_from(name) or "")
+    return last(name)[:1].isupper() and module.split(".")[0] == "torch" and ".nn" not in f".{module}"
 
 
 def _class_has_mode_layers(source: Source, value: ast.AST, depth: int) -> bool | None:
@@ -168,7 +185,7 @@ def _class_has_mode_layers(source: Source, value: ast.AST, depth: int) -> bool |
         return None
     if _MODE_LAYER.search(ast.unparse(call)):
         return True  # nn.Dropout(...), nn.Sequential(..., nn.BatchNorm1d(...)), nn.LSTM(..., dropout=0.2)
-    if call_name(call).startswith(("nn.", "torch.nn.")):
+    if call_name(call).startswith(("nn.", "torch.nn.")) or _torch_value_class(source, call):
         return False
     if node is None or depth == 0:
         return None
@@ -187,7 +204,7 @@ def eval_without_no_grad(source: Source) -> Iterator[tuple[ast.AST, str]]:
         if not evals or any(last(call_name(c)) == "backward" for c in source.calls(fn)):
             continue
         for loop in (n for n in ast.walk(fn) if isinstance(n, (ast.For, ast.While))):
-            calls = [c for c in _model_calls(source, loop) if not _grad_disabled(source, c)]
+            calls = [c for c in _model_calls(source, loop) if not _grad_disabled(source, c, callers=2)]
             if calls and loop.lineno > evals[0].lineno:
                 yield (
                     calls[0],

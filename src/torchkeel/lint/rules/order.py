@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 from torchkeel.lint.engine import Source, call_name, dotted, keyword, last
 from torchkeel.lint.rules.loop import Event, is_optimizer, training_loops
-from torchkeel.lint.rules.model import _in_forward, _is_softmax
+from torchkeel.lint.rules.model import _has_mode_layers, _in_forward, _is_softmax
 
 _CLIPS = {"clip_grad_norm_", "clip_grad_value_"}
 _DROPOUTS = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"}
@@ -155,7 +155,13 @@ def train_not_restored(source: Source) -> Iterator[tuple[ast.AST, str]]:
         for call in _outer_calls(source, outer, loop):
             if isinstance(call.func, ast.Attribute) and call.func.attr == "eval" and not call.args:
                 model = dotted(call.func.value)
-                if model and model in inner_models and model not in restored:
+                if (
+                    model
+                    and model in inner_models
+                    and model not in restored
+                    and _has_mode_layers(source, model)
+                    is not False  # no dropout, no batch norm: eval() changes nothing
+                ):
                     yield (
                         call,
                         (
