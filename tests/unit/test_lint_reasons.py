@@ -146,3 +146,80 @@ def test_tk110_still_fires_when_the_model_has_batch_norm():
         "self.fc = nn.Sequential(nn.Linear(input_size, output_size), nn.BatchNorm1d(output_size))",
     )
     assert found(with_norm, "TK110") == [28]
+
+
+# --- TK116: a new file per save, named by concatenation or by a caller in another file ------------
+
+
+def test_tk116_quiet_on_a_count_concatenated_into_the_path():
+    text = """
+        import torch
+        def train(net, optimizer, loader, results_dir):
+            train_step = 0
+            while train_step < 25000:
+                for images, gt in loader:
+                    loss = net(images).sub(gt).pow(2).mean()
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+                    train_step += 1
+                    if train_step % 1000 == 0:
+                        save_param_path = results_dir + "/CRAFT_clr_amp_" + repr(train_step) + ".pth"
+                        torch.save({"iter": train_step, "craft": net.state_dict()}, save_param_path)
+        """
+    assert found(text, "TK116") == []
+    fixed = text.replace('"/CRAFT_clr_amp_" + repr(train_step) + ".pth"', '"/CRAFT_clr_amp_" + repr(0) + ".pth"')
+    assert found(fixed, "TK116") == [14]
+
+
+UTILS = """
+    import torch
+
+    def save_checkpoint(model, optimizer, learning_rate, iteration, checkpoint_path):
+        state_dict = model.state_dict()
+        torch.save({"model": state_dict, "iteration": iteration, "optimizer": optimizer.state_dict(),
+                    "learning_rate": learning_rate}, checkpoint_path)
+    """
+
+TRAIN = """
+    import os
+    import utils
+
+    def train_and_evaluate(hps, net_g, optim_g, loader):
+        global_step = 0
+        for epoch in range(1, hps.train.epochs + 1):
+            for batch in loader:
+                loss = net_g(batch).mean()
+                optim_g.zero_grad()
+                loss.backward()
+                optim_g.step()
+                global_step += 1
+                if global_step % hps.train.eval_interval == 0:
+                    utils.save_checkpoint(net_g, optim_g, hps.train.learning_rate, epoch,
+                                          os.path.join(hps.model_dir, "G_{}.pth".format(global_step)))
+    """
+
+
+def _project(tmp_path, train: str) -> list[int]:
+    (tmp_path / "utils.py").write_text(textwrap.dedent(UTILS))
+    (tmp_path / "train.py").write_text(textwrap.dedent(train))
+    text = (tmp_path / "utils.py").read_text()
+    return [f.line for f in lint_source(text, str(tmp_path / "utils.py"), select_rules(["TK116"]))]
+
+
+def test_tk116_quiet_on_a_helper_whose_caller_in_another_file_names_a_file_per_step(tmp_path):
+    assert _project(tmp_path, TRAIN) == []
+
+
+def test_tk116_quiet_on_a_final_save_to_a_fixed_name_after_the_loop(tmp_path):
+    final = (
+        TRAIN.rstrip(" ")
+        + '    utils.save_checkpoint(net_g, optim_g, 0.0, 0, os.path.join(hps.model_dir, "last.pth"))\n'
+    )
+    assert _project(tmp_path, final) == []  # runs once, after training: nothing rewritten while it runs
+
+
+def test_tk116_still_fires_when_another_file_rewrites_one_path_in_the_loop(tmp_path):
+    latest = TRAIN.replace('"G_{}.pth".format(global_step)', '"G_latest.pth"')
+    assert _project(tmp_path, latest) == [6]
+    assert _project(tmp_path, "import utils\n") == [6]  # no caller seen: it may loop

@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from torchkeel.lint.engine import Source, call_name, dotted, keyword, last, torch_version
+from torchkeel.lint.engine import Source, _sibling, call_name, dotted, keyword, last, torch_version
 
 # torch.load's default became weights_only=True in torch 2.6.
 _SAFE_LOAD_SINCE = (2, 6)
@@ -140,7 +140,8 @@ def _in_memory(source: Source, target: ast.expr) -> bool:
 def _new_path_each_time(source: Source, call: ast.Call, path: ast.expr) -> bool:
     """The path names the loop's variable (a file per epoch), a step-like parameter, the clock, or
     — formatted into it — a count or score of the run (``engine.state.epoch``, ``iteration + 1``,
-    ``accu``): a new file per save."""
+    ``accu``), also through a function of this file given a count (``get_checkpoint(epoch + 1)``):
+    a new file per save."""
     loop = source.loop_names(call)
     fn = source.function_of(call)
     params = {a.arg for a in fn.args.args + fn.args.kwonlyargs} if fn else set()
@@ -152,33 +153,60 @@ def _new_path_each_time(source: Source, call: ast.Call, path: ast.expr) -> bool:
             if node.id in params:
                 return any(w in node.id.lower() for w in _STEP_WORDS) or _varies_at_every_call(source, fn, node.id)
             return False
+        if isinstance(node, ast.Call) and last(call_name(node)) in source.functions:
+            return any(_names_a_count(n, _RUN_COUNTS) for a in node.args for n in ast.walk(a))
         return isinstance(node, ast.Call) and last(call_name(node)) in _VARIES_PER_CALL
 
     return source.reaches(path, varies) or source.reaches(path, lambda n: _formats_a_count(source, n, params))
 
 
 def _varies_at_every_call(source: Source, fn: ast.FunctionDef | ast.AsyncFunctionDef, param: str) -> bool:
-    """Every call of ``fn`` in this file passes ``param`` a count of the run (``self.save(milestone)``
-    with ``milestone = self.step // every``, ``filename="ckpt_{}.pt".format(epoch)``). One call that
-    passes a constant (``self.save("latest")``) or leaves the default keeps the path fixed."""
-    method = isinstance(source.parents.get(fn), ast.ClassDef)
-    positional = [a.arg for a in fn.args.args][1 if method else 0 :]
-    calls = source.calls_of(fn)
-    for call in calls:
-        arg = keyword(call, param)
-        index = positional.index(param) if param in positional else len(call.args)
-        if arg is None and index < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args):
-            arg = call.args[index]
-        loop = source.loop_names(call)
-        if arg is None or not (
-            _formats_a_count(source, arg)
-            or source.reaches(arg, lambda n: _names_a_count(n, _RUN_COUNTS) or (dotted(n) in loop))
+    """Every call of ``fn`` that may run many times passes ``param`` a count of the run
+    (``self.save(milestone)`` with ``milestone = self.step // every``, ``filename="ckpt_{}.pt".format(epoch)``);
+    a call that runs once (``save_checkpoint("model.pkl")`` after the loop) rewrites nothing while
+    training. One repeated call that passes a constant (``self.save("latest")``) or leaves the
+    default keeps the path fixed. Where this file never calls ``fn``, the calls in the files next to
+    it and in the folder above are judged (``utils.save_checkpoint(..., "G_{}.pth".format(step))``)."""
+    calls = [(source, c) for c in source.calls_of(fn)] or _calls_elsewhere(source, fn)
+    for where, call in calls:
+        arg = _argument(call, fn, param)
+        loop = where.loop_names(call)
+        if not (
+            (arg is not None and _formats_a_count(where, arg))
+            or (arg is not None and where.reaches(arg, lambda n: _names_a_count(n, _RUN_COUNTS) or dotted(n) in loop))
+            or not _runs_repeatedly(where, call)
         ):
             return False
     return bool(calls)
 
 
-_COUNTS = ("epoch", "step", "iter", "accu", "acc", "score", "loss")
+def _argument(call: ast.Call, fn: ast.FunctionDef | ast.AsyncFunctionDef, param: str) -> ast.expr | None:
+    """What ``call`` passes to ``fn``'s parameter ``param`` (None: the default, or unknown)."""
+    method = bool(fn.args.args) and fn.args.args[0].arg in {"self", "cls"}
+    positional = [a.arg for a in fn.args.args][1 if method else 0 :]
+    arg = keyword(call, param)
+    index = positional.index(param) if param in positional else len(call.args)
+    if arg is None and index < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args):
+        arg = call.args[index]
+    return arg
+
+
+def _calls_elsewhere(source: Source, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[tuple[Source, ast.Call]]:
+    """Calls of the function ``fn`` (not a method) by name in the files next to this one and in the
+    folder above (``utils.save_checkpoint(...)`` in ``train.py``)."""
+    if isinstance(source.parents.get(fn), ast.ClassDef):
+        return []
+    here = Path(source.path).resolve()
+    found = []
+    for folder in (here.parent, here.parent.parent):
+        for path in sorted(folder.glob("*.py"))[:50]:
+            where = _sibling(str(folder), path.stem) if path != here else None
+            if where is not None and fn.name in where.text:
+                found += [(where, c) for c in where.calls() if last(call_name(c)) == fn.name]
+    return found
+
+
+_COUNTS = ("epoch", "step", "iter", "accu", "acc", "score", "loss", "count")
 
 
 def _names_a_count(node: ast.AST, words: tuple[str, ...] = _COUNTS) -> bool:
@@ -197,6 +225,9 @@ def _formats_a_count(source: Source, node: ast.AST, params: set[str] | frozenset
         values = [*node.args, *(k.value for k in node.keywords)]
     elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and isinstance(node.left, ast.Constant):
         values = [node.right]
+    elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        # "ckpt_" + repr(train_step) + ".pth", "model.pth.tar-" + str(epoch)
+        values = [v for v in (node.left, node.right) if last(call_name(v)) in {"str", "repr"}]
     else:
         return False
     names = [n for v in values for n in ast.walk(v) if isinstance(n, (ast.Name, ast.Attribute))]
