@@ -223,3 +223,41 @@ def test_tk116_still_fires_when_another_file_rewrites_one_path_in_the_loop(tmp_p
     latest = TRAIN.replace('"G_{}.pth".format(global_step)', '"G_latest.pth"')
     assert _project(tmp_path, latest) == [6]
     assert _project(tmp_path, "import utils\n") == [6]  # no caller seen: it may loop
+
+
+# --- TK105: loaders built at import, iterated only in a guarded main() ----------------------------
+
+GUARDED = """
+    import torch
+    from torch.utils.data import DataLoader
+    from pokemon import Pokemon
+
+    train_db = Pokemon("pokemon", 224, mode="train")
+    val_db = Pokemon("pokemon", 224, mode="val")
+    train_loader = DataLoader(train_db, batch_size=32, shuffle=True, num_workers=4)
+    val_loader = DataLoader(val_db, batch_size=32, num_workers=2)
+
+    def main():
+        model = torch.nn.Linear(224, 5)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for epoch in range(10):
+            for step, (x, y) in enumerate(train_loader):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+
+    if __name__ == "__main__":
+        main()
+    """
+
+
+def test_tk105_quiet_when_the_loaders_are_iterated_only_under_the_main_guard():
+    assert found(GUARDED, "TK105") == []
+
+
+def test_tk105_still_fires_when_import_runs_the_loop():
+    unguarded = GUARDED.replace('if __name__ == "__main__":\n        main()', "main()")
+    assert found(unguarded, "TK105") == [8]
+    peek = GUARDED.replace("    def main():", "    x, y = next(iter(train_loader))\n\n    def main():")
+    assert found(peek, "TK105") == [8]

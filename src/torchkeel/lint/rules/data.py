@@ -46,6 +46,8 @@ def workers_without_main_guard(source: Source) -> Iterator[tuple[ast.AST, str]]:
         and source.function_of(call) is None
         and not source.in_main_guard(call)
     ]
+    if loaders and not _iterated_at_module_level(source, loaders):
+        return  # built at import, iterated only in functions run under the guard: a worker builds, never starts, them
     if loaders:
         also = f" (and {len(loaders) - 1} more loader(s) at lines {', '.join(str(c.lineno) for c in loaders[1:])})"
         yield (
@@ -56,6 +58,24 @@ def workers_without_main_guard(source: Source) -> Iterator[tuple[ast.AST, str]]:
                 + ": with the spawn start method (Windows, macOS) every worker re-runs this file"
             ),
         )
+
+
+def _iterated_at_module_level(source: Source, loaders: list[ast.Call]) -> bool:
+    """Whether importing this file may start the loaders' workers: module-level code outside the
+    ``__main__`` guard uses a loader (``for x, y in train_loader:``) or calls a function of this
+    file, or the file has no guard at all (its loop runs on import)."""
+    assigns = [source.parents.get(c) for c in loaders]
+    names = {dotted(t) for a in assigns if isinstance(a, ast.Assign) for t in a.targets}
+    if len(names) < len(loaders) or not any(source.in_main_guard(c) for c in source.calls()):
+        return True  # a loader not kept in a name, or no guarded entry point: cannot tell
+    for node in source.nodes:
+        if source.function_of(node) is not None or source.in_main_guard(node):
+            continue
+        if isinstance(node, ast.Name) and node.id in names and isinstance(node.ctx, ast.Load):
+            return True
+        if isinstance(node, ast.Call) and last(call_name(node)) in source.functions:
+            return True
+    return False
 
 
 def lambda_in_loader(source: Source) -> Iterator[tuple[ast.AST, str]]:
