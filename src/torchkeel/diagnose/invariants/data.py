@@ -193,6 +193,8 @@ class Listener:
     # ---------------------------------------------------------------- events
     def on_model_called(self, module: torch.nn.Module, args: Any) -> None:
         # A model called by keyword only (``model(**batch)``): the loader's batch input stands in.
+        if isinstance(module, torch.nn.modules.loss._Loss) or next(module.parameters(), None) is None:
+            return  # a loss module (nn.CrossEntropyLoss()(logits, y)) is called as a model is, but reads outputs
         x = next((t for t in tensors_in(args) if t.dim() >= 1), None) if args else self.batch_input
         if x is None or x.is_complex() or x.shape[0] < 1 or x.is_meta:
             return
