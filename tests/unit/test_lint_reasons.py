@@ -261,3 +261,67 @@ def test_tk105_still_fires_when_import_runs_the_loop():
     assert found(unguarded, "TK105") == [8]
     peek = GUARDED.replace("    def main():", "    x, y = next(iter(train_loader))\n\n    def main():")
     assert found(peek, "TK105") == [8]
+
+
+# --- TK101: numbers, a sum differentiated on purpose, one loss built from its terms ---------------
+
+EPOCH = """
+    import torch
+    def train_epoch(model, optimizer, loader):
+        model.train()
+        epoch_loss = 0
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = model.loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            loss_ = loss.detach().item()
+            epoch_loss += loss_
+        return epoch_loss / len(loader)
+    """
+
+
+def test_tk101_quiet_on_a_float_read_with_item():
+    assert found(EPOCH, "TK101") == []
+
+
+def test_tk101_still_fires_on_the_tensor_itself():
+    assert found(EPOCH.replace("epoch_loss += loss_", "epoch_loss += loss"), "TK101") == [12]
+
+
+def test_tk101_quiet_on_a_sum_differentiated_after_the_loop_and_on_a_loss_built_from_terms():
+    text = """
+        import torch
+        import torch.nn.functional as F
+        from torch import autograd
+
+        def update(network, minibatches):
+            total_loss = 0
+            for x, y in minibatches:
+                env_loss = F.cross_entropy(network(x), y)
+                total_loss += env_loss
+            mean_loss = total_loss / len(minibatches)
+            return autograd.grad(mean_loss, network.parameters(), create_graph=True)
+
+        def ewc_loss(layers, loss_for_layer):
+            l = 0.0
+            for name, layer in layers:
+                nl = loss_for_layer(name, layer)
+                l += nl
+            return 0.5 * l
+        """
+    assert found(text, "TK101") == []
+
+
+def test_tk101_quiet_on_python_floats_in_a_file_without_torch():
+    text = """
+        w = 1.0
+        def loss(x, y):
+            return (x * w - y) * (x * w - y)
+        for epoch in range(10):
+            l_sum = 0
+            for x_val, y_val in zip([1.0, 2.0], [2.0, 4.0]):
+                l = loss(x_val, y_val)
+                l_sum += l
+        """
+    assert found(text, "TK101") == []

@@ -370,9 +370,9 @@ def loss_accumulated(source: Source) -> Iterator[tuple[ast.AST, str]]:
         if not isinstance(value, ast.Name) or source.enclosing(node, ast.For, ast.While) is None:
             continue
         scope = source.function_of(node) or source.tree
-        if _no_graph(source, node) or _backpropagated_later(source, scope, node):
+        if _no_graph(source, node) or _backpropagated_later(source, scope, node) or _built_and_returned(scope, node):
             continue
-        if _is_loss_tensor(source, scope, value.id):
+        if "torch" in source.text and _is_loss_tensor(source, scope, value.id):  # no torch: Python floats
             yield (
                 node,
                 (
@@ -404,14 +404,30 @@ def _backpropagated_later(source: Source, scope: ast.AST, node: ast.AST) -> bool
         return False
     loop = source.enclosing(node, ast.For, ast.While)
     for call in source.calls(scope):
-        if last(call_name(call)) != "backward" or call.lineno <= node.lineno:
+        if last(call_name(call)) not in {"backward", "grad"} or call.lineno <= node.lineno:
             continue
         if loop is not None and source.enclosing(call, ast.For, ast.While) is loop:
             continue  # a backward in the same loop: the usual per-step one
         around = source.enclosing(call, ast.For) or call  # for loss in losses: ... / loss = losses[i] ... backward
         if holder in {dotted(n) for n in ast.walk(around)}:
             return True
+        if last(call_name(call)) == "grad" and source.reaches(call, lambda n: dotted(n) == holder, 2):
+            return True  # autograd.grad(total_loss / n, params): the sum is differentiated on purpose
     return False
+
+
+def _built_and_returned(scope: ast.AST, node: ast.AST) -> bool:
+    """``l += nl`` in a function that returns ``l`` and backpropagates none of the terms: one loss
+    built from its terms, for the caller to backpropagate (not a per-step graph kept alive)."""
+    if not isinstance(node, ast.AugAssign) or not isinstance(node.value, ast.Name):
+        return False
+    holder, term = dotted(node.target), node.value.id
+    returned = any(
+        isinstance(n, ast.Return) and n.value is not None and holder in {dotted(m) for m in ast.walk(n.value)}
+        for n in ast.walk(scope)
+    )
+    backward = any(isinstance(n, ast.Call) and call_name(n) == f"{term}.backward" for n in ast.walk(scope))
+    return returned and not backward
 
 
 def _is_loss_tensor(source: Source, scope: ast.AST, name: str) -> bool:
@@ -419,6 +435,8 @@ def _is_loss_tensor(source: Source, scope: ast.AST, name: str) -> bool:
         if isinstance(node, ast.Call) and call_name(node) == f"{name}.backward":
             return True
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            if isinstance(node.value, ast.Call) and last(call_name(node.value)) in {"item", "tolist", "float"}:
+                return False  # loss_ = loss.detach().item(): a Python number, no graph
             callee = call_name(node.value) if isinstance(node.value, ast.Call) else ""
             if isinstance(node.value, ast.BinOp) and isinstance(node.value.left, ast.Call):
                 callee = call_name(node.value.left)
