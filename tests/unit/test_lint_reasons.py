@@ -325,3 +325,46 @@ def test_tk101_quiet_on_python_floats_in_a_file_without_torch():
                 l_sum += l
         """
     assert found(text, "TK101") == []
+
+
+# --- TK102: values already on the host ---------------------------------------------------------
+
+
+def test_tk102_quiet_on_host_values_read_in_forward():
+    text = """
+        import numpy as np
+        import torch
+        from torch import nn
+
+        class Flatten(nn.Module):
+            def forward(self, x):
+                shape = torch.prod(torch.tensor(x.shape[1:])).item()
+                return x.view(-1, shape)
+
+        class Decoder(nn.Module):
+            def forward(self, inputs, max_length, batch_size):
+                lengths = np.array([max_length] * batch_size)
+                outputs = self.rnn(inputs)
+                return outputs, lengths.tolist()
+
+        class RegionProposalNetwork(nn.Module):
+            def forward(self, x, anchor, img_size):
+                rpn_locs, rpn_scores = self.loc(x), self.score(x)
+                return self.proposal_layer(rpn_locs[0].cpu().data.numpy(), rpn_scores[0].cpu().data.numpy(), anchor, img_size)
+        """
+    assert found(text, "TK102") == []
+
+
+def test_tk102_still_fires_on_a_model_tensor_read_in_forward():
+    text = """
+        import torch
+        from torch import nn
+
+        class Attention(nn.Module):
+            def forward(self, x, attn_mask):
+                if attn_mask is not None and attn_mask.any().item():
+                    x = x.masked_fill(attn_mask, 0.0)
+                shape = torch.prod(torch.tensor(x.shape[1:], device=x.device)).item()
+                return x.view(-1, shape)
+        """
+    assert found(text, "TK102") == [7, 9]

@@ -44,6 +44,7 @@ def host_sync_in_forward(source: Source) -> Iterator[tuple[ast.AST, str]]:
             and not call.args
             and _in_forward(source, call)
             and not _moved_on_purpose(call)
+            and not _on_host(source, call.func.value)
             and not _never_trained(source, source.function_of(call))
         ):
             yield (
@@ -60,6 +61,35 @@ def _moved_on_purpose(call: ast.Call) -> bool:
     of a CPU tensor adds none (a forward that hands the input to ONNX Runtime or OpenCV)."""
     receiver = call.func.value if isinstance(call.func, ast.Attribute) else None
     return last(call_name(call)) == "numpy" and isinstance(receiver, ast.Call) and last(call_name(receiver)) == "cpu"
+
+
+_CPU_FACTORIES = {"tensor", "LongTensor", "IntTensor", "FloatTensor", "DoubleTensor", "BoolTensor", "Tensor"}
+
+
+def _on_host(source: Source, expr: ast.expr, depth: int = 2) -> bool:
+    """``expr`` holds a host value whatever device the model is on, so reading it copies nothing:
+    a numpy array (``lengths = np.array(...)``), a tensor made without ``device=`` from values
+    (``torch.tensor(x.shape[1:])``: a CPU tensor of sizes), a torch function or method of one
+    (``torch.prod(...)``), or something already copied (``x.cpu().data``)."""
+    while isinstance(expr, ast.Attribute) and expr.attr == "data":
+        expr = expr.value
+    if isinstance(expr, ast.Name):
+        values = source.assigned.get(expr.id, [])
+        return depth > 0 and bool(values) and all(_on_host(source, v, depth - 1) for v in values)
+    if not isinstance(expr, ast.Call):
+        return False
+    name = call_name(expr)
+    if name.split(".")[0] in {"np", "numpy"} or last(name) == "cpu":
+        return True
+    if name.startswith("torch.") and last(name) in _CPU_FACTORIES:
+        return keyword(expr, "device") is None
+    if name.startswith("torch.") and name.count(".") == 1 and expr.args:
+        return _on_host(source, expr.args[0], depth)  # torch.prod(torch.tensor(shape))
+    return (
+        isinstance(expr.func, ast.Attribute)
+        and last(name) in {"detach", "sum", "prod", "max", "min"}
+        and (_on_host(source, expr.func.value, depth))
+    )
 
 
 def _never_trained(source: Source, forward: ast.FunctionDef | ast.AsyncFunctionDef | None) -> bool:
