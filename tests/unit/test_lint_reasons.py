@@ -368,3 +368,45 @@ def test_tk102_still_fires_on_a_model_tensor_read_in_forward():
                 return x.view(-1, shape)
         """
     assert found(text, "TK102") == [7, 9]
+
+
+# --- TK122: hooks on a model's inner layers run under model.forward() too ------------------------
+
+FROMP = """
+    import torch
+    from torch import nn
+
+    def _update_input(module, inputs, outputs):
+        module.data_input = inputs[0]
+
+    class Fromp(torch.optim.Optimizer):
+        def __init__(self, model, lr=1e-3):
+            super().__init__(model.parameters(), dict(lr=lr))
+            self.model = model
+            self.train_modules = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+            for module in self.train_modules:
+                module.register_forward_hook(_update_input)
+
+        def init_context(self, memorable_points):
+            logits = self.model.forward(memorable_points)
+            return torch.softmax(logits, dim=-1)
+    """
+
+
+def test_tk122_quiet_when_hooks_sit_on_the_inner_layers():
+    assert found(FROMP, "TK122") == []
+    walk = FROMP.replace(
+        "for module in self.train_modules:\n                module.register",
+        "for module in model.modules():\n                if isinstance(module, nn.Linear):\n                    module.register",
+    )
+    assert found(walk, "TK122") == []
+
+
+def test_tk122_still_fires_when_the_hook_is_on_the_model_itself():
+    on_model = FROMP.replace(
+        "for module in self.train_modules:\n                module.register_forward_hook(_update_input)",
+        "model.register_forward_hook(_update_input)",
+    )
+    assert found(on_model, "TK122") == [16]
+    every = FROMP.replace("for module in self.train_modules:", "for module in model.modules():")
+    assert found(every, "TK122") == [17]  # modules() yields the model itself first

@@ -18,7 +18,7 @@ _HOOKS = {"register_forward_hook", "register_forward_pre_hook", "register_full_b
 
 
 def forward_called_directly(source: Source) -> Iterator[tuple[ast.AST, str]]:
-    hooks = any(last(call_name(c)) in _HOOKS for c in source.calls())
+    hooks = any(last(call_name(c)) in _HOOKS and not _on_leaf_layers(source, c) for c in source.calls())
     wrappers = any(last(call_name(c)) in _WRAPPERS for c in source.calls())
     sharded = any(last(call_name(c)) in _SHARDING for c in source.calls())  # FSDP wraps the children too
     for call in source.calls():
@@ -41,6 +41,31 @@ def forward_called_directly(source: Source) -> Iterator[tuple[ast.AST, str]]:
                     f"call {dotted(receiver)}(...)"
                 ),
             )
+
+
+def _on_leaf_layers(source: Source, hook: ast.Call) -> bool:
+    """A hook registered on chosen layers inside a model (``for module in self.train_modules:
+    module.register_forward_hook(...)``, or under ``isinstance(m, nn.Linear)`` in a walk of
+    ``modules()``): ``model.forward(x)`` runs those layers' ``__call__``, so their hooks run too."""
+    if not isinstance(hook.func, ast.Attribute) or not isinstance(hook.func.value, ast.Name):
+        return False
+    var = hook.func.value.id
+    loop = source.enclosing(hook, ast.For)
+    while loop is not None and not (isinstance(loop.target, ast.Name) and loop.target.id == var):
+        loop = source.enclosing(loop, ast.For)
+    if loop is None:
+        return False
+    if last(call_name(loop.iter)) not in {"modules", "named_modules", "children", "named_children"}:
+        return not isinstance(loop.iter, ast.Call)  # a list of layers kept by name: not the model itself
+    tests = [n.test for n in _ancestors(source, hook, loop) if isinstance(n, ast.If)]
+    return any(last(call_name(t)) == "isinstance" for test in tests for t in ast.walk(test) if isinstance(t, ast.Call))
+
+
+def _ancestors(source: Source, node: ast.AST, stop: ast.AST) -> Iterator[ast.AST]:
+    parent = source.parents.get(node)
+    while parent is not None and parent is not stop:
+        yield parent
+        parent = source.parents.get(parent)
 
 
 # Wrappers that work through the module's __call__ or hooks (FSDP2's fully_shard registers hooks).
