@@ -410,3 +410,26 @@ def test_tk122_still_fires_when_the_hook_is_on_the_model_itself():
     assert found(on_model, "TK122") == [16]
     every = FROMP.replace("for module in self.train_modules:", "for module in model.modules():")
     assert found(every, "TK122") == [17]  # modules() yields the model itself first
+
+
+def test_tk111_quiet_when_the_evaluation_takes_gradients_on_purpose():
+    text = """
+        import torch
+        import torch.nn.functional as F
+
+        def validate_pgd(val_loader, model, eps, step, n_iter):
+            model.eval()
+            correct = 0
+            for input, target in val_loader:
+                delta = torch.zeros_like(input, requires_grad=True)
+                for _ in range(n_iter):
+                    loss = F.cross_entropy(model(input + delta), target)
+                    grad = torch.autograd.grad(loss, delta)[0]
+                    delta = (delta + step * grad.sign()).clamp(-eps, eps).detach().requires_grad_()
+                with torch.no_grad():
+                    correct += (model(input + delta).argmax(1) == target).sum().item()
+            return correct
+        """
+    assert found(text, "TK111") == []  # the gradient with respect to the input is the attack
+    clean = text.replace("grad = torch.autograd.grad(loss, delta)[0]", "grad = torch.randn_like(delta)")
+    assert found(clean, "TK111") == [11]

@@ -226,8 +226,8 @@ def eval_without_no_grad(source: Source) -> Iterator[tuple[ast.AST, str]]:
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         evals = [c for c in source.calls(fn) if last(call_name(c)) == "eval" and not c.args]
-        if not evals or any(last(call_name(c)) == "backward" for c in source.calls(fn)):
-            continue
+        if not evals or any(last(call_name(c)) in {"backward", "grad"} for c in source.calls(fn)):
+            continue  # gradients are the point (autograd.grad: an attack's input gradient, a Hessian product)
         for loop in (n for n in ast.walk(fn) if isinstance(n, (ast.For, ast.While))):
             calls = [c for c in _model_calls(source, loop) if not _grad_disabled(source, c, callers=2)]
             if calls and loop.lineno > evals[0].lineno:
