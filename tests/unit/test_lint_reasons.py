@@ -433,3 +433,49 @@ def test_tk111_quiet_when_the_evaluation_takes_gradients_on_purpose():
     assert found(text, "TK111") == []  # the gradient with respect to the input is the attack
     clean = text.replace("grad = torch.autograd.grad(loss, delta)[0]", "grad = torch.randn_like(delta)")
     assert found(clean, "TK111") == [11]
+
+
+def test_tk116_quiet_on_a_path_made_per_epoch_by_a_helper_and_opened_through_a_path_manager():
+    text = """
+        import os
+        import torch
+        from iopath.common.file_io import g_pathmgr as pathmgr
+
+        def get_checkpoint(out_dir, epoch):
+            return os.path.join(out_dir, "model_epoch_{:04d}.pyth".format(epoch))
+
+        def save_checkpoint(model, optimizer, out_dir, epoch):
+            checkpoint = {"epoch": epoch, "model_state": model.state_dict(), "optimizer_state": optimizer.state_dict()}
+            checkpoint_file = get_checkpoint(out_dir, epoch + 1)
+            with pathmgr.open(checkpoint_file, "wb") as f:
+                torch.save(checkpoint, f)
+            return checkpoint_file
+        """
+    assert found(text, "TK116") == []
+    latest = text.replace(
+        "checkpoint_file = get_checkpoint(out_dir, epoch + 1)", 'checkpoint_file = os.path.join(out_dir, "last.pyth")'
+    )
+    assert found(latest, "TK116") == [13]
+
+
+def test_tk116_quiet_on_a_cache_written_only_when_missing_fires_on_an_existing_file_rewritten():
+    text = """
+        import os
+        import torch
+
+        class TextAudioLoader(torch.utils.data.Dataset):
+            def __getitem__(self, index):
+                audio, spec_filename = self.load_audio(index)
+                if os.path.exists(spec_filename):
+                    spec = torch.load(spec_filename)
+                else:
+                    spec = self.spectrogram(audio)
+                    torch.save(spec, spec_filename)
+                return spec, audio
+        """
+    assert found(text, "TK116") == []
+    rewritten = text.replace(
+        "spec = torch.load(spec_filename)\n",
+        "spec = torch.load(spec_filename) * 0.5\n                    torch.save(spec, spec_filename)\n",
+    )
+    assert found(rewritten, "TK116") == [10]

@@ -118,12 +118,12 @@ def _write_target(source: Source, call: ast.Call) -> ast.expr:
                 if (
                     isinstance(item.optional_vars, ast.Name)
                     and item.optional_vars.id == target.id
-                    and call_name(item.context_expr) == "open"
+                    and last(call_name(item.context_expr)) == "open"  # open, pathmgr.open, fs.open
                     and item.context_expr.args
                 ):
                     return item.context_expr.args[0]
             node = source.enclosing(node, ast.With)
-    if isinstance(target, ast.Call) and call_name(target) == "open" and target.args:
+    if isinstance(target, ast.Call) and last(call_name(target)) == "open" and target.args:
         return target.args[0]
     return target
 
@@ -289,6 +289,25 @@ def _deleted_after(source: Source, call: ast.Call, path: ast.expr) -> bool:
     return False
 
 
+_EXISTS = {"exists", "isfile", "isdir", "is_file", "is_dir"}
+
+
+def _only_when_missing(source: Source, call: ast.Call) -> bool:
+    """The save runs only when a file or folder does not exist yet (``if not os.path.exists(path):``,
+    a cache written once): there is no last good file for a kill to spoil."""
+    node = source.parents.get(call)
+    while node is not None and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        parent = source.parents.get(node)
+        if isinstance(parent, ast.If):
+            test = parent.test
+            negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
+            checked = test.operand if negated else test  # type: ignore[attr-defined]
+            if last(call_name(checked)) in _EXISTS and node in (parent.body if negated else parent.orelse):
+                return True  # if not exists(p): save / if exists(p): load ... else: save
+        node = parent
+    return False
+
+
 def _in_loop(source: Source, node: ast.AST) -> bool:
     parent = source.parents.get(node)
     while parent is not None and not isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -331,6 +350,7 @@ def save_to_final_path(source: Source) -> Iterator[tuple[ast.AST, str]]:
             or _new_path_each_time(source, call, path)
             or _deleted_after(source, call, path)
             or _one_off(source, call)
+            or _only_when_missing(source, call)
             or not _runs_repeatedly(source, call)
         ):
             continue
