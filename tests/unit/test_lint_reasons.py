@@ -479,3 +479,30 @@ def test_tk116_quiet_on_a_cache_written_only_when_missing_fires_on_an_existing_f
         "spec = torch.load(spec_filename) * 0.5\n                    torch.save(spec, spec_filename)\n",
     )
     assert found(rewritten, "TK116") == [10]
+
+
+LIBRARY_TRAIN = """
+    import os
+    from model.utils.net_utils import save_checkpoint
+    for epoch in range(1, args.max_epochs + 1):
+        train_one_epoch(fasterRCNN, optimizer, dataloader)
+        save_name = os.path.join(output_dir, "faster_rcnn_{}_{}_{}.pth".format(args.session, epoch, step))
+        save_checkpoint({"epoch": epoch + 1, "model": fasterRCNN.state_dict()}, save_name)
+    """
+
+
+def _library(root, train: str) -> list[int]:
+    utils = root / "lib" / "model" / "utils"
+    utils.mkdir(parents=True)
+    path = utils / "net_utils.py"
+    path.write_text("import torch\n\ndef save_checkpoint(state, filename):\n    torch.save(state, filename)\n")
+    (root / "trainval_net.py").write_text(textwrap.dedent(train))
+    return [f.line for f in lint_source(path.read_text(), str(path), select_rules(["TK116"]))]
+
+
+def test_tk116_quiet_on_a_library_helper_named_per_epoch_by_the_root_train_script(tmp_path):
+    assert _library(tmp_path / "per_epoch", LIBRARY_TRAIN) == []
+    assert _library(
+        tmp_path / "last",
+        LIBRARY_TRAIN.replace('"faster_rcnn_{}_{}_{}.pth".format(args.session, epoch, step)', '"faster_rcnn_last.pth"'),
+    ) == [4]

@@ -166,7 +166,7 @@ def _varies_at_every_call(source: Source, fn: ast.FunctionDef | ast.AsyncFunctio
     a call that runs once (``save_checkpoint("model.pkl")`` after the loop) rewrites nothing while
     training. One repeated call that passes a constant (``self.save("latest")``) or leaves the
     default keeps the path fixed. Where this file never calls ``fn``, the calls in the files next to
-    it and in the folder above are judged (``utils.save_checkpoint(..., "G_{}.pth".format(step))``)."""
+    it and in the three folders above are judged (``utils.save_checkpoint(..., "G_{}.pth".format(step))``)."""
     calls = [(source, c) for c in source.calls_of(fn)] or _calls_elsewhere(source, fn)
     for where, call in calls:
         arg = _argument(call, fn, param)
@@ -193,12 +193,12 @@ def _argument(call: ast.Call, fn: ast.FunctionDef | ast.AsyncFunctionDef, param:
 
 def _calls_elsewhere(source: Source, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[tuple[Source, ast.Call]]:
     """Calls of the function ``fn`` (not a method) by name in the files next to this one and in the
-    folder above (``utils.save_checkpoint(...)`` in ``train.py``)."""
+    three folders above (``utils.save_checkpoint(...)`` in ``train.py``)."""
     if isinstance(source.parents.get(fn), ast.ClassDef):
         return []
     here = Path(source.path).resolve()
     found = []
-    for folder in (here.parent, here.parent.parent):
+    for folder in list(here.parents)[:4]:  # lib/model/utils/net_utils.py is called from the root's train script
         for path in sorted(folder.glob("*.py"))[:50]:
             where = _sibling(str(folder), path.stem) if path != here else None
             if where is not None and fn.name in where.text:
