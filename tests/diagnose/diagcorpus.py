@@ -4,34 +4,62 @@ come first and the evidence it must carry; ``null`` for a clean control)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from forkrun import ForkRunner
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
 EXPECTED: dict[str, dict[str, Any] | None] = json.loads((CORPUS / "expected.json").read_text())
 KEEL = [sys.executable, "-m", "torchkeel.cli.main"]
 
 
+_RUNNER: list[ForkRunner] = []
+_RUNNER_LOCK = threading.Lock()
+
+
+def _forked(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+    with _RUNNER_LOCK:
+        if not _RUNNER:
+            _RUNNER.append(ForkRunner())
+            atexit.register(_RUNNER[0].close)
+    return _RUNNER[0].run(argv, cwd, env, timeout_s)
+
+
 def diagnose(
-    name: str, *extra: str, cwd: Path = CORPUS, args: tuple[str, ...] = (), timeout_s: float = 180
+    name: str,
+    *extra: str,
+    cwd: Path = CORPUS,
+    args: tuple[str, ...] = (),
+    timeout_s: float = 180,
+    fork: bool = True,
 ) -> tuple[dict[str, Any], int, float]:
     """Run ``keel diagnose --json`` on one script from ``cwd`` (default: the corpus folder):
-    (report, exit code, seconds). The script's own output must have gone to stderr."""
+    (report, exit code, seconds). The script's own output must have gone to stderr.
+
+    ``fork``: in a fork of a process that imported torch already (``forkrun``: a process of its
+    own, without the seconds of imports); False: a fresh ``keel`` process (for timings)."""
     start = time.perf_counter()
-    proc = subprocess.run(
-        [*KEEL, "diagnose", "--json", *extra, "--", "python", name, *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    argv = ["diagnose", "--json", *extra, "--", "python", name, *args]
+    if fork:
+        proc = _forked(argv, cwd, {"OMP_NUM_THREADS": "1"}, timeout_s)
+    else:
+        proc = subprocess.run(
+            [*KEEL, *argv],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     elapsed = time.perf_counter() - start
     diagnose.last_stderr = proc.stderr
     try:

@@ -61,6 +61,7 @@ def short_reports():
     return diagnose_all(SHORT, repro_for=NONDET | set(SHORT_CONTROLS))
 
 
+@pytest.mark.timeout(900)  # the first test also runs the fixture: about 70 scripts, two at a time
 @pytest.mark.parametrize("name", SHORT)
 def test_short_corpus(name, short_reports):
     report, code, _ = short_reports[name]
