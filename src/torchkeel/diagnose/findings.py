@@ -57,6 +57,9 @@ FINDING_IDS = (
     "invariant-labels-uninformative",
     "invariant-one-class",
     "invariant-eval-overlaps-train",
+    # -- invariants: batches
+    "invariant-batch-repeats",
+    "invariant-inputs-tiny",
     # -- invariants: losses
     "invariant-loss-targets-are-inputs",
     "invariant-loss-broadcast",
