@@ -58,3 +58,17 @@ def test_inputs_near_zero_are_found_unless_a_norm_comes_first():
     normed = _train(nn.Sequential(nn.BatchNorm1d(8), nn.Linear(8, 2)), tiny, lambda x, y: (x, y))
     assert inputs_tiny(normed, OK) == []
     assert inputs_tiny(_train(nn.Sequential(nn.Linear(8, 2)), _loader(), lambda x, y: (x, y)), OK) == []
+
+
+def test_a_label_column_among_the_features_is_found_and_the_columns_before_it_are_not():
+    from torchkeel.diagnose.invariants.batches import targets_in_inputs
+
+    rows = torch.randn(640, 4)
+    labels = (rows[:, 0] > 0).long()
+    table = torch.cat([rows, labels.unsqueeze(1).float()], dim=1)
+    model = nn.Sequential(nn.Linear(5, 2))
+    leaked = DataLoader(TensorDataset(table, labels), batch_size=32, shuffle=True)
+    (found,) = targets_in_inputs(_train(model, leaked, lambda x, y: (x, y)), OK)
+    assert found.evidence["column"] == 4 and found.evidence["batches_leaked"] == found.evidence["batches_checked"]
+    clean = DataLoader(TensorDataset(table[:, :4], labels), batch_size=32, shuffle=True)
+    assert targets_in_inputs(_train(nn.Sequential(nn.Linear(4, 2)), clean, lambda x, y: (x, y)), OK) == []

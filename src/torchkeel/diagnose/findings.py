@@ -59,6 +59,7 @@ FINDING_IDS = (
     "invariant-eval-overlaps-train",
     # -- invariants: batches
     "invariant-batch-repeats",
+    "invariant-targets-in-inputs",
     "invariant-inputs-tiny",
     # -- invariants: losses
     "invariant-loss-targets-are-inputs",

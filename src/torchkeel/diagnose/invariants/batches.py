@@ -3,6 +3,9 @@
 - The loader's batches reach the model: while a DataLoader hands out new batches, the data a model
   trains on changes too. A loop that fetches batch after batch while the model sees the same rows
   (``imgs = fixed_imgs`` left from a check of the pipeline) trains on one batch.
+- The inputs do not hold the answer: no column of a training batch's features equals the class
+  targets of its loss (a label column left among the features makes the loss fall to 0 with
+  nothing learnt that serves at prediction time).
 - Data reaches the model at a scale it can learn from: inputs whose largest magnitude stays under
   1e-2 (images divided by 255 twice) give the first layer almost nothing to work with, unless a
   normalisation comes first.
@@ -30,6 +33,8 @@ _STALE_SHARE = 0.9  # fetches after which a model trained on the rows it trained
 _TINY = 1e-2  # the largest |value| of an input under this: almost nothing reaches the first layer
 _TINY_CALLS = 64  # training calls whose input scale is read
 _MIN_TINY_CALLS = 5
+_LEAK_CHECKS = 64  # classification losses whose targets are looked for among the inputs' columns
+_MIN_LEAK_ROWS = 16
 _NORMS = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm)
 
 
@@ -48,6 +53,8 @@ class Listener:
         self.where: dict[int, dict[str, Any]] = {}  # fingerprint → the model call that first trained on it
         self.tiny: dict[str, Any] = {"calls": 0, "tiny": 0, "max_abs": 0.0, "first": None}
         self.roots: dict[str, torch.nn.Module] = {}
+        self.last_input: tuple[torch.Tensor, str] | None = None  # the latest 2-D data a model trained on
+        self.leak: dict[str, Any] = {"checked": 0, "leaked": 0, "first": None}
         self.coeffs: dict[tuple[int, str], torch.Tensor] = {}
 
     def install(self) -> None:
@@ -106,6 +113,25 @@ class Listener:
                 }
         if x.is_floating_point() and self.tiny["calls"] < _TINY_CALLS:
             self._note_scale(module, x)
+        if x.dim() == 2 and x.shape[1] >= 2 and self.leak["checked"] < _LEAK_CHECKS:
+            self.last_input = (x, self.probe.name_of(module))
+
+    def on_loss_targets(self, target: torch.Tensor) -> None:
+        last, self.last_input = self.last_input, None
+        if last is None or target.is_floating_point() or target.dim() != 1 or not torch.is_grad_enabled():
+            return
+        x, module = last
+        if target.shape[0] != x.shape[0] or x.shape[0] < _MIN_LEAK_ROWS or target.unique().numel() < 2:
+            return
+        self.leak["checked"] += 1
+        same = (x.detach() == target.to(x.device, x.dtype).unsqueeze(1)).all(dim=0)
+        if bool(same.any()):
+            self.leak["leaked"] += 1
+            if self.leak["first"] is None:
+                column = int(same.nonzero()[0])
+                step = self.probe.next_step
+                self.leak["first"] = {"module": module, "column": column, "columns": int(x.shape[1]), "step": step}
+                self.leak["first"].update(user_site() or {})
 
     def _note_scale(self, module: torch.nn.Module, x: torch.Tensor) -> None:
         largest = float(x.detach().abs().max())
@@ -130,7 +156,7 @@ class Listener:
         first = self.tiny["first"]
         if first is not None:
             first["first_layer"] = self._first_layer(self.roots.get(first["module"]))
-        self.probe.facts.invariants[FAMILY] = {"stale": self._stale(), "tiny": self.tiny}
+        self.probe.facts.invariants[FAMILY] = {"stale": self._stale(), "tiny": self.tiny, "leak": self.leak}
 
     def _first_layer(self, root: torch.nn.Module | None) -> str | None:
         """The class of the first layer with parameters that ran in ``root`` (a norm first rescales the input)."""
@@ -206,6 +232,29 @@ def inputs_tiny(facts: Any, outcome: object) -> list[Finding]:
     return [Finding("invariant-inputs-tiny", "warning", message, evidence, fix)]
 
 
-IDS: tuple[str, ...] = ("invariant-batch-repeats", "invariant-inputs-tiny")
-DETECTORS: tuple = (batch_repeats, inputs_tiny)
+def targets_in_inputs(facts: Any, outcome: object) -> list[Finding]:
+    leak = facts.invariants.get(FAMILY, {}).get("leak")
+    if not leak or leak["checked"] < _MIN_FETCHES or leak["leaked"] < _STALE_SHARE * leak["checked"]:
+        return []
+    first = leak["first"]
+    message = (
+        f"column {first['column']} of the {first['columns']} input features of {first['module']} equals the class "
+        f"targets of the loss in {leak['leaked']} of {leak['checked']} training batches: the answer is among the "
+        "inputs, so the loss falls without the model learning anything it can use when the label is unknown"
+    )
+    evidence = {
+        "module": first["module"],
+        "column": first["column"],
+        "columns": first["columns"],
+        "batches_checked": leak["checked"],
+        "batches_leaked": leak["leaked"],
+        "step": first["step"],
+        **site_fields(first),
+    }
+    fix = "drop the label (or anything computed from it) from the input features"
+    return [Finding("invariant-targets-in-inputs", "warning", message, evidence, fix)]
+
+
+IDS: tuple[str, ...] = ("invariant-batch-repeats", "invariant-targets-in-inputs", "invariant-inputs-tiny")
+DETECTORS: tuple = (batch_repeats, targets_in_inputs, inputs_tiny)
 EXPLAINED_BY: dict[str, set[str]] = {"invariant-inputs-tiny": {"nonfinite-input", "input-scale"}}
