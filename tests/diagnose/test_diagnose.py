@@ -274,3 +274,29 @@ def test_dataloader_bottleneck_is_a_warning_only_when_data_takes_twice_the_compu
     assert judged(0.84) == [("dataloader-bottleneck", "info")]  # 56 %: as long as the compute
     assert judged(1.3) == [("dataloader-bottleneck", "warning")]  # 87 %
     assert judged(0.5) == []
+
+
+def test_a_layer_called_from_a_models_method_is_named_inside_the_model():
+    import torch
+    from torch import nn
+
+    from torchkeel.diagnose.probe import Probe
+
+    class VAE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc4 = nn.Linear(4, 2), nn.Linear(2, 4)
+
+        def decode(self, z: torch.Tensor) -> torch.Tensor:
+            return self.fc4(z)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.decode(self.fc1(x))
+
+    model = VAE()
+    with Probe(anomaly_steps=0) as probe:
+        model(torch.randn(3, 4))
+        model.decode(torch.randn(3, 2))  # sampling: fc4 runs outside any forward
+        names = {label for _, label in probe.state.roots.values()}
+        assert names == {"model", "model.fc4"}
+        assert probe.param_names()[id(model.fc4.weight)] == "model.fc4.weight"
