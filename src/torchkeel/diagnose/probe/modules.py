@@ -165,18 +165,18 @@ class ModuleListener:
                 if has_graph(t):
                     self.root_outputs[id(t)] = (weakref.ref(t), probe.next_step)
 
-    def _inside_a_root(self, module: torch.nn.Module) -> bool:
-        return any(sub is module for root, _ in self.probe.state.roots.values() for sub in root.modules())
+    def _root_label(self, module: torch.nn.Module) -> str:
+        """The variable that holds a model; a layer of a model already seen, called from a method
+        (``model.decode(z)`` runs ``self.fc4`` outside any forward), is named inside that model."""
+        if any(sub is module for root, _ in self.probe.state.roots.values() for sub in root.modules()):
+            return self.probe.name_of(module)
+        return variable_name(module, user_frame()) or type(module).__name__
 
     def _root_call(self, module: torch.nn.Module, args: Any) -> None:
         probe = self.probe
         events, step = probe.facts.events, probe.next_step
         if id(module) not in probe.state.roots:
-            # A layer of a model already seen, called from a method (``model.decode(z)`` runs ``self.fc4``
-            # outside any forward): named inside that model, not by the method's ``self.fc4``.
-            label = probe.name_of(module) if self._inside_a_root(module) else None
-            label = label or variable_name(module, user_frame()) or type(module).__name__
-            probe.state.roots[id(module)] = (module, label)
+            probe.state.roots[id(module)] = (module, self._root_label(module))
         probe.emit("model_called", module, args)
         if not torch.is_grad_enabled() and module.training and len(events.get("eval-in-train-mode", [])) < 5:
             active = [
