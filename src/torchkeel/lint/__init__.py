@@ -14,8 +14,8 @@ from torchkeel.lint.engine import (
     Skipped,
     lint_file,
     lint_source,
-    python_files,
 )
+from torchkeel.lint.files import python_files
 from torchkeel.lint.rules import PREVIEW, RULES
 
 # Below this many files one process is faster than starting workers.

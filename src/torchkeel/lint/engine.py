@@ -17,10 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from torchkeel.errors import ConfigError
-
 _NOQA = re.compile(r"#\s*keel:\s*noqa(?:\[([A-Za-z0-9_,\s]+)\])?")
-_SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", "site-packages", "node_modules", ".tox", "build", "dist"}
 
 
 @dataclasses.dataclass
@@ -436,19 +433,3 @@ def lint_file(path: str, rules: Iterable[Rule]) -> tuple[list[LintFinding], Skip
     except (SyntaxError, ValueError) as exc:  # ValueError: a NUL byte in the text
         line = getattr(exc, "lineno", None) or 1
         return [], Skipped(path, line, f"does not parse as Python: {getattr(exc, 'msg', None) or exc}")
-
-
-def python_files(paths: Iterable[str]) -> list[str]:
-    """The ``.py`` files named or found under the directories named (virtualenvs and caches skipped)."""
-    files: list[str] = []
-    for raw in paths:
-        path = Path(raw)
-        if path.is_dir():
-            for root, dirs, names in os.walk(path):
-                dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.endswith(".egg-info"))
-                files += [os.path.join(root, n) for n in sorted(names) if n.endswith(".py")]
-        elif path.exists():
-            files.append(str(path))
-        else:
-            raise ConfigError(f"keel lint: {raw}: no such file or directory")
-    return files

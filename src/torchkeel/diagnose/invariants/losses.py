@@ -33,13 +33,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from torchkeel.diagnose.findings import Finding, site_fields
+from torchkeel.diagnose.findings import site_fields
+from torchkeel.diagnose.invariants._chance import _chance
+from torchkeel.diagnose.invariants._losses_findings import (  # noqa: F401 - the family's parts, in one place
+    DETECTORS,
+    EXPLAINED_BY,
+    FAMILY,
+    IDS,
+    loss_at_chance,
+    loss_broadcast,
+    loss_target_range,
+    loss_too_fast,
+    targets_are_inputs,
+)
 from torchkeel.introspect.sites import user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
 
-FAMILY = "losses"
 
 _CLASSES = (F.cross_entropy, F.nll_loss)
 _BINARY = (F.binary_cross_entropy, F.binary_cross_entropy_with_logits)
@@ -379,237 +390,3 @@ def _accumulate(site: dict[str, Any], stats: Any) -> None:
     site["rows"] += rows
     site["floor_sum"] += floor
     site["elements"] += elements
-
-
-def _chance(site: dict[str, Any]) -> tuple[float | None, float]:
-    """(what the best constant prediction scores on the targets seen, the loss no prediction beats)."""
-    total, rows = site["sum"], site["rows"]
-    if total is None or rows < 2:
-        return None, 0.0
-    kind = site["kind"]
-    if kind == "classes":
-        p = total / total.sum()
-        p = p[p > 0]
-        return float(-(p * p.log()).sum()), site["floor_sum"] / rows
-    if site.get("pooled"):
-        return None, 0.0  # per-feature means unknown: no constant prediction to compare with
-    mean = total / rows
-    if kind == "binary":
-        m = mean.clamp(1e-12, 1 - 1e-12)
-        return float((-(m * m.log() + (1 - m) * (1 - m).log())).mean()), site["floor_sum"] / site["elements"]
-    if site["sumsq"] is None:
-        return None, 0.0
-    var = (site["sumsq"] / rows - mean * mean).clamp_min(0)
-    return float(var.mean()), 0.0
-
-
-# ---------------------------------------------------------------- detectors
-_LEARN_STEPS = 100  # a run this long has had time to leave chance level (the healthy corpus: by 64 steps)
-_WARMUP = 0.1  # the first tenth of the run (at least 10 steps) is not judged
-_AT_CHANCE = 0.98  # the median loss of the run's second half, as a fraction of chance, at or above this
-_FAST = 0.01  # a loss under 1 % of chance ...
-_FAST_STEPS = 100  # ... within this many steps, from a start near chance (healthy corpus: 210 at the soonest)
-_MAX_FEATURES = 16  # MSE targets with more features a row (an image to reconstruct) are not judged at chance:
-# a healthy autoencoder sits at the per-pixel variance for its first hundreds of steps
-_MIN_CHANCE = 0.05  # nats (classes) or a fraction of the targets' spread too small to judge
-
-
-def _arguments(facts: Any) -> dict[str, dict[str, Any]]:
-    return (facts.invariants.get(FAMILY) or {}).get("arguments") or {}
-
-
-def _sites(facts: Any) -> list[dict[str, Any]]:
-    """The loss call sites with a known chance level whose targets are data, not a model's output."""
-    sites = (facts.invariants.get(FAMILY) or {}).get("sites") or {}
-    usable = []
-    for site in sites.values():
-        chance, floor = site.get("chance"), site.get("floor", 0.0)
-        if chance is None or chance - floor < (_MIN_CHANCE if site["loss"] != "mse_loss" else 1e-12):
-            continue
-        if site["model_targets"] * 2 > site["num_sampled"]:
-            continue  # targets made by a model (RL's bootstrapped values, a teacher): no fixed chance level
-        usable.append(site)
-    return usable
-
-
-def _ratio(value: float, site: dict[str, Any]) -> float:
-    return (value - site["floor"]) / (site["chance"] - site["floor"])
-
-
-def _losses_at(samples: list[list[float]], count: int = 6) -> list[dict[str, float]]:
-    picks = sorted({round(i * (len(samples) - 1) / (count - 1)) for i in range(count)})
-    return [{"step": int(samples[i][0]), "loss": round(samples[i][1], 6)} for i in picks]
-
-
-def targets_are_inputs(facts: Any, outcome: Any) -> list[Finding]:
-    ev = _arguments(facts).get("invariant-loss-targets-are-inputs")
-    if ev is None:
-        return []
-    return [
-        Finding(
-            "invariant-loss-targets-are-inputs",
-            "warning",
-            f"the class targets of {ev['loss']} at step {ev['step']} are the model's own integer input, element for "
-            f"element ({ev['num_targets']} targets, input {ev['input_shape']}): the model is asked to return what it was "
-            "given",
-            {**ev},
-            "Shift the targets by one position for next-token prediction (inputs x[:, :-1], targets x[:, 1:]), or pass "
-            "the labels the batch carries, not its inputs.",
-        )
-    ]
-
-
-def loss_broadcast(facts: Any, outcome: Any) -> list[Finding]:
-    ev = _arguments(facts).get("invariant-loss-broadcast")
-    if ev is None:
-        return []
-    return [
-        Finding(
-            "invariant-loss-broadcast",
-            "warning",
-            f"{ev['loss']} at step {ev['step']} compares input {ev['input_shape']} with target {ev['target_shape']}: they "
-            f"agree only by broadcasting, into {ev['broadcast_shape']} (every prediction against every target)",
-            {**ev},
-            "Give input and target the same shape (squeeze the prediction's trailing 1, output.squeeze(-1), or "
-            "target.view_as(output)).",
-        )
-    ]
-
-
-def loss_target_range(facts: Any, outcome: Any) -> list[Finding]:
-    ev = _arguments(facts).get("invariant-loss-target-range")
-    if ev is None:
-        return []
-    return [
-        Finding(
-            "invariant-loss-target-range",
-            "warning",
-            f"{ev['loss']} at step {ev['step']}: {ev['reason']} (targets from {ev['target_min']:.4g} to "
-            f"{ev['target_max']:.4g})",
-            {**ev},
-            "Bring the targets into the range the loss expects (probabilities for cross entropy, log_softmax input "
-            "for kl_div), or drop the output's squashing (sigmoid/tanh) when the targets are not in its range.",
-        )
-    ]
-
-
-def loss_too_fast(facts: Any, outcome: Any) -> list[Finding]:
-    found = []
-    for site in _sites(facts):
-        samples = site["samples"]
-        if len(samples) < 4 or _ratio(samples[0][1], site) < 0.5:
-            continue  # it did not start near chance (a loaded model): nothing fell
-        for i in range(len(samples) - 2):
-            window = sorted(v for _, v in samples[i : i + 3])
-            if _ratio(window[1], site) < _FAST:
-                step = int(samples[i + 2][0])
-                if step <= _FAST_STEPS:
-                    found.append(_too_fast(site, step))
-                break
-    return found[:1]
-
-
-def _too_fast(site: dict[str, Any], step: int) -> Finding:
-    return Finding(
-        "invariant-loss-too-fast",
-        "info",  # easy data falls as fast (a CNN on clean digit templates: 1 % of chance by step 35)
-        f"{site['loss']} fell from chance level ({site['chance']:.4g}) to under {_FAST:.0%} of it by step {step}: "
-        "faster than a model learns from its inputs; the targets may be in the inputs (a leaked label, attention "
-        "that sees the future)",
-        {
-            "loss": site["loss"],
-            "chance": round(site["chance"], 6),
-            "floor": round(site["floor"], 6),
-            "step": step,
-            "losses": _losses_at([s for s in site["samples"] if s[0] <= 2 * step] or site["samples"]),
-            "threshold": _FAST,
-            "within_steps": _FAST_STEPS,
-            **site_fields(site),
-        },
-        "Check that the inputs do not carry the targets (a label column left in the features, targets equal to "
-        "inputs) and that attention is causal (a mask, or is_causal=True) when predicting the next token.",
-    )
-
-
-def _warming_up(facts: Any) -> bool:
-    """A scheduler left the learning rate under half the one set: a warm-up still under way, or a run
-    whose rate decayed early (its loss need not have left chance yet)."""
-    return any(
-        s.get("lr_reached", 1.0) < 0.5 * (s.get("lr_set") or 0.0) for s in facts.events.get("scheduler-calls", [])
-    )
-
-
-def loss_at_chance(facts: Any, outcome: Any) -> list[Finding]:
-    if facts.steps < _LEARN_STEPS or len(facts.optimizers) > 1 or _warming_up(facts):
-        return []  # too short to judge; several optimizers: losses against each other (GANs, actor-critic)
-    warmup = max(10, _WARMUP * facts.steps)
-    for site in _sites(facts):
-        if site["loss"] == "mse_loss" and site.get("features", 0) > _MAX_FEATURES:
-            continue  # a reconstruction: the per-feature means come first, structure slowly after
-        after = [v for s, v in site["samples"] if s > warmup]
-        if len(after) < 8:
-            continue
-        late = sorted(after[len(after) // 2 :])
-        median = late[len(late) // 2]
-        if _ratio(median, site) >= _AT_CHANCE:
-            return [
-                Finding(
-                    "invariant-loss-at-chance",
-                    "warning",
-                    f"after {facts.steps} steps, {site['loss']} is still at chance level: the median of its second half "
-                    f"is {median:.4g}, what a constant prediction scores is {site['chance']:.4g}; the model learns "
-                    "nothing from its inputs",
-                    {
-                        "loss": site["loss"],
-                        "chance": round(site["chance"], 6),
-                        "floor": round(site["floor"], 6),
-                        "median_late": round(median, 6),
-                        "ratio": round(_ratio(median, site), 4),
-                        "threshold": _AT_CHANCE,
-                        "steps": facts.steps,
-                        "losses": _losses_at(site["samples"]),
-                        **site_fields(site),
-                    },
-                    "Check that the inputs reach the model and carry the labels (inputs and targets paired, not "
-                    "shuffled apart), that the parameters the loss depends on are updated, and the learning rate.",
-                )
-            ]
-    return []
-
-
-IDS: tuple[str, ...] = (
-    "invariant-loss-targets-are-inputs",
-    "invariant-loss-broadcast",
-    "invariant-loss-target-range",
-    "invariant-loss-too-fast",
-    "invariant-loss-at-chance",
-)
-DETECTORS: tuple = (targets_are_inputs, loss_broadcast, loss_target_range, loss_too_fast, loss_at_chance)
-EXPLAINED_BY: dict[str, set[str]] = {
-    "invariant-loss-target-range": {"label-out-of-range", "probabilities-into-cross-entropy"},
-    "invariant-loss-at-chance": {
-        "nonfinite-input",
-        "label-out-of-range",
-        "unshuffled-ordered-labels",
-        "zero-grad-before-step",
-        "clip-before-backward",
-        "missing-zero-grad",
-        "params-not-updating",
-        "frozen-parameters",
-        "grad-none",
-        "input-scale",
-        "lr-divergence",
-        "grad-exploding",
-        "nonfinite-forward",
-        "nonfinite-grad",
-        "grad-vanishing",
-        "softmax-over-batch",
-        "probabilities-into-cross-entropy",
-        "train-mode-not-restored",
-        "dropout-always-on",
-        "double-step",
-        "repeated-backward",
-        "inplace-modified",
-        "accumulation-not-averaged",
-    },
-}

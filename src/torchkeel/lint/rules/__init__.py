@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from torchkeel.lint.engine import Rule
-from torchkeel.lint.rules import checkpoint, data, distributed, forward, loop, model, order
+from torchkeel.lint.rules import checkpoint, data, distributed, forward, loop, model, order, pickles, schedule
 
 _TABLE = [
     (
@@ -173,7 +173,7 @@ _TABLE = [
         "scheduler-before-optimizer",
         None,
         "warning",
-        loop.scheduler_before_optimizer,
+        schedule.scheduler_before_optimizer,
         "scheduler.step() before optimizer.step() in the same iteration",
         "Call scheduler.step() after optimizer.step().",
     ),
@@ -317,7 +317,7 @@ _TABLE = [
         "load-needs-pickle",
         None,
         "error",
-        checkpoint.load_needs_pickle,
+        pickles.load_needs_pickle,
         "torch.load (weights_only=True by default since torch 2.6) of a file saved with a numpy array, a whole "
         "module or an argparse namespace",
         "Save tensors and plain containers (torch.from_numpy(a), model.state_dict(), vars(args)), or load with "
