@@ -72,3 +72,33 @@ def test_a_label_column_among_the_features_is_found_and_the_columns_before_it_ar
     assert found.evidence["column"] == 4 and found.evidence["batches_leaked"] == found.evidence["batches_checked"]
     clean = DataLoader(TensorDataset(table[:, :4], labels), batch_size=32, shuffle=True)
     assert targets_in_inputs(_train(nn.Sequential(nn.Linear(4, 2)), clean, lambda x, y: (x, y)), OK) == []
+
+
+def test_parameters_with_gradients_that_no_optimizer_holds_and_weights_that_collapse():
+    from torchkeel.diagnose.invariants.optimizers import grads_not_stepped, weights_collapse
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> Facts:
+        loader = _loader()
+        with Probe(anomaly_steps=0) as probe:
+            for _ in range(3):
+                for x, y in loader:
+                    loss = nn.functional.cross_entropy(model(x), y)
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+        return probe.facts
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    (found,) = grads_not_stepped(run(model, torch.optim.SGD(model[2].parameters(), lr=0.05)), OK)
+    assert found.evidence["parameters"] == ["model.0.bias", "model.0.weight"]
+    whole = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    assert grads_not_stepped(run(whole, torch.optim.SGD(whole.parameters(), lr=0.05)), OK) == []
+    decayed = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    facts = run(decayed, torch.optim.SGD(decayed.parameters(), lr=0.1, momentum=0.9, weight_decay=1.0))
+    (collapse,) = weights_collapse(facts, OK)
+    assert (
+        collapse.evidence["weight_decay"] == [1.0]
+        and collapse.evidence["last_norm"] < 0.05 * collapse.evidence["first_norm"]
+    )
+    kept = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    assert weights_collapse(run(kept, torch.optim.SGD(kept.parameters(), lr=0.1, weight_decay=5e-4)), OK) == []

@@ -72,6 +72,9 @@ FINDING_IDS = (
     "invariant-clip-always",
     "invariant-update-too-small",
     "invariant-update-too-large",
+    # -- invariants: optimizers
+    "invariant-grads-not-stepped",
+    "invariant-weights-collapse",
     # -- invariants: units
     "invariant-units-identical",
     "invariant-units-dead",

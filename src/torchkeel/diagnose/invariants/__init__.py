@@ -24,13 +24,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchkeel.diagnose.findings import Finding
-from torchkeel.diagnose.invariants import batches, data, losses, randomness, units, updates
+from torchkeel.diagnose.invariants import batches, data, losses, optimizers, randomness, units, updates
 from torchkeel.diagnose.invariants.common import ANY
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.facts import Facts
 
-FAMILIES = (data, batches, losses, randomness, updates, units)
+FAMILIES = (data, batches, losses, randomness, updates, optimizers, units)
 INVARIANT_IDS: tuple[str, ...] = tuple(i for family in FAMILIES for i in family.IDS)
 LISTENERS = tuple(family.Listener for family in FAMILIES)
 
