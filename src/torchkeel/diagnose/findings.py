@@ -61,13 +61,19 @@ FINDING_IDS = (
     "invariant-batch-repeats",
     "invariant-targets-in-inputs",
     "invariant-inputs-tiny",
+    # -- invariants: inputs
+    "invariant-eval-inputs-shifted",
     # -- invariants: losses
     "invariant-loss-targets-are-inputs",
     "invariant-loss-broadcast",
     "invariant-loss-target-range",
+    # -- invariants: rows
+    "invariant-rows-mixed",
     # -- invariants: randomness
     "invariant-rng-reset",
     "invariant-rng-recreated",
+    # -- invariants: optimizers' settings (they make the updates: ranked before them)
+    "invariant-optimizer-settings",
     # -- invariants: updates
     "invariant-clip-always",
     "invariant-update-too-small",
@@ -75,6 +81,11 @@ FINDING_IDS = (
     # -- invariants: optimizers
     "invariant-grads-not-stepped",
     "invariant-weights-collapse",
+    "invariant-decay-dominates",
+    # -- invariants: dropout
+    "invariant-dropout-drops-most",
+    # -- invariants: depth
+    "invariant-linear-stack",
     # -- invariants: units
     "invariant-units-identical",
     "invariant-units-dead",

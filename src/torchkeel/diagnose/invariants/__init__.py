@@ -24,13 +24,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torchkeel.diagnose.findings import Finding
-from torchkeel.diagnose.invariants import batches, data, losses, optimizers, randomness, units, updates
+from torchkeel.diagnose.invariants import (
+    batches,
+    data,
+    depth,
+    dropout,
+    inputs,
+    losses,
+    optimizers,
+    randomness,
+    rows,
+    units,
+    updates,
+)
 from torchkeel.diagnose.invariants.common import ANY
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.facts import Facts
 
-FAMILIES = (data, batches, losses, randomness, updates, optimizers, units)
+FAMILIES = (data, batches, inputs, losses, rows, randomness, updates, optimizers, dropout, depth, units)
 INVARIANT_IDS: tuple[str, ...] = tuple(i for family in FAMILIES for i in family.IDS)
 LISTENERS = tuple(family.Listener for family in FAMILIES)
 

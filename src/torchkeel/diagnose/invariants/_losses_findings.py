@@ -97,7 +97,8 @@ def loss_target_range(facts: Any, outcome: Any) -> list[Finding]:
             f"{ev['target_max']:.4g})",
             {**ev},
             "Bring the targets into the range the loss expects (probabilities for cross entropy, log_softmax input "
-            "for kl_div), or drop the output's squashing (sigmoid/tanh) when the targets are not in its range.",
+            "for kl_div); give cross entropy raw logits (no sigmoid/tanh before it); drop an output activation "
+            "(ReLU, sigmoid, tanh) whose range leaves out the targets.",
         )
     ]
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import inspect
 import math
+import re
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -79,14 +80,23 @@ _VIEWS = (
     "Stack",
     "Index",
 )
-# The prediction's reachable range, by the last op that made it.
+# The prediction's reachable range, by the last op that made it (its grad_fn's name, "Backward" and
+# its number dropped).
+_INF = math.inf
 _RANGES = {
     "Sigmoid": (0.0, 1.0),
     "Tanh": (-1.0, 1.0),
     "Softmax": (0.0, 1.0),
     "Hardsigmoid": (0.0, 1.0),
     "Hardtanh": (-1.0, 1.0),
+    "Relu": (0.0, _INF),
+    "Softplus": (0.0, _INF),
+    "Exp": (0.0, _INF),
+    "Abs": (0.0, _INF),
 }
+_BOUNDED = {k for k, (lo, hi) in _RANGES.items() if hi < _INF}
+_LOGITS = (F.cross_entropy, F.binary_cross_entropy_with_logits)
+_LOGIT_FLOOR = 0.2  # a bounded logit's loss floor, as a fraction of chance: beyond it no model can fit
 _UNREACHABLE_FRACTION = 0.05  # targets outside the prediction's range, beyond 1 % of the range
 
 
@@ -187,6 +197,8 @@ class Listener:
     def _target_range(self, func: Callable, bound: dict[str, Any], x: torch.Tensor, target: torch.Tensor) -> None:
         why = None
         t = target.detach()
+        if func in _LOGITS:
+            self._bounded_logits(func, x, t)
         if func is F.cross_entropy and t.is_floating_point() and t.shape == x.shape:
             low, high = float(t.min()), float(t.max())
             if low < -1e-4 or high > 1 + 1e-4:
@@ -207,33 +219,69 @@ class Listener:
         elif func is F.poisson_nll_loss and float(t.min()) < 0:
             why, low, high = "poisson_nll_loss's targets are counts (>= 0)", float(t.min()), float(t.max())
         elif func in _REGRESSION and t.is_floating_point() and t.numel() == x.numel():
-            made_by = _made_by(x)
-            bounds = _RANGES.get(made_by or "")
-            if bounds is not None:
-                lo, hi = bounds
-                margin = 0.01 * (hi - lo)
-                outside = float(((t < lo - margin) | (t > hi + margin)).float().mean())
-                if outside >= _UNREACHABLE_FRACTION:
-                    why = f"the prediction comes out of {made_by} (range [{lo:g}, {hi:g}]): these targets cannot be reached"
-                    low, high = float(t.min()), float(t.max())
-                    self._record(
-                        "invariant-loss-target-range",
-                        {
-                            "loss": func.__name__,
-                            "reason": why,
-                            "made_by": made_by,
-                            "target_min": low,
-                            "target_max": high,
-                            "fraction_outside": round(outside, 4),
-                            "threshold": _UNREACHABLE_FRACTION,
-                        },
-                    )
-                    return
+            self._unreachable(func, x, t)
+            return
         if why is not None:
             self._record(
                 "invariant-loss-target-range",
                 {"loss": func.__name__, "reason": why, "target_min": low, "target_max": high},
             )
+
+    def _unreachable(self, func: Callable, x: torch.Tensor, t: torch.Tensor) -> None:
+        """A regression's prediction made by an op whose range leaves out many of its targets (a ReLU's
+        output fit to targets that are negative half the time)."""
+        made_by = _made_by(x)
+        if made_by is None:
+            return
+        lo, hi = _RANGES[made_by]
+        low, high = float(t.min()), float(t.max())
+        margin = 0.01 * ((hi - lo) if hi < _INF else max(high - low, 1e-12))
+        outside = float(((t < lo - margin) | (t > hi + margin)).float().mean())
+        if outside < _UNREACHABLE_FRACTION:
+            return
+        self._record(
+            "invariant-loss-target-range",
+            {
+                "loss": func.__name__,
+                "reason": f"the prediction comes out of {made_by} (range [{lo:g}, {hi:g}]): "
+                f"{outside:.0%} of the targets cannot be reached",
+                "made_by": made_by,
+                "target_min": low,
+                "target_max": high,
+                "fraction_outside": round(outside, 4),
+                "threshold": _UNREACHABLE_FRACTION,
+            },
+        )
+
+    def _bounded_logits(self, func: Callable, x: torch.Tensor, t: torch.Tensor) -> None:
+        """Logits squashed into a bounded range (a sigmoid before cross entropy): however right the
+        model is, the loss cannot fall below a floor near chance level."""
+        made_by = _made_by(x)
+        if made_by not in _BOUNDED or x.dim() < 1:
+            return
+        lo, hi = _RANGES[made_by]
+        if func is F.cross_entropy:
+            classes = int(x.shape[1] if x.dim() >= 2 else x.shape[0])
+            if classes < 2:
+                return
+            floor, chance = math.log1p((classes - 1) * math.exp(lo - hi)), math.log(classes)
+        else:  # with logits: a 0 target's loss is at least softplus(lo), a 1 target's softplus(-hi)
+            floor, chance = max(math.log1p(math.exp(lo)), math.log1p(math.exp(-hi))), math.log(2)
+        if floor < _LOGIT_FLOOR * chance:
+            return
+        self._record(
+            "invariant-loss-target-range",
+            {
+                "loss": func.__name__,
+                "reason": f"its logits come out of {made_by} (range [{lo:g}, {hi:g}]): the loss cannot fall "
+                f"below {floor:.3g} (chance level {chance:.3g}) however right the model is",
+                "made_by": made_by,
+                "loss_floor": round(floor, 6),
+                "chance": round(chance, 6),
+                "target_min": float(t.min()),
+                "target_max": float(t.max()),
+            },
+        )
 
     def _targets_are_inputs(
         self, func: Callable, bound: dict[str, Any], x: torch.Tensor, target: torch.Tensor, where: dict[str, Any]
@@ -336,7 +384,8 @@ def _made_by(x: torch.Tensor) -> str | None:
             return None
         name = type(node).__name__
         if not name.startswith(_VIEWS) or not node.next_functions:
-            return next((r for r in _RANGES if name.startswith(r)), None)
+            op = re.sub(r"Backward\d*$", "", name)
+            return op if op in _RANGES else None
         node = node.next_functions[0][0]
     return None
 

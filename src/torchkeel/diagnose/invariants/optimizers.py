@@ -6,6 +6,14 @@
 - The weights do not collapse: training moves weights, it does not shrink them to nothing. Weight
   tensors whose norm falls under 5 % of where it started (a weight decay of 1.0) have lost what they
   learnt to the regulariser.
+- The loss, not the regulariser, moves the weights at the start: an L2 weight decay added to the
+  gradient (``SGD``/``Adam``'s ``weight_decay``) pulls with ``wd·‖w‖`` against the loss's ``‖g‖``; a
+  pull larger than the gradient over the first steps on every decayed weight tensor, even the one
+  the loss pushes hardest, is a decay orders of magnitude above the usual 1e-5..1e-2 (healthy
+  corpus, weight decay 5e-4: the hardest-pushed tensor's pull is 0.0014 and 0.0103 of its gradient).
+- Every running average an optimizer keeps forgets: ``momentum``, ``betas``, ``alpha`` and ``rho``
+  lie in [0, 1) (at 1 the average never decays and the steps grow without bound) and the learning
+  rate is not negative (a negative one climbs the loss). PyTorch checks some of these, not all.
 """
 
 from __future__ import annotations
@@ -26,6 +34,11 @@ _UNSTEPPED_SHARE = 0.9  # sampled steps at which the same parameters had gradien
 _COLLAPSE = 0.05  # a weight tensor's norm under this fraction of its first: collapsed
 _COLLAPSED_SHARE = 0.5  # ... for at least this share of the weight tensors
 _MIN_WEIGHT_NORM = 1e-3
+_DOMINATES = 1.0  # the decay's pull over the loss's gradient, median of the first sampled steps
+_DOMINATED_SHARE = 1.0  # ... for every decayed weight tensor: even the one the loss pushes hardest (a block
+# behind a zero-initialised BatchNorm gets almost no gradient at first, however small the decay)
+_FIRST_STEPS = 5
+_AVERAGES = ("momentum", "alpha", "rho")  # running-average coefficients, each in [0, 1)
 
 
 class Listener:
@@ -39,12 +52,18 @@ class Listener:
         self.last_norms: dict[int, float] = {}
         self.names: dict[int, str] = {}
         self.decay: dict[int, float] = {}
+        self.pulls: dict[int, list[float]] = {}  # weight tensor → wd·‖w‖ / ‖g‖ at the first sampled steps
+        self.settings: list[dict[str, Any]] = []
+        self.checked: set[int] = set()
 
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         probe = self.probe
         if not is_sampled(probe.next_step) or probe.light:
             return
         self.sampled += 1
+        if id(optimizer) not in self.checked:
+            self.checked.add(id(optimizer))
+            self.settings += _unstable_settings(optimizer, probe.state.optimizers.index(optimizer))
         held = {id(p) for opt in probe.state.optimizers for g in opt.param_groups for p in g["params"]}
         names = probe.param_names()
         for group in optimizer.param_groups:
@@ -55,6 +74,8 @@ class Listener:
                     self.last_norms[id(p)] = norm
                     self.names[id(p)] = names.get(id(p), f"a {tuple(p.shape)} tensor")
                     self.decay[id(p)] = float(group.get("weight_decay", 0.0) or 0.0)
+                    if probe.next_step <= _FIRST_STEPS and self.decay[id(p)] > 0 and _coupled(optimizer, group):
+                        self._pull(p, self.decay[id(p)], norm)
         for root, _ in probe.state.roots.values():
             params = list(root.parameters())
             if not any(id(p) in held for p in params):
@@ -64,7 +85,15 @@ class Listener:
                     name = names.get(id(p), "?")
                     self.unstepped[name] = self.unstepped.get(name, 0) + 1
 
+    def _pull(self, p: torch.Tensor, decay: float, norm: float) -> None:
+        if p.grad is None or p.grad.is_sparse:
+            return
+        grad = float(p.grad.detach().norm())
+        if grad > 0 and norm > _MIN_WEIGHT_NORM:
+            self.pulls.setdefault(id(p), []).append(decay * norm / grad)
+
     def finish(self) -> None:
+        pulls = {self.names[i]: sorted(r)[len(r) // 2] for i, r in self.pulls.items()}
         collapsed = [
             {
                 "parameter": self.names[i],
@@ -80,7 +109,30 @@ class Listener:
             "unstepped": {n: c for n, c in self.unstepped.items() if c >= _UNSTEPPED_SHARE * self.sampled},
             "weights": len(self.first_norms),
             "collapsed": collapsed,
+            "pulls": pulls,
+            "decays": sorted({self.decay[i] for i in self.pulls}),
+            "settings": self.settings,
         }
+
+
+def _coupled(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """Weight decay added to the gradient (L2), not applied to the weights apart (AdamW's)."""
+    return not isinstance(optimizer, torch.optim.AdamW) and not group.get("decoupled_weight_decay", False)
+
+
+def _unstable_settings(optimizer: torch.optim.Optimizer, index: int) -> list[dict[str, Any]]:
+    """The settings of each parameter group outside the range where the optimizer converges."""
+    found = []
+    for g, group in enumerate(optimizer.param_groups):
+        values = [(k, group[k]) for k in _AVERAGES if isinstance(group.get(k), (int, float))]
+        values += [(f"betas[{i}]", b) for i, b in enumerate(group.get("betas") or ()) if isinstance(b, (int, float))]
+        for key, value in values:
+            if not 0.0 <= float(value) < 1.0:
+                found.append({"key": key, "value": float(value), "valid": "[0, 1)"})
+        lr = group.get("lr")
+        if isinstance(lr, (int, float)) and lr < 0:
+            found.append({"key": "lr", "value": float(lr), "valid": ">= 0"})
+    return [{"optimizer": type(optimizer).__name__, "index": index, "group": g, **f} for f in found[:4]]
 
 
 def grads_not_stepped(facts: Any, outcome: object) -> list[Finding]:
@@ -126,9 +178,61 @@ def weights_collapse(facts: Any, outcome: object) -> list[Finding]:
     return [Finding("invariant-weights-collapse", "warning", message, evidence, fix)]
 
 
-IDS: tuple[str, ...] = ("invariant-grads-not-stepped", "invariant-weights-collapse")
-DETECTORS: tuple = (grads_not_stepped, weights_collapse)
+def unstable_settings(facts: Any, outcome: object) -> list[Finding]:
+    settings = facts.invariants.get(FAMILY, {}).get("settings", [])
+    if not settings:
+        return []
+    s = settings[0]
+    message = (
+        f"{s['optimizer']} (optimizer {s['index']}, parameter group {s['group']}) runs with {s['key']}={s['value']:g}, "
+        f"outside {s['valid']}: "
+        + (
+            "a negative learning rate climbs the loss"
+            if s["key"] == "lr"
+            else "a running average with a coefficient of 1 or more never forgets, and the steps grow without bound"
+        )
+    )
+    fix = f"set {s['key'].split('[')[0]} inside {s['valid']} (momentum 0.9, betas (0.9, 0.999), alpha 0.99 are usual)"
+    evidence = {"settings": settings, "threshold": s["valid"]}
+    return [Finding("invariant-optimizer-settings", "warning", message, evidence, fix)]
+
+
+def decay_dominates(facts: Any, outcome: object) -> list[Finding]:
+    rec = facts.invariants.get(FAMILY, {})
+    pulls = rec.get("pulls", {})
+    strong = {n: r for n, r in pulls.items() if r >= _DOMINATES}
+    if not pulls or len(strong) < _DOMINATED_SHARE * len(pulls):
+        return []
+    name, ratio = min(strong.items(), key=lambda kv: kv[1])
+    message = (
+        f"at the first steps the weight decay pulls harder than the loss's gradient on all {len(pulls)} decayed "
+        f"weight tensors (weight_decay {rec.get('decays')}; even {name}, the one the loss pushes hardest: weight_decay·‖w‖ = {ratio:.3g}× ‖grad‖): the "
+        "regulariser, not the data, decides where the weights go"
+    )
+    evidence = {
+        "parameters": sorted(strong)[:16],
+        "pull_over_grad": {n: round(r, 4) for n, r in sorted(strong.items())[:16]},
+        "num_dominated": len(strong),
+        "num_decayed": len(pulls),
+        "threshold": _DOMINATES,
+        "weight_decay": rec.get("decays", []),
+    }
+    fix = (
+        "lower weight_decay (1e-5..1e-2 as an L2 term; ~0.01..0.1 with AdamW, which applies it apart from the gradient)"
+    )
+    return [Finding("invariant-decay-dominates", "warning", message, evidence, fix)]
+
+
+IDS: tuple[str, ...] = (
+    "invariant-optimizer-settings",
+    "invariant-grads-not-stepped",
+    "invariant-weights-collapse",
+    "invariant-decay-dominates",
+)
+DETECTORS: tuple = (unstable_settings, grads_not_stepped, weights_collapse, decay_dominates)
 EXPLAINED_BY: dict[str, set[str]] = {
     "invariant-grads-not-stepped": {"params-not-updating", "frozen-parameters", "grad-none"},
     "invariant-weights-collapse": {"lr-divergence", "grad-exploding", "params-not-updating"},
+    "invariant-decay-dominates": {"params-not-updating", "frozen-parameters", "grad-none"},
+    "invariant-optimizer-settings": set(),
 }

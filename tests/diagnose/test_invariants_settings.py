@@ -1,0 +1,206 @@
+"""Invariants on what the script set up: logits and predictions squashed out of the loss's reach,
+optimizer coefficients outside [0, 1), a weight decay that outpulls the loss, dropout that drops
+most of its input, and evaluation inputs prepared unlike the training ones. Each runs real
+training under a probe; each has its healthy twin that stays quiet."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torchkeel.diagnose.invariants import depth, dropout, inputs, optimizers
+from torchkeel.diagnose.probe import Probe
+from torchkeel.diagnose.runner import ScriptOutcome
+
+OK = ScriptOutcome(path="train.py", argv=[])
+
+
+def probed(train) -> Probe:
+    with Probe(anomaly_steps=0) as probe:
+        train()
+    return probe
+
+
+def ids(probe: Probe, family) -> list[str]:
+    return [f.id for detect in family.DETECTORS for f in detect(probe.facts, OK)]
+
+
+def fit(model: nn.Module, loss_of, optimizer=None, steps: int = 12, x=None, y=None) -> None:
+    optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 8) if x is None else x
+    for _ in range(steps):
+        loss = loss_of(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def classifier(last: nn.Module | None = None) -> nn.Module:
+    layers = [nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 5)]
+    return nn.Sequential(*layers, *([last] if last is not None else []))
+
+
+def test_logits_squashed_by_a_sigmoid_or_tanh_give_the_loss_a_floor_and_raw_or_relu_logits_do_not():
+    y = torch.randint(0, 5, (64,))
+    for last, name in ((nn.Sigmoid(), "Sigmoid"), (nn.Tanh(), "Tanh")):
+        found = probed(lambda: fit(classifier(last), F.cross_entropy, y=y)).facts.invariants["losses"]["arguments"]
+        ev = found["invariant-loss-target-range"]
+        assert ev["made_by"] == name and ev["loss"] == "cross_entropy" and ev["loss_floor"] > 0.2 * ev["chance"]
+    for last in (None, nn.ReLU()):
+        assert probed(lambda: fit(classifier(last), F.cross_entropy, y=y)).facts.invariants["losses"]["arguments"] == {}
+    tags = (torch.randn(64, 5) > 0).float()
+    bce = F.binary_cross_entropy_with_logits
+    found = probed(lambda: fit(classifier(nn.Sigmoid()), bce, y=tags)).facts.invariants["losses"]["arguments"]
+    assert found["invariant-loss-target-range"]["made_by"] == "Sigmoid"
+    # a sigmoid before the loss that expects probabilities is right
+    right = probed(lambda: fit(classifier(nn.Sigmoid()), F.binary_cross_entropy, y=tags))
+    assert right.facts.invariants["losses"]["arguments"] == {}
+
+
+def test_a_relu_output_fit_to_negative_targets_is_out_of_reach_and_to_counts_is_not():
+    x = torch.randn(256, 8)
+    signed, counts = x[:, :1].clone(), x[:, :1].abs().round()
+
+    def regressor() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1), nn.ReLU())
+
+    ev = probed(lambda: fit(regressor(), F.mse_loss, x=x, y=signed)).facts.invariants["losses"]["arguments"]
+    ev = ev["invariant-loss-target-range"]
+    assert ev["made_by"] == "Relu" and 0.3 < ev["fraction_outside"] < 0.7
+    assert probed(lambda: fit(regressor(), F.mse_loss, x=x, y=counts)).facts.invariants["losses"]["arguments"] == {}
+
+
+def sgd_run(lr: float = 0.01, **settings) -> Probe:
+    model = classifier()
+    y = torch.randint(0, 5, (64,))
+    opt = torch.optim.SGD(model.parameters(), lr=abs(lr), **settings)
+    opt.param_groups[0]["lr"] = lr  # SGD refuses a negative rate when built; a group edited later is not checked
+    return probed(lambda: fit(model, F.cross_entropy, opt, y=y))
+
+
+def test_a_momentum_of_one_and_a_negative_learning_rate_are_outside_the_range_that_converges():
+    found = optimizers.unstable_settings(sgd_run(lr=0.01, momentum=1.0).facts, OK)
+    assert [f.id for f in found] == ["invariant-optimizer-settings"]
+    assert found[0].evidence["settings"][0] == {
+        "optimizer": "SGD",
+        "index": 0,
+        "group": 0,
+        "key": "momentum",
+        "value": 1.0,
+        "valid": "[0, 1)",
+    }
+    negative = optimizers.unstable_settings(sgd_run(lr=-0.01, momentum=0.9).facts, OK)
+    assert negative[0].evidence["settings"][0]["key"] == "lr"
+    assert optimizers.unstable_settings(sgd_run(lr=0.01, momentum=0.9).facts, OK) == []
+
+
+def test_a_decay_that_outpulls_the_loss_on_every_weight_is_found_and_a_usual_one_is_not():
+    def run(decay: float) -> Probe:
+        model = classifier()
+        y = torch.randint(0, 5, (64,))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=decay)
+        return probed(lambda: fit(model, F.cross_entropy, opt, y=y))
+
+    found = optimizers.decay_dominates(run(1.0).facts, OK)
+    assert found and found[0].evidence["num_dominated"] == found[0].evidence["num_decayed"] == 2
+    assert found[0].evidence["weight_decay"] == [1.0]
+    assert optimizers.decay_dominates(run(1e-4).facts, OK) == []
+
+
+def test_a_block_behind_a_zero_initialised_batchnorm_does_not_make_a_usual_decay_dominate():
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Linear(32, 5)
+    )
+    nn.init.zeros_(model[4].weight)  # the residual-style zero gamma: the layer before it gets no gradient at first
+    y = torch.randint(0, 5, (64,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    probe = probed(lambda: fit(model, F.cross_entropy, opt, y=y))
+    pulls = probe.facts.invariants["optimizers"]["pulls"]
+    assert max(pulls.values()) > 1  # the starved layer alone is outpulled ...
+    assert optimizers.decay_dominates(probe.facts, OK) == []  # ... the others are not
+
+
+class FunctionalDropout(nn.Module):
+    def __init__(self, p: float, training_arg: bool) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.p, self.training_arg = nn.Linear(8, 32), nn.Linear(32, 5), p, training_arg
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc1(x))
+        h = F.dropout(h, p=self.p, training=self.training) if self.training_arg else F.dropout(h, self.p)
+        return self.fc2(h)
+
+
+def test_dropout_that_drops_most_of_its_input_is_named_by_its_module_and_line():
+    y = torch.randint(0, 5, (64,))
+    module_form = probed(lambda: fit(classifier(nn.Dropout(0.9)), F.cross_entropy, y=y))
+    found = dropout.drops_most(module_form.facts, OK)
+    assert [f.id for f in found] == ["invariant-dropout-drops-most"]
+    assert found[0].evidence["p"] == 0.9 and found[0].evidence["module"].endswith("3")
+    functional = dropout.drops_most(probed(lambda: fit(FunctionalDropout(0.85, True), F.cross_entropy, y=y)).facts, OK)
+    assert functional[0].evidence["call"] == "F.dropout" and functional[0].evidence["file"].endswith(
+        "test_invariants_settings.py"
+    )
+    for quiet in (classifier(nn.Dropout(0.5)), FunctionalDropout(0.3, False)):
+        assert dropout.drops_most(probed(lambda: fit(quiet, F.cross_entropy, y=y)).facts, OK) == []
+
+
+def train_then_evaluate(normalise_eval: bool, noise: float = 0.0) -> Probe:
+    raw = torch.randint(0, 256, (600, 16)).float()
+    y = (raw[:, :4].mean(1) > 127.5).long()
+    mean, std = raw.mean(), raw.std()
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def run() -> None:
+        for i in range(0, 500, 50):
+            xb = (raw[i : i + 50] - mean) / std
+            loss = F.cross_entropy(model(xb + noise * torch.randn_like(xb)), y[i : i + 50])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            for i in range(500, 600, 50):
+                xb = raw[i : i + 50]
+                model((xb - mean) / std if normalise_eval else xb)
+
+    return probed(run)
+
+
+def test_evaluation_inputs_left_unnormalised_are_unlike_the_training_ones_and_noise_augmentation_is_not():
+    found = inputs.eval_inputs_shifted(train_then_evaluate(normalise_eval=False).facts, OK)
+    assert [f.id for f in found] == ["invariant-eval-inputs-shifted"]
+    ev = found[0].evidence
+    assert ev["model"] == "model" and ev["spread_ratio"] > 10 and ev["file"].endswith("test_invariants_settings.py")
+    assert inputs.eval_inputs_shifted(train_then_evaluate(normalise_eval=True, noise=0.5).facts, OK) == []
+    assert ids(train_then_evaluate(normalise_eval=True), inputs) == []
+
+
+class Stack(nn.Module):
+    """fc1 → (activation?) → (dropout?) → fc2, and a rank-r side path like LoRA's B(A(x))."""
+
+    def __init__(self, activation: bool, dropout: bool = False, lora_rank: int = 0) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 5)
+        self.activation, self.dropout = activation, nn.Dropout(0.1) if dropout else nn.Identity()
+        self.lora_a = nn.Linear(32, lora_rank, bias=False) if lora_rank else None
+        self.lora_b = nn.Linear(lora_rank, 5, bias=False) if lora_rank else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        h = self.dropout(torch.relu(h) if self.activation else h)
+        out = self.fc2(h)
+        return out + self.lora_b(self.lora_a(h)) if self.lora_a is not None else out
+
+
+def test_two_linear_layers_with_nothing_but_dropout_between_are_one_linear_map():
+    y = torch.randint(0, 5, (64,))
+    for extra in ({}, {"dropout": True}):
+        found = depth.linear_stack(probed(lambda: fit(Stack(False, **extra), F.cross_entropy, y=y)).facts, OK)
+        assert [f.id for f in found] == ["invariant-linear-stack"]
+        assert (found[0].evidence["first"], found[0].evidence["second"]) == ("model.fc1", "model.fc2")
+    # an activation between, or a bottleneck narrower than both ends (a low-rank factorisation on purpose)
+    for quiet in (Stack(True), Stack(True, lora_rank=2)):
+        assert depth.linear_stack(probed(lambda: fit(quiet, F.cross_entropy, y=y)).facts, OK) == []
