@@ -65,6 +65,8 @@ FINDING_IDS = (
     "invariant-eval-inputs-shifted",
     # -- invariants: losses
     "invariant-loss-targets-are-inputs",
+    "invariant-loss-counts-padding",
+    "invariant-loss-negated",
     "invariant-loss-broadcast",
     "invariant-loss-target-range",
     # -- invariants: rows
@@ -73,6 +75,7 @@ FINDING_IDS = (
     "invariant-rng-reset",
     "invariant-rng-recreated",
     # -- invariants: optimizers' settings (they make the updates: ranked before them)
+    "invariant-optimizer-recreated",
     "invariant-optimizer-settings",
     # -- invariants: updates
     "invariant-clip-always",

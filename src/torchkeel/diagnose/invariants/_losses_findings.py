@@ -103,6 +103,40 @@ def loss_target_range(facts: Any, outcome: Any) -> list[Finding]:
     ]
 
 
+def counts_padding(facts: Any, outcome: Any) -> list[Finding]:
+    ev = _arguments(facts).get("invariant-loss-counts-padding")
+    if ev is None:
+        return []
+    return [
+        Finding(
+            "invariant-loss-counts-padding",
+            "warning",
+            f"{ev['padding_share']:.0%} of the class targets of "
+            f"{ev['loss']} at step {ev['step']} are the padding id {ev['padding_idx']} the model's embedding declares, "
+            f"and the loss counts them (ignore_index={ev['ignore_index']}): the model learns to predict padding",
+            {**ev},
+            f"Pass ignore_index={ev['padding_idx']} to the loss (or mark padded targets -100), so that padding carries "
+            "no loss.",
+        )
+    ]
+
+
+def loss_negated(facts: Any, outcome: Any) -> list[Finding]:
+    ev = _arguments(facts).get("invariant-loss-negated")
+    if ev is None or len(facts.optimizers) > 1:
+        return []  # several optimizers: one may climb another's loss on purpose (a GAN's generator)
+    return [
+        Finding(
+            "invariant-loss-negated",
+            "warning",
+            f"the backward at step {ev['step']} starts from a loss under a minus sign (-{ev['loss_op']}): the "
+            "optimizer climbs the loss instead of descending it",
+            {**ev},
+            "Call backward() on the loss itself (loss = criterion(output, target)), not on its negative.",
+        )
+    ]
+
+
 def loss_too_fast(facts: Any, outcome: Any) -> list[Finding]:
     found = []
     for site in _sites(facts):
@@ -122,7 +156,9 @@ def loss_too_fast(facts: Any, outcome: Any) -> list[Finding]:
 def _too_fast(site: dict[str, Any], step: int) -> Finding:
     return Finding(
         "invariant-loss-too-fast",
-        "info",  # easy data falls as fast (a CNN on clean digit templates: 1 % of chance by step 35)
+        # Easy data falls as fast (a CNN on clean digit templates: 1 % of chance by step 35); next-token
+        # prediction does not: text is never that predictable, unless the model sees the token it predicts.
+        "warning" if site.get("lm") else "info",
         f"{site['loss']} fell from chance level ({site['chance']:.4g}) to under {_FAST:.0%} of it by step {step}: "
         "faster than a model learns from its inputs; the targets may be in the inputs (a leaked label, attention "
         "that sees the future)",
@@ -189,12 +225,22 @@ def loss_at_chance(facts: Any, outcome: Any) -> list[Finding]:
 
 IDS: tuple[str, ...] = (
     "invariant-loss-targets-are-inputs",
+    "invariant-loss-counts-padding",
+    "invariant-loss-negated",
     "invariant-loss-broadcast",
     "invariant-loss-target-range",
     "invariant-loss-too-fast",
     "invariant-loss-at-chance",
 )
-DETECTORS: tuple = (targets_are_inputs, loss_broadcast, loss_target_range, loss_too_fast, loss_at_chance)
+DETECTORS: tuple = (
+    targets_are_inputs,
+    counts_padding,
+    loss_negated,
+    loss_broadcast,
+    loss_target_range,
+    loss_too_fast,
+    loss_at_chance,
+)
 EXPLAINED_BY: dict[str, set[str]] = {
     "invariant-loss-target-range": {"label-out-of-range", "probabilities-into-cross-entropy"},
     "invariant-loss-at-chance": {

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from torchkeel.diagnose.findings import Finding, site_fields
-from torchkeel.diagnose.invariants.losses import _VIEWS, _chained
+from torchkeel.diagnose.invariants._losses_arguments import VIEWS as _VIEWS
+from torchkeel.diagnose.invariants.losses import _chained
 from torchkeel.diagnose.invariants.updates import is_sampled
 from torchkeel.introspect.sites import user_site
 

@@ -4,10 +4,10 @@ What every healthy run's loss satisfies, whatever its fault:
 
 - its arguments agree: input and target of an elementwise loss have the same shape (a target that
   only broadcasts, ``(N, 1)`` against ``(N,)``, makes an ``(N, N)`` loss of every pair); targets lie
-  in the range the loss expects (soft cross-entropy targets are probabilities, ``kl_div`` takes
-  log-probabilities and probabilities) and in the range the prediction can reach (a sigmoid's
-  output fit to targets in ``[-1, 1]``); class targets are not the model's own integer input
-  (a language model that forgot to shift its targets);
+  in the range the loss expects and the prediction can reach (``_losses_arguments``); class
+  targets are not the model's own integer input (a language model that forgot to shift its
+  targets) nor, in a large share, the padding id its embedding declares while the loss counts it;
+- the optimizer descends the loss: the backward does not start from a loss under a minus sign;
 - it leaves chance level (what the best constant predictor scores on the targets seen: the
   entropy of the class frequencies for a cross entropy, the binary entropy of each label's mean
   for a binary one, each target feature's variance for a mean squared error) once the run is long
@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import inspect
 import math
-import re
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -36,6 +35,15 @@ import torch.nn.functional as F
 
 from torchkeel.diagnose.findings import site_fields
 from torchkeel.diagnose.invariants._chance import _chance
+from torchkeel.diagnose.invariants._losses_arguments import (
+    BINARY,
+    CLASSES,
+    ELEMENTWISE,
+    broadcast,
+    counts_padding,
+    negated_loss,
+    target_range,
+)
 from torchkeel.diagnose.invariants._losses_findings import (  # noqa: F401 - the family's parts, in one place
     DETECTORS,
     EXPLAINED_BY,
@@ -53,51 +61,9 @@ if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
 
 
-_CLASSES = (F.cross_entropy, F.nll_loss)
-_BINARY = (F.binary_cross_entropy, F.binary_cross_entropy_with_logits)
-_REGRESSION = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss)
-_ELEMENTWISE = _REGRESSION + _BINARY + (F.kl_div, F.poisson_nll_loss, F.soft_margin_loss)
 _SAMPLED_FIRST = 30
 _SAMPLE_EVERY = 5
 _KEPT_SAMPLES = 400
-# Graph nodes that only move a prediction's values around: the range of what they return is the
-# range of what made their input.
-_VIEWS = (
-    "View",
-    "Reshape",
-    "Squeeze",
-    "Unsqueeze",
-    "Permute",
-    "Transpose",
-    "TBackward",
-    "Slice",
-    "Select",
-    "Expand",
-    "Clone",
-    "Contiguous",
-    "Flatten",
-    "Cat",
-    "Stack",
-    "Index",
-)
-# The prediction's reachable range, by the last op that made it (its grad_fn's name, "Backward" and
-# its number dropped).
-_INF = math.inf
-_RANGES = {
-    "Sigmoid": (0.0, 1.0),
-    "Tanh": (-1.0, 1.0),
-    "Softmax": (0.0, 1.0),
-    "Hardsigmoid": (0.0, 1.0),
-    "Hardtanh": (-1.0, 1.0),
-    "Relu": (0.0, _INF),
-    "Softplus": (0.0, _INF),
-    "Exp": (0.0, _INF),
-    "Abs": (0.0, _INF),
-}
-_BOUNDED = {k for k, (lo, hi) in _RANGES.items() if hi < _INF}
-_LOGITS = (F.cross_entropy, F.binary_cross_entropy_with_logits)
-_LOGIT_FLOOR = 0.2  # a bounded logit's loss floor, as a fraction of chance: beyond it no model can fit
-_UNREACHABLE_FRACTION = 0.05  # targets outside the prediction's range, beyond 1 % of the range
 
 
 class Listener:
@@ -111,10 +77,11 @@ class Listener:
         self.found: dict[str, dict[str, Any]] = {}  # argument faults by id, the first of each
         self.signatures: dict[Callable, inspect.Signature] = {}
         self.calls: dict[Callable, int] = {}  # training calls of each loss function
+        self.padding_ids: set[int] = set()  # the padding ids of the trained embeddings
 
     def install(self) -> None:
         checks = self.probe.modules.loss_checks
-        for func in _CLASSES + _ELEMENTWISE:
+        for func in CLASSES + ELEMENTWISE:
             checks[func] = _chained(checks.get(func), self.check)
 
     # ---------------------------------------------------------------- events
@@ -127,6 +94,14 @@ class Listener:
     def on_leaf_forward(self, module: torch.nn.Module, args: Any) -> None:
         if isinstance(module, torch.nn.Embedding):  # the ids of a model called with keywords
             self._note_ints(args)
+            if module.padding_idx is not None and module.weight.requires_grad:
+                self.padding_ids.add(int(module.padding_idx) % module.num_embeddings)
+
+    def on_backward_done(self, roots: list[torch.Tensor]) -> None:
+        if roots and "invariant-loss-negated" not in self.found and not self.probe.state.in_step:
+            op = negated_loss(roots[0])
+            if op is not None:
+                self._record("invariant-loss-negated", {"loss_op": op})
 
     def on_step_ends(self) -> None:
         self.no_grad_call = False
@@ -145,10 +120,10 @@ class Listener:
         x, target = bound.get("input"), bound.get("target")
         if not isinstance(x, torch.Tensor) or not isinstance(target, torch.Tensor) or not target.numel():
             return
-        if func in _ELEMENTWISE and "invariant-loss-broadcast" not in self.found:
-            self._broadcast(func, x, target)
+        if func in ELEMENTWISE and "invariant-loss-broadcast" not in self.found:
+            self._record("invariant-loss-broadcast", broadcast(func, x, target))
         if "invariant-loss-target-range" not in self.found:
-            self._target_range(func, bound, x, target)
+            self._record("invariant-loss-target-range", target_range(func, bound, x, target.detach()))
         if not (torch.is_grad_enabled() and x.requires_grad):
             return  # an evaluation's loss: its arguments are checked, its value is not the training's
         calls = self.calls[func] = self.calls.get(func, 0) + 1
@@ -156,12 +131,14 @@ class Listener:
             return
         where = user_site() or {}
         site = self.sites.setdefault(_key(func, where), _new_site(func, where))
-        if (
-            func in _CLASSES
-            and not target.is_floating_point()
-            and "invariant-loss-targets-are-inputs" not in self.found
-        ):
-            self._targets_are_inputs(func, bound, x, target, where)
+        if func in CLASSES and not target.is_floating_point():
+            if "invariant-loss-targets-are-inputs" not in self.found:
+                self._targets_are_inputs(func, bound, x, target, where)
+            if self.padding_ids and "invariant-loss-counts-padding" not in self.found:
+                found = counts_padding(bound, target.detach(), self.padding_ids)
+                self._record("invariant-loss-counts-padding", found and {"loss": func.__name__, **found})
+            if not site["lm"]:
+                site["lm"] = self._shifted_inputs(bound, target)
         self._sample(site, func, bound, x, target)
 
     def _bind(self, func: Callable, args: Any, kwargs: dict) -> dict[str, Any]:
@@ -173,115 +150,22 @@ class Listener:
         except TypeError:
             return {}
 
-    def _record(self, finding_id: str, fields: dict[str, Any]) -> None:
-        self.found.setdefault(finding_id, {"step": self.probe.next_step, **fields, **site_fields(user_site() or {})})
-
-    def _broadcast(self, func: Callable, x: torch.Tensor, target: torch.Tensor) -> None:
-        if x.shape == target.shape:
-            return
-        try:
-            shape = torch.broadcast_shapes(x.shape, target.shape)
-        except RuntimeError:
-            return
-        if math.prod(shape) > max(x.numel(), target.numel()):
-            self._record(
-                "invariant-loss-broadcast",
-                {
-                    "loss": func.__name__,
-                    "input_shape": list(x.shape),
-                    "target_shape": list(target.shape),
-                    "broadcast_shape": list(shape),
-                },
+    def _record(self, finding_id: str, fields: dict[str, Any] | None) -> None:
+        if fields is not None:
+            self.found.setdefault(
+                finding_id, {"step": self.probe.next_step, **fields, **site_fields(user_site() or {})}
             )
 
-    def _target_range(self, func: Callable, bound: dict[str, Any], x: torch.Tensor, target: torch.Tensor) -> None:
-        why = None
-        t = target.detach()
-        if func in _LOGITS:
-            self._bounded_logits(func, x, t)
-        if func is F.cross_entropy and t.is_floating_point() and t.shape == x.shape:
-            low, high = float(t.min()), float(t.max())
-            if low < -1e-4 or high > 1 + 1e-4:
-                why = "soft cross-entropy targets must be class probabilities in [0, 1]"
-        elif func is F.kl_div:
-            log_target = bool(bound.get("log_target", False))
-            low, high = float(t.min()), float(t.max())
-            if float(x.detach().max()) > 1e-3:
-                why, low, high = (
-                    "kl_div's input must be log-probabilities (<= 0)",
-                    float(x.detach().min()),
-                    float(x.detach().max()),
-                )
-            elif not log_target and low < -1e-4:
-                why = "kl_div's target must be probabilities (or pass log_target=True for log-probabilities)"
-            elif log_target and high > 1e-3:
-                why = "kl_div with log_target=True takes log-probabilities (<= 0) as its target"
-        elif func is F.poisson_nll_loss and float(t.min()) < 0:
-            why, low, high = "poisson_nll_loss's targets are counts (>= 0)", float(t.min()), float(t.max())
-        elif func in _REGRESSION and t.is_floating_point() and t.numel() == x.numel():
-            self._unreachable(func, x, t)
-            return
-        if why is not None:
-            self._record(
-                "invariant-loss-target-range",
-                {"loss": func.__name__, "reason": why, "target_min": low, "target_max": high},
-            )
-
-    def _unreachable(self, func: Callable, x: torch.Tensor, t: torch.Tensor) -> None:
-        """A regression's prediction made by an op whose range leaves out many of its targets (a ReLU's
-        output fit to targets that are negative half the time)."""
-        made_by = _made_by(x)
-        if made_by is None:
-            return
-        lo, hi = _RANGES[made_by]
-        low, high = float(t.min()), float(t.max())
-        margin = 0.01 * ((hi - lo) if hi < _INF else max(high - low, 1e-12))
-        outside = float(((t < lo - margin) | (t > hi + margin)).float().mean())
-        if outside < _UNREACHABLE_FRACTION:
-            return
-        self._record(
-            "invariant-loss-target-range",
-            {
-                "loss": func.__name__,
-                "reason": f"the prediction comes out of {made_by} (range [{lo:g}, {hi:g}]): "
-                f"{outside:.0%} of the targets cannot be reached",
-                "made_by": made_by,
-                "target_min": low,
-                "target_max": high,
-                "fraction_outside": round(outside, 4),
-                "threshold": _UNREACHABLE_FRACTION,
-            },
-        )
-
-    def _bounded_logits(self, func: Callable, x: torch.Tensor, t: torch.Tensor) -> None:
-        """Logits squashed into a bounded range (a sigmoid before cross entropy): however right the
-        model is, the loss cannot fall below a floor near chance level."""
-        made_by = _made_by(x)
-        if made_by not in _BOUNDED or x.dim() < 1:
-            return
-        lo, hi = _RANGES[made_by]
-        if func is F.cross_entropy:
-            classes = int(x.shape[1] if x.dim() >= 2 else x.shape[0])
-            if classes < 2:
-                return
-            floor, chance = math.log1p((classes - 1) * math.exp(lo - hi)), math.log(classes)
-        else:  # with logits: a 0 target's loss is at least softplus(lo), a 1 target's softplus(-hi)
-            floor, chance = max(math.log1p(math.exp(lo)), math.log1p(math.exp(-hi))), math.log(2)
-        if floor < _LOGIT_FLOOR * chance:
-            return
-        self._record(
-            "invariant-loss-target-range",
-            {
-                "loss": func.__name__,
-                "reason": f"its logits come out of {made_by} (range [{lo:g}, {hi:g}]): the loss cannot fall "
-                f"below {floor:.3g} (chance level {chance:.3g}) however right the model is",
-                "made_by": made_by,
-                "loss_floor": round(floor, 6),
-                "chance": round(chance, 6),
-                "target_min": float(t.min()),
-                "target_max": float(t.max()),
-            },
-        )
+    def _shifted_inputs(self, bound: dict[str, Any], target: torch.Tensor) -> bool:
+        """The targets are an integer input shifted by one position: next-token prediction (the
+        targets may come flattened, as ``cross_entropy`` of ``(B·T, V)`` logits takes them)."""
+        for inp in self.int_inputs:
+            if inp.dim() != 2 or inp.shape[1] < 4 or inp.numel() != target.numel() or inp.device != target.device:
+                continue
+            rows, targets = inp.detach(), target.detach().reshape(inp.shape)
+            if bool((rows[:, 1:] == targets[:, :-1]).all()):
+                return True
+        return False
 
     def _targets_are_inputs(
         self, func: Callable, bound: dict[str, Any], x: torch.Tensor, target: torch.Tensor, where: dict[str, Any]
@@ -334,7 +218,7 @@ class Listener:
         for key, site in self.sites.items():
             if site["samples"]:
                 chance, floor = _chance(site)
-                sites[key] = {k: site[k] for k in ("loss", "file", "line", "samples", "model_targets")}
+                sites[key] = {k: site[k] for k in ("loss", "file", "line", "samples", "model_targets", "lm")}
                 features = int(site["sum"].numel()) if site["sum"] is not None else 0
                 sites[key].update(chance=chance, floor=floor, num_sampled=len(site["samples"]), features=features)
         self.probe.facts.invariants[FAMILY] = {"arguments": self.found, "sites": sites}
@@ -359,13 +243,14 @@ def _key(func: Callable, where: dict[str, Any]) -> str:
 
 
 def _new_site(func: Callable, where: dict[str, Any]) -> dict[str, Any]:
-    kind = "classes" if func in _CLASSES else "binary" if func in _BINARY else "squared" if func is F.mse_loss else None
+    kind = "classes" if func in CLASSES else "binary" if func in BINARY else "squared" if func is F.mse_loss else None
     return {
         "loss": func.__name__,
         "kind": kind,
         "calls": 0,
         "samples": [],
         "model_targets": 0,
+        "lm": False,
         "file": where.get("file"),
         "line": where.get("line"),
         "sum": None,
@@ -374,20 +259,6 @@ def _new_site(func: Callable, where: dict[str, Any]) -> dict[str, Any]:
         "floor_sum": 0.0,
         "elements": 0,
     }
-
-
-def _made_by(x: torch.Tensor) -> str | None:
-    """The op that made ``x``, looking through views (``sigmoid(h).squeeze(1)`` is a sigmoid's)."""
-    node = x.grad_fn
-    for _ in range(8):
-        if node is None:
-            return None
-        name = type(node).__name__
-        if not name.startswith(_VIEWS) or not node.next_functions:
-            op = re.sub(r"Backward\d*$", "", name)
-            return op if op in _RANGES else None
-        node = node.next_functions[0][0]
-    return None
 
 
 def _target_stats(kind: str, func: Callable, bound: dict[str, Any], x: torch.Tensor, t: torch.Tensor) -> Any:

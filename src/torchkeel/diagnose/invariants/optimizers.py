@@ -11,6 +11,9 @@
   pull larger than the gradient over the first steps on every decayed weight tensor, even the one
   the loss pushes hardest, is a decay orders of magnitude above the usual 1e-5..1e-2 (healthy
   corpus, weight decay 5e-4: the hardest-pushed tensor's pull is 0.0014 and 0.0103 of its gradient).
+- An optimizer lives through the run: its state (momentum, Adam's moments) builds up over steps.
+  Five or more optimizer objects made over the same parameters, each stepping at most twice (the
+  median), are an optimizer made anew inside the loop.
 - Every running average an optimizer keeps forgets: ``momentum``, ``betas``, ``alpha`` and ``rho``
   lie in [0, 1) (at 1 the average never decays and the steps grow without bound) and the learning
   rate is not negative (a negative one climbs the loss). PyTorch checks some of these, not all.
@@ -22,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchkeel.diagnose.findings import Finding
+from torchkeel.diagnose.findings import Finding, site_fields
 from torchkeel.diagnose.invariants.updates import is_sampled
+from torchkeel.introspect.sites import user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
@@ -39,6 +43,8 @@ _DOMINATED_SHARE = 1.0  # ... for every decayed weight tensor: even the one the 
 # behind a zero-initialised BatchNorm gets almost no gradient at first, however small the decay)
 _FIRST_STEPS = 5
 _AVERAGES = ("momentum", "alpha", "rho")  # running-average coefficients, each in [0, 1)
+_RECREATED = 5  # optimizer objects made over the same parameters ...
+_FEW_STEPS = 2  # ... each stepping this many times or fewer (the median): its state never builds up
 
 
 class Listener:
@@ -55,9 +61,11 @@ class Listener:
         self.pulls: dict[int, list[float]] = {}  # weight tensor → wd·‖w‖ / ‖g‖ at the first sampled steps
         self.settings: list[dict[str, Any]] = []
         self.checked: set[int] = set()
+        self.instances: dict[tuple[int, int], dict[str, Any]] = {}  # optimizers over the same parameters
 
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         probe = self.probe
+        self._note_instance(optimizer)
         if not is_sampled(probe.next_step) or probe.light:
             return
         self.sampled += 1
@@ -84,6 +92,19 @@ class Listener:
                 if id(p) not in held and p.grad is not None and not p.grad.is_sparse and bool(p.grad.any()):
                     name = names.get(id(p), "?")
                     self.unstepped[name] = self.unstepped.get(name, 0) + 1
+
+    def _note_instance(self, optimizer: torch.optim.Optimizer) -> None:
+        """Steps taken by each optimizer object, by the parameters it holds (its first one and its count)."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not params:
+            return
+        key = (id(params[0]), len(params))
+        instances = self.instances.setdefault(key, {"class": type(optimizer).__name__, "steps": {}, "first_step": None})
+        if len(instances["steps"]) < 10_000:
+            instances["steps"][id(optimizer)] = instances["steps"].get(id(optimizer), 0) + 1
+        if len(instances["steps"]) == 2 and instances["first_step"] is None:
+            instances["first_step"] = self.probe.next_step
+            instances.update(site_fields(user_site() or {}))
 
     def _pull(self, p: torch.Tensor, decay: float, norm: float) -> None:
         if p.grad is None or p.grad.is_sparse:
@@ -112,7 +133,19 @@ class Listener:
             "pulls": pulls,
             "decays": sorted({self.decay[i] for i in self.pulls}),
             "settings": self.settings,
+            "recreated": [_recreated(i) for i in self.instances.values() if len(i["steps"]) >= _RECREATED],
         }
+
+
+def _recreated(instances: dict[str, Any]) -> dict[str, Any]:
+    counts = sorted(instances["steps"].values())
+    return {
+        "optimizer": instances["class"],
+        "instances": len(counts),
+        "median_steps_each": counts[len(counts) // 2],
+        "step": instances["first_step"],
+        **site_fields(instances),
+    }
 
 
 def _coupled(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
@@ -223,16 +256,34 @@ def decay_dominates(facts: Any, outcome: object) -> list[Finding]:
     return [Finding("invariant-decay-dominates", "warning", message, evidence, fix)]
 
 
+def optimizer_recreated(facts: Any, outcome: object) -> list[Finding]:
+    found = [r for r in facts.invariants.get(FAMILY, {}).get("recreated", []) if r["median_steps_each"] <= _FEW_STEPS]
+    if not found:
+        return []
+    r = found[0]
+    where = f" (the second made before the step at {r['file']}:{r['line']})" if r.get("file") else ""
+    message = (
+        f"{r['instances']} {r['optimizer']} optimizers were made over the same parameters, each stepping "
+        f"{r['median_steps_each']} time(s) (the median){where}: an optimizer made anew each step starts from empty "
+        "state every time (no momentum, Adam's moments reset to their first step)"
+    )
+    fix = "make the optimizer once, before the training loop, and step that one"
+    evidence = {**r, "threshold": {"instances": _RECREATED, "median_steps_each": _FEW_STEPS}}
+    return [Finding("invariant-optimizer-recreated", "warning", message, evidence, fix)]
+
+
 IDS: tuple[str, ...] = (
+    "invariant-optimizer-recreated",
     "invariant-optimizer-settings",
     "invariant-grads-not-stepped",
     "invariant-weights-collapse",
     "invariant-decay-dominates",
 )
-DETECTORS: tuple = (unstable_settings, grads_not_stepped, weights_collapse, decay_dominates)
+DETECTORS: tuple = (optimizer_recreated, unstable_settings, grads_not_stepped, weights_collapse, decay_dominates)
 EXPLAINED_BY: dict[str, set[str]] = {
     "invariant-grads-not-stepped": {"params-not-updating", "frozen-parameters", "grad-none"},
     "invariant-weights-collapse": {"lr-divergence", "grad-exploding", "params-not-updating"},
     "invariant-decay-dominates": {"params-not-updating", "frozen-parameters", "grad-none"},
     "invariant-optimizer-settings": set(),
+    "invariant-optimizer-recreated": set(),
 }
