@@ -190,3 +190,34 @@ def test_the_check_leaves_the_run_as_it_was():
     assert len(facts.invariants["rows"]["checks"]) == 2  # steps 3 and 10 of a 10-step run
     assert probed == plain  # bitwise: same dropout masks, noise, shuffles, hidden states
     assert rows_mixed(facts, OK) == []
+
+
+class Graph(nn.Module):
+    """Mixing on purpose: each node's output reads its neighbours (a dense adjacency or an edge list)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, links: torch.Tensor) -> torch.Tensor:
+        if links.is_floating_point():
+            return self.lin(links @ x)
+        return self.lin(x.index_add(0, links[1], x[links[0]]))
+
+
+def test_nodes_of_a_graph_that_read_their_neighbours_are_left_alone():
+    nodes = torch.randn(64, 8)
+    labels = (nodes[:, 0] > 0).long()
+    edges = torch.randint(0, 64, (2, 256))
+    adjacency = torch.zeros(64, 64).index_put_((edges[0], edges[1]), torch.tensor(1.0))
+    for links in (adjacency, edges):
+        model = Graph()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        with Probe(anomaly_steps=0) as probe:
+            for _ in range(12):  # full-graph training: the targets have a row per node
+                loss = nn.functional.cross_entropy(model(nodes, links), labels)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        assert probe.facts.invariants["rows"]["checks"] == []
+        assert rows_mixed(probe.facts, OK) == []

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torchkeel.diagnose.invariants import depth, dropout, inputs, optimizers
+from torchkeel.diagnose.invariants import depth, dropout, inputs, modes, optimizers
 from torchkeel.diagnose.probe import Facts, Probe
 from torchkeel.diagnose.runner import ScriptOutcome
 
@@ -221,3 +221,28 @@ def test_an_optimizer_made_anew_each_step_and_one_made_per_stage_of_many_steps()
     assert found[0].evidence["instances"] == 12 and found[0].evidence["median_steps_each"] == 1
     assert found[0].evidence["file"].endswith("test_invariants_settings.py")
     assert optimizers.optimizer_recreated(probed(lambda: per_step(6, 10)).facts, OK) == []
+
+
+def test_a_model_left_in_eval_mode_for_its_training_and_a_frozen_teacher_beside_a_student():
+    x, y = torch.randn(64, 8), torch.randint(0, 5, (64,))
+
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 5))
+
+    def run(student_mode: bool) -> Probe:
+        teacher, student = net().eval(), net().train(student_mode)
+        opt = torch.optim.Adam(student.parameters(), lr=1e-3)
+
+        def train() -> None:
+            for _ in range(8):
+                loss = F.cross_entropy(student(x), y) + F.mse_loss(student(x), teacher(x).detach())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+
+        return probed(train)
+
+    found = modes.trains_in_eval_mode(run(student_mode=False).facts, OK)
+    assert [f.id for f in found] == ["invariant-trains-in-eval-mode"]
+    assert found[0].evidence["model"] == "student" and "student.3 (Dropout)" in found[0].evidence["layers"]
+    assert modes.trains_in_eval_mode(run(student_mode=True).facts, OK) == []

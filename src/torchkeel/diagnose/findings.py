@@ -63,6 +63,8 @@ FINDING_IDS = (
     "invariant-inputs-tiny",
     # -- invariants: inputs
     "invariant-eval-inputs-shifted",
+    # -- invariants: modes
+    "invariant-trains-in-eval-mode",
     # -- invariants: losses
     "invariant-loss-targets-are-inputs",
     "invariant-loss-counts-padding",

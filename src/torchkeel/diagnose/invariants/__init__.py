@@ -31,6 +31,7 @@ from torchkeel.diagnose.invariants import (
     dropout,
     inputs,
     losses,
+    modes,
     optimizers,
     randomness,
     rows,
@@ -42,7 +43,7 @@ from torchkeel.diagnose.invariants.common import ANY
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.facts import Facts
 
-FAMILIES = (data, batches, inputs, losses, rows, randomness, updates, optimizers, dropout, depth, units)
+FAMILIES = (data, batches, inputs, modes, losses, rows, randomness, updates, optimizers, dropout, depth, units)
 INVARIANT_IDS: tuple[str, ...] = tuple(i for family in FAMILIES for i in family.IDS)
 LISTENERS = tuple(family.Listener for family in FAMILIES)
 

@@ -71,6 +71,7 @@ class Listener:
         self.done: dict[int, int] = {}  # model id → checks done
         self.checked_at: dict[int, int] = {}  # model id → the step of its latest check
         self.checks: list[dict[str, Any]] = []
+        self.unchecked: set[int] = set()  # ids of models that cannot be checked (hooks, batch statistics)
 
     def install(self) -> None:
         checks = self.probe.modules.loss_checks
@@ -118,7 +119,7 @@ class Listener:
 
     def _batch_input(self, module: torch.nn.Module, args: Any) -> tuple[int, torch.Tensor] | None:
         """(position, tensor) of the call's first floating argument when its dim 0 is the batch."""
-        if not isinstance(args, tuple) or not _checkable(module):
+        if not isinstance(args, tuple):
             return None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return None  # extra forwards on one rank could meet collectives the others never call
@@ -143,6 +144,9 @@ class Listener:
                 return None  # an adjacency: rows that relate samples to samples
             if not (other.is_floating_point() or other.dim() == 0 or other.shape[0] == rows):
                 return None  # integer indices over the rows (a graph's edges)
+        if id(module) in self.unchecked or not _checkable(module):
+            self.unchecked.add(id(module))
+            return None
         return index, x
 
 
