@@ -246,3 +246,29 @@ def test_a_model_left_in_eval_mode_for_its_training_and_a_frozen_teacher_beside_
     assert [f.id for f in found] == ["invariant-trains-in-eval-mode"]
     assert found[0].evidence["model"] == "student" and "student.3 (Dropout)" in found[0].evidence["layers"]
     assert modes.trains_in_eval_mode(run(student_mode=True).facts, OK) == []
+
+
+def test_regression_targets_standardised_for_training_and_raw_in_evaluation():
+    x = torch.randn(300, 8)
+    y = x[:, :2].sum(1, keepdim=True) * 50 + 300
+    mu, sd = y[:250].mean(), y[:250].std()
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def run(raw_eval: bool) -> Probe:
+        def train() -> None:
+            for i in range(0, 250, 25):
+                loss = F.mse_loss(model(x[i : i + 25]), (y[i : i + 25] - mu) / sd)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            with torch.no_grad():
+                for i in range(250, 300, 25):
+                    target = y[i : i + 25] if raw_eval else (y[i : i + 25] - mu) / sd
+                    F.mse_loss(model(x[i : i + 25]), target)
+
+        return probed(train)
+
+    found = inputs.eval_inputs_shifted(run(raw_eval=True).facts, OK)
+    assert found[0].evidence["model"] == "the targets of mse_loss" and found[0].evidence["mean_shift"] > 100
+    assert inputs.eval_inputs_shifted(run(raw_eval=False).facts, OK) == []
