@@ -192,12 +192,13 @@ def _compare(module: torch.nn.Module, args: tuple, index: int, x: torch.Tensor) 
     scale = float(base.abs().max())
     if scale == 0:
         return None
-    tolerance = max(_TOLERANCE, 8 * torch.finfo(base.dtype).eps)
+    tolerance = max(_TOLERANCE, 8 * torch.finfo(base.dtype).eps)  # float16/bfloat16 round coarser
+    base = base.float()
     worst: dict[str, Any] | None = None
     for k, out in outputs[1:]:
         if out is None or out.shape != base.shape:
             return None
-        change = (out - base).abs().reshape(rows, -1).amax(dim=1) / scale
+        change = (out.float() - base).abs().reshape(rows, -1).amax(dim=1) / scale
         change[k] = 0.0
         changed = int((change > tolerance).sum())
         if worst is None or changed > worst["rows_changed"]:
@@ -222,7 +223,7 @@ def _rows_of(out: Any, rows: int) -> torch.Tensor | None:
     """The output's first floating tensor with ``rows`` rows (a (rows, rows) similarity: None)."""
     for t in tensors_in(out):
         if t.is_floating_point() and t.dim() >= 1 and t.shape[0] == rows:
-            return None if list(t.shape).count(rows) > 1 else t.detach().float()
+            return None if list(t.shape).count(rows) > 1 else t.detach()
     return None
 
 
