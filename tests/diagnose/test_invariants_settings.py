@@ -272,3 +272,22 @@ def test_regression_targets_standardised_for_training_and_raw_in_evaluation():
     found = inputs.eval_inputs_shifted(run(raw_eval=True).facts, OK)
     assert found[0].evidence["model"] == "the targets of mse_loss" and found[0].evidence["mean_shift"] > 100
     assert inputs.eval_inputs_shifted(run(raw_eval=False).facts, OK) == []
+
+
+class Rounded(nn.Module):
+    def __init__(self, straight_through: bool) -> None:
+        super().__init__()
+        self.enc, self.head, self.straight_through = nn.Linear(8, 16), nn.Linear(16, 5), straight_through
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        soft = torch.sigmoid(self.enc(x))
+        hard = torch.round(soft)
+        return self.head(soft + (hard - soft).detach() if self.straight_through else hard)
+
+
+def test_parameters_behind_a_round_get_zero_gradients_and_a_straight_through_estimator_passes_them():
+    y = torch.randint(0, 5, (64,))
+    found = optimizers.grads_zero(probed(lambda: fit(Rounded(False), F.cross_entropy, y=y)).facts, OK)
+    assert [f.id for f in found] == ["invariant-grads-zero"]
+    assert found[0].evidence["parameters"] == ["model.enc.bias", "model.enc.weight"]
+    assert optimizers.grads_zero(probed(lambda: fit(Rounded(True), F.cross_entropy, y=y)).facts, OK) == []

@@ -85,6 +85,7 @@ FINDING_IDS = (
     "invariant-update-too-large",
     # -- invariants: optimizers
     "invariant-grads-not-stepped",
+    "invariant-grads-zero",
     "invariant-weights-collapse",
     "invariant-decay-dominates",
     # -- invariants: dropout

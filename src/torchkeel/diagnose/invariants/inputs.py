@@ -122,7 +122,9 @@ def eval_inputs_shifted(facts: Any, outcome: object) -> list[Finding]:
         if 1 / _SPREAD < spread < _SPREAD and shift < _SHIFT:
             continue
         where = f" (evaluation call at {ev['file']}:{ev['line']})" if ev.get("file") else ""
-        what = f"{m['model']} is evaluated on inputs" if m.get("kind") != "targets" else f"{m['model']} in evaluation are"
+        what = (
+            f"{m['model']} is evaluated on inputs" if m.get("kind") != "targets" else f"{m['model']} in evaluation are"
+        )
         message = (
             f"{what} unlike those it trains on{where}: mean {ev['mean']:.4g} and "
             f"standard deviation {ev['std']:.4g} in evaluation, {train['mean']:.4g} and {train['std']:.4g} in "

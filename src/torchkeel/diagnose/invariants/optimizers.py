@@ -11,6 +11,8 @@
   pull larger than the gradient over the first steps on every decayed weight tensor, even the one
   the loss pushes hardest, is a decay orders of magnitude above the usual 1e-5..1e-2 (healthy
   corpus, weight decay 5e-4: the hardest-pushed tensor's pull is 0.0014 and 0.0103 of its gradient).
+- Every trained parameter gets a gradient: one whose gradient is exactly zero at every sampled step,
+  beside others that move, sits behind an op with no gradient (round, argmax, a comparison).
 - An optimizer lives through the run: its state (momentum, Adam's moments) builds up over steps.
   Five or more optimizer objects made over the same parameters, each stepping at most twice (the
   median), are an optimizer made anew inside the loop.
@@ -62,6 +64,7 @@ class Listener:
         self.settings: list[dict[str, Any]] = []
         self.checked: set[int] = set()
         self.instances: dict[tuple[int, int], dict[str, Any]] = {}  # optimizers over the same parameters
+        self.zero_grads: dict[int, list[Any]] = {}  # parameter → [name, sampled steps with a .grad, any non-zero]
 
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         probe = self.probe
@@ -84,6 +87,10 @@ class Listener:
                     self.decay[id(p)] = float(group.get("weight_decay", 0.0) or 0.0)
                     if probe.next_step <= _FIRST_STEPS and self.decay[id(p)] > 0 and _coupled(optimizer, group):
                         self._pull(p, self.decay[id(p)], norm)
+                if p.requires_grad and p.grad is not None and not p.grad.is_sparse:
+                    seen = self.zero_grads.setdefault(id(p), [names.get(id(p), f"a {tuple(p.shape)} tensor"), 0, False])
+                    seen[1] += 1
+                    seen[2] = seen[2] or bool(p.grad.any())
         for root, _ in probe.state.roots.values():
             params = list(root.parameters())
             if not any(id(p) in held for p in params):
@@ -133,8 +140,17 @@ class Listener:
             "pulls": pulls,
             "decays": sorted({self.decay[i] for i in self.pulls}),
             "settings": self.settings,
+            "zero_grads": _always_zero(self.zero_grads),
             "recreated": [_recreated(i) for i in self.instances.values() if len(i["steps"]) >= _RECREATED],
         }
+
+
+def _always_zero(seen: dict[int, list[Any]]) -> dict[str, Any]:
+    """The parameters whose gradient was all zeros at every one of ≥ ``_MIN_SAMPLES`` sampled steps,
+    beside others whose gradient was not."""
+    zero = sorted(name for name, count, nonzero in seen.values() if count >= _MIN_SAMPLES and not nonzero)
+    moving = sum(nonzero for _, _, nonzero in seen.values())
+    return {"parameters": zero[:16], "num_zero": len(zero), "num_nonzero": moving} if zero and moving else {}
 
 
 def _recreated(instances: dict[str, Any]) -> dict[str, Any]:
@@ -272,18 +288,45 @@ def optimizer_recreated(facts: Any, outcome: object) -> list[Finding]:
     return [Finding("invariant-optimizer-recreated", "warning", message, evidence, fix)]
 
 
+def grads_zero(facts: Any, outcome: object) -> list[Finding]:
+    rec = facts.invariants.get(FAMILY, {}).get("zero_grads") or {}
+    if not rec:
+        return []
+    names = rec["parameters"]
+    message = (
+        f"{rec['num_zero']} trained parameter tensor(s) get a gradient of exactly zero at every sampled step "
+        f"({', '.join(names[:4])}{', ...' if rec['num_zero'] > 4 else ''}) while {rec['num_nonzero']} others get "
+        "real gradients: something between them and the loss passes no gradient (round, argmax, sign, a "
+        "comparison, a clamp that always saturates, a factor of 0)"
+    )
+    fix = (
+        "find the op between these parameters and the loss that has no gradient and use a differentiable one "
+        "(softmax instead of argmax, a straight-through estimator for rounding), or freeze them on purpose"
+    )
+    return [Finding("invariant-grads-zero", "warning", message, {**rec}, fix)]
+
+
 IDS: tuple[str, ...] = (
     "invariant-optimizer-recreated",
     "invariant-optimizer-settings",
     "invariant-grads-not-stepped",
+    "invariant-grads-zero",
     "invariant-weights-collapse",
     "invariant-decay-dominates",
 )
-DETECTORS: tuple = (optimizer_recreated, unstable_settings, grads_not_stepped, weights_collapse, decay_dominates)
+DETECTORS: tuple = (
+    optimizer_recreated,
+    unstable_settings,
+    grads_not_stepped,
+    grads_zero,
+    weights_collapse,
+    decay_dominates,
+)
 EXPLAINED_BY: dict[str, set[str]] = {
     "invariant-grads-not-stepped": {"params-not-updating", "frozen-parameters", "grad-none"},
     "invariant-weights-collapse": {"lr-divergence", "grad-exploding", "params-not-updating"},
     "invariant-decay-dominates": {"params-not-updating", "frozen-parameters", "grad-none"},
     "invariant-optimizer-settings": set(),
     "invariant-optimizer-recreated": set(),
+    "invariant-grads-zero": {"params-not-updating", "frozen-parameters", "grad-none", "grad-vanishing"},
 }
