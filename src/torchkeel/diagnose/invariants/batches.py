@@ -20,6 +20,8 @@ import torch
 from torch.utils.data import dataloader
 
 from torchkeel.diagnose.findings import Finding, site_fields
+from torchkeel.diagnose.invariants._losses_arguments import REGRESSION
+from torchkeel.diagnose.invariants.losses import _chained
 from torchkeel.introspect.sites import tensors_in, user_site
 
 if TYPE_CHECKING:
@@ -60,6 +62,16 @@ class Listener:
     def install(self) -> None:
         iterator = dataloader._BaseDataLoaderIter
         self.probe.patch(iterator, "__next__", self._noting_next(iterator.__next__))
+        checks = self.probe.modules.loss_checks
+        for func in REGRESSION:
+            checks[func] = _chained(checks.get(func), self.check_regression)
+
+    def check_regression(self, func: Callable, args: Any, kwargs: dict) -> None:
+        """A regression's targets, one value a row: the same leak check as class targets."""
+        target = args[1] if len(args) > 1 else kwargs.get("target")
+        if isinstance(target, torch.Tensor) and target.is_floating_point() and target.dim() >= 1:
+            if target.numel() == target.shape[0]:
+                self.on_loss_targets(target.reshape(-1))
 
     def _noting_next(self, original: Callable) -> Callable:
         listener, probe = self, self.probe
@@ -118,13 +130,17 @@ class Listener:
 
     def on_loss_targets(self, target: torch.Tensor) -> None:
         last, self.last_input = self.last_input, None
-        if last is None or target.is_floating_point() or target.dim() != 1 or not torch.is_grad_enabled():
+        if last is None or target.dim() != 1 or not torch.is_grad_enabled():
             return
         x, module = last
         if target.shape[0] != x.shape[0] or x.shape[0] < _MIN_LEAK_ROWS or target.unique().numel() < 2:
             return
         self.leak["checked"] += 1
-        same = (x.detach() == target.to(x.device, x.dtype).unsqueeze(1)).all(dim=0)
+        t = target.detach().to(x.device, x.dtype).unsqueeze(1)
+        if target.is_floating_point():  # a regression's target copied into the features, to rounding
+            same = torch.isclose(x.detach(), t, rtol=1e-5, atol=1e-6 * float(t.abs().max())).all(dim=0)
+        else:
+            same = (x.detach() == t).all(dim=0)
         if bool(same.any()):
             self.leak["leaked"] += 1
             if self.leak["first"] is None:
@@ -238,7 +254,7 @@ def targets_in_inputs(facts: Any, outcome: object) -> list[Finding]:
         return []
     first = leak["first"]
     message = (
-        f"column {first['column']} of the {first['columns']} input features of {first['module']} equals the class "
+        f"column {first['column']} of the {first['columns']} input features of {first['module']} equals the "
         f"targets of the loss in {leak['leaked']} of {leak['checked']} training batches: the answer is among the "
         "inputs, so the loss falls without the model learning anything it can use when the label is unknown"
     )
