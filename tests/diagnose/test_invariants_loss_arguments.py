@@ -139,3 +139,12 @@ def test_a_language_model_whose_loss_falls_faster_than_text_allows_is_a_warning(
     found = findings.loss_too_fast(run(peek=True).facts, OK)
     assert [(f.id, f.severity) for f in found] == [("invariant-loss-too-fast", "warning")]
     assert findings.loss_too_fast(run(peek=False).facts, OK) == []
+
+
+def test_binary_targets_coded_minus_one_plus_one_and_coded_zero_one():
+    x = torch.randn(32, 6)
+    signs = torch.randint(0, 2, (32, 1)).float() * 2 - 1
+    bce = F.binary_cross_entropy_with_logits
+    found = arguments(lambda: steps(nn.Linear(6, 1), lambda m: bce(m(x), signs)))["invariant-loss-target-range"]
+    assert found["target_min"] == -1.0 and "[0, 1]" in found["reason"]
+    assert arguments(lambda: steps(nn.Linear(6, 1), lambda m: bce(m(x), (signs + 1) / 2))) == {}

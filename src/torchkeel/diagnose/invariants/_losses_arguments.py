@@ -122,6 +122,8 @@ def _expected_range(func: Callable, bound: dict[str, Any], x: torch.Tensor, t: t
             why = "kl_div's target must be probabilities (or pass log_target=True for log-probabilities)"
         elif log_target and high > 1e-3:
             why = "kl_div with log_target=True takes log-probabilities (<= 0) as its target"
+    elif func in BINARY and t.is_floating_point() and (low < -1e-4 or high > 1 + 1e-4):
+        why = f"{func.__name__}'s targets are probabilities in [0, 1] (labels coded -1/+1 or as class ids?)"
     elif func is F.poisson_nll_loss and low < 0:
         why = "poisson_nll_loss's targets are counts (>= 0)"
     elif func is F.nll_loss and x.dim() >= 2 and x.is_floating_point():
