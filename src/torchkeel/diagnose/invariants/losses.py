@@ -134,7 +134,7 @@ class Listener:
         if func in CLASSES and not target.is_floating_point():
             if "invariant-loss-targets-are-inputs" not in self.found:
                 self._targets_are_inputs(func, bound, x, target, where)
-            if self.padding_ids and "invariant-loss-counts-padding" not in self.found:
+            if self._per_token(target) and "invariant-loss-counts-padding" not in self.found:
                 found = counts_padding(bound, target.detach(), self.padding_ids)
                 self._record("invariant-loss-counts-padding", found and {"loss": func.__name__, **found})
             if not site["lm"]:
@@ -155,6 +155,10 @@ class Listener:
             self.found.setdefault(
                 finding_id, {"step": self.probe.next_step, **fields, **site_fields(user_site() or {})}
             )
+
+    def _per_token(self, target: torch.Tensor) -> bool:
+        """Targets one a token of an integer input (tagging, next-token prediction), not one a sequence."""
+        return bool(self.padding_ids) and any(inp.numel() == target.numel() for inp in self.int_inputs)
 
     def _shifted_inputs(self, bound: dict[str, Any], target: torch.Tensor) -> bool:
         """The targets are an integer input shifted by one position: next-token prediction (the

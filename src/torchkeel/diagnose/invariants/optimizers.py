@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 FAMILY = "optimizers"
 _MIN_SAMPLES = 3
 _UNSTEPPED_SHARE = 0.9  # sampled steps at which the same parameters had gradients and no optimizer
+_UNSTEPPED_SIZE = 0.01  # ... together this share of the model's elements, at least
 _COLLAPSE = 0.05  # a weight tensor's norm under this fraction of its first: collapsed
 _COLLAPSED_SHARE = 0.5  # ... for at least this share of the weight tensors
 _MIN_WEIGHT_NORM = 1e-3
@@ -56,6 +57,8 @@ class Listener:
         self.probe = probe
         self.sampled = 0
         self.unstepped: dict[str, int] = {}  # parameter name → sampled steps it had a gradient and no optimizer
+        self.sizes: dict[str, int] = {}  # ... and its number of elements
+        self.trainable = 0  # the elements of the largest trained model
         self.first_norms: dict[int, float] = {}
         self.last_norms: dict[int, float] = {}
         self.names: dict[int, str] = {}
@@ -99,6 +102,8 @@ class Listener:
                 if id(p) not in held and p.grad is not None and not p.grad.is_sparse and bool(p.grad.any()):
                     name = names.get(id(p), "?")
                     self.unstepped[name] = self.unstepped.get(name, 0) + 1
+                    self.sizes[name] = p.numel()
+            self.trainable = max(self.trainable, sum(p.numel() for p in params))
 
     def _note_instance(self, optimizer: torch.optim.Optimizer) -> None:
         """Steps taken by each optimizer object, by the parameters it holds (its first one and its count)."""
@@ -134,7 +139,7 @@ class Listener:
         ]
         self.probe.facts.invariants[FAMILY] = {
             "sampled": self.sampled,
-            "unstepped": {n: c for n, c in self.unstepped.items() if c >= _UNSTEPPED_SHARE * self.sampled},
+            "unstepped": _unstepped(self.unstepped, self.sizes, self.sampled, self.trainable),
             "weights": len(self.first_norms),
             "collapsed": collapsed,
             "pulls": pulls,
@@ -143,6 +148,14 @@ class Listener:
             "zero_grads": _always_zero(self.zero_grads),
             "recreated": [_recreated(i) for i in self.instances.values() if len(i["steps"]) >= _RECREATED],
         }
+
+
+def _unstepped(counts: dict[str, int], sizes: dict[str, int], sampled: int, trainable: int) -> dict[str, int]:
+    """The parameters left out at ≥ ``_UNSTEPPED_SHARE`` of the sampled steps, when together they are
+    ≥ ``_UNSTEPPED_SIZE`` of the model (a scalar left at its start, a temperature, is no part of it
+    that fails to learn)."""
+    left = {n: c for n, c in counts.items() if c >= _UNSTEPPED_SHARE * sampled}
+    return left if sum(sizes[n] for n in left) >= _UNSTEPPED_SIZE * trainable else {}
 
 
 def _always_zero(seen: dict[int, list[Any]]) -> dict[str, Any]:
