@@ -291,3 +291,43 @@ def test_parameters_behind_a_round_get_zero_gradients_and_a_straight_through_est
     assert [f.id for f in found] == ["invariant-grads-zero"]
     assert found[0].evidence["parameters"] == ["model.enc.bias", "model.enc.weight"]
     assert optimizers.grads_zero(probed(lambda: fit(Rounded(True), F.cross_entropy, y=y)).facts, OK) == []
+
+
+class Listed(nn.Module):
+    """Hidden layers kept in a plain list (not registered) or in an nn.ModuleList."""
+
+    def __init__(self, registered: bool) -> None:
+        super().__init__()
+        blocks = [nn.Linear(8, 16), nn.Linear(16, 16)]
+        self.blocks = nn.ModuleList(blocks) if registered else blocks
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+def test_layers_in_a_plain_list_get_gradients_no_optimizer_holds_and_a_module_list_does_not():
+    y = torch.randint(0, 5, (64,))
+    found = optimizers.grads_not_stepped(probed(lambda: fit(Listed(False), F.cross_entropy, y=y)).facts, OK)
+    assert [f.id for f in found] == ["invariant-grads-not-stepped"]
+    ev = found[0].evidence
+    assert ev["num_parameters"] == 4 and ev["registered"] == 0 and "plain list" in found[0].message
+    assert optimizers.grads_not_stepped(probed(lambda: fit(Listed(True), F.cross_entropy, y=y)).facts, OK) == []
+
+
+def test_a_loss_network_without_an_optimizer_is_not_a_part_left_out():
+    """A perceptual loss through a network whose weights still require gradients, beside a trained model."""
+    x = torch.randn(64, 8)
+    model, judge = nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def train() -> None:
+        for _ in range(12):
+            loss = F.mse_loss(judge(model(x)), judge(x).detach())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    assert optimizers.grads_not_stepped(probed(train).facts, OK) == []

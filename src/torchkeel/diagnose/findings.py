@@ -73,6 +73,7 @@ FINDING_IDS = (
     "invariant-loss-target-range",
     # -- invariants: rows
     "invariant-rows-mixed",
+    "invariant-input-ignored",
     # -- invariants: randomness
     "invariant-rng-reset",
     "invariant-rng-recreated",

@@ -38,7 +38,7 @@ from torchkeel.diagnose.invariants import (
     units,
     updates,
 )
-from torchkeel.diagnose.invariants.common import ANY
+from torchkeel.diagnose.invariants.common import ANY, ANY_CAUSE, SYMPTOMS
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.facts import Facts
@@ -51,15 +51,16 @@ LISTENERS = tuple(family.Listener for family in FAMILIES)
 def judge_invariants(facts: Facts, outcome: object, named: list[Finding]) -> list[Finding]:
     """The invariant findings that no named finding (``named``) explains."""
     alarms = {f.id for f in named if f.severity in ("error", "warning") and not f.id.startswith("invariant-")}
-    found: list[Finding] = []
+    found: list[tuple[Finding, set[str]]] = []
     for family in FAMILIES:
         for detect in family.DETECTORS:
             for finding in detect(facts, outcome):
                 explained_by = family.EXPLAINED_BY.get(finding.id, set())
-                if alarms and (ANY in explained_by or alarms & explained_by):
+                if alarms and (ANY in explained_by or ANY_CAUSE in explained_by or alarms & explained_by):
                     continue
-                found.append(finding)
-    return found
+                found.append((finding, explained_by))
+    causes = {f.id for f, _ in found if f.severity in ("error", "warning") and f.id not in SYMPTOMS}
+    return [f for f, by in found if not (ANY_CAUSE in by and causes - {f.id})]
 
 
-__all__ = ["ANY", "FAMILIES", "INVARIANT_IDS", "LISTENERS", "judge_invariants"]
+__all__ = ["ANY", "ANY_CAUSE", "FAMILIES", "INVARIANT_IDS", "LISTENERS", "judge_invariants"]

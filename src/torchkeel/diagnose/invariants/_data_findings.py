@@ -7,6 +7,7 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from torchkeel.diagnose.findings import Finding, site_fields
+from torchkeel.diagnose.invariants.common import ANY_CAUSE
 
 if TYPE_CHECKING:
     pass
@@ -180,6 +181,7 @@ IDS: tuple[str, ...] = (
 )
 DETECTORS: tuple = (identical_inputs, labels_change, labels_uninformative, one_class, eval_overlaps_train)
 EXPLAINED_BY: dict[str, set[str]] = {
+    "invariant-labels-uninformative": {ANY_CAUSE},
     "invariant-identical-inputs": {"nonfinite-input"},
     "invariant-one-class": {"label-out-of-range"},
 }

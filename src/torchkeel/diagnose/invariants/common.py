@@ -4,3 +4,11 @@ from __future__ import annotations
 
 ANY = "*"
 """In ``EXPLAINED_BY``: any named error or warning explains this invariant finding."""
+
+ANY_CAUSE = "**"
+"""In ``EXPLAINED_BY``: any named error or warning, or any other invariant warning of a cause (not one
+about how the loss moves), explains this invariant finding: its evidence is a loss that does not
+fall, which any of them accounts for better."""
+
+SYMPTOMS = frozenset({"invariant-loss-at-chance", "invariant-loss-too-fast"})
+"""Invariant findings about how the loss moves: symptoms of most faults, never a cause of another."""

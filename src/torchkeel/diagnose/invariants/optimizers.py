@@ -27,27 +27,33 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchkeel.diagnose.findings import Finding, site_fields
+from torchkeel.diagnose.findings import site_fields
+from torchkeel.diagnose.invariants._optimizers_findings import (  # noqa: F401 - the family's parts, in one place
+    _COLLAPSE,
+    _MIN_SAMPLES,
+    _RECREATED,
+    DETECTORS,
+    EXPLAINED_BY,
+    FAMILY,
+    IDS,
+    decay_dominates,
+    grads_not_stepped,
+    grads_zero,
+    optimizer_recreated,
+    unstable_settings,
+    weights_collapse,
+)
 from torchkeel.diagnose.invariants.updates import is_sampled
 from torchkeel.introspect.sites import user_site
 
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.core import Probe
 
-FAMILY = "optimizers"
-_MIN_SAMPLES = 3
 _UNSTEPPED_SHARE = 0.9  # sampled steps at which the same parameters had gradients and no optimizer
 _UNSTEPPED_SIZE = 0.01  # ... together this share of the model's elements, at least
-_COLLAPSE = 0.05  # a weight tensor's norm under this fraction of its first: collapsed
-_COLLAPSED_SHARE = 0.5  # ... for at least this share of the weight tensors
 _MIN_WEIGHT_NORM = 1e-3
-_DOMINATES = 1.0  # the decay's pull over the loss's gradient, median of the first sampled steps
-_DOMINATED_SHARE = 1.0  # ... for every decayed weight tensor: even the one the loss pushes hardest (a block
-# behind a zero-initialised BatchNorm gets almost no gradient at first, however small the decay)
 _FIRST_STEPS = 5
 _AVERAGES = ("momentum", "alpha", "rho")  # running-average coefficients, each in [0, 1)
-_RECREATED = 5  # optimizer objects made over the same parameters ...
-_FEW_STEPS = 2  # ... each stepping this many times or fewer (the median): its state never builds up
 
 
 class Listener:
@@ -67,6 +73,8 @@ class Listener:
         self.settings: list[dict[str, Any]] = []
         self.checked: set[int] = set()
         self.instances: dict[tuple[int, int], dict[str, Any]] = {}  # optimizers over the same parameters
+        self.orphan_steps: dict[int, None] = {}  # sampled steps whose graph was walked
+        self.orphans: list[dict[str, Any]] = []  # ... and what it reached that no optimizer holds
         self.zero_grads: dict[int, list[Any]] = {}  # parameter → [name, sampled steps with a .grad, any non-zero]
 
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -104,6 +112,44 @@ class Listener:
                     self.unstepped[name] = self.unstepped.get(name, 0) + 1
                     self.sizes[name] = p.numel()
             self.trainable = max(self.trainable, sum(p.numel() for p in params))
+
+    def on_backward_done(self, roots: list[torch.Tensor]) -> None:
+        """The parameters the loss's gradients reach (the graph's leaves) that no optimizer holds: a
+        layer kept in a plain list (not registered), or a model made anew while the optimizer holds
+        the old one. A model no optimizer trains (a loss network) counts only when no parameter an
+        optimizer holds is reached at all."""
+        probe = self.probe
+        if probe.light or probe.state.in_step or not probe.state.optimizers or not is_sampled(probe.next_step):
+            return
+        if not roots or roots[0].grad_fn is None or probe.next_step in self.orphan_steps:
+            return
+        held = {id(p) for opt in probe.state.optimizers for g in opt.param_groups for p in g["params"]}
+        leaves = _parameter_leaves(roots[0].grad_fn)
+        reached_held = any(id(p) in held for p in leaves)
+        registered = {id(p): root for root, _ in probe.state.roots.values() for p in root.parameters()}
+        trained_roots = {id(r) for r, _ in probe.state.roots.values() if any(id(p) in held for p in r.parameters())}
+        orphans = [
+            p
+            for p in leaves
+            if id(p) not in held
+            and (id(p) not in registered or id(registered[id(p)]) in trained_roots or not reached_held)
+        ]
+        self.orphan_steps[probe.next_step] = None
+        total = sum(p.numel() for p in leaves)
+        if orphans and sum(p.numel() for p in orphans) >= _UNSTEPPED_SIZE * total:
+            names = probe.param_names()
+            self.orphans.append(
+                {
+                    "step": probe.next_step,
+                    "parameters": [names.get(id(p), f"an unregistered {tuple(p.shape)} Parameter") for p in orphans][
+                        :8
+                    ],
+                    "num_parameters": len(orphans),
+                    "registered": sum(id(p) in registered for p in orphans),
+                    "held_reached": reached_held,
+                    **site_fields(user_site() or {}),
+                }
+            )
 
     def _note_instance(self, optimizer: torch.optim.Optimizer) -> None:
         """Steps taken by each optimizer object, by the parameters it holds (its first one and its count)."""
@@ -146,6 +192,7 @@ class Listener:
             "decays": sorted({self.decay[i] for i in self.pulls}),
             "settings": self.settings,
             "zero_grads": _always_zero(self.zero_grads),
+            "orphans": {"walked": len(self.orphan_steps), "found": self.orphans[:8], "count": len(self.orphans)},
             "recreated": [_recreated(i) for i in self.instances.values() if len(i["steps"]) >= _RECREATED],
         }
 
@@ -156,6 +203,21 @@ def _unstepped(counts: dict[str, int], sizes: dict[str, int], sampled: int, trai
     that fails to learn)."""
     left = {n: c for n, c in counts.items() if c >= _UNSTEPPED_SHARE * sampled}
     return left if sum(sizes[n] for n in left) >= _UNSTEPPED_SIZE * trainable else {}
+
+
+def _parameter_leaves(node: Any, limit: int = 20_000) -> list[torch.nn.Parameter]:
+    """The parameters a backward from ``node`` accumulates into (its graph's leaves), once each."""
+    seen, stack, found = set(), [node], {}
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.nn.Parameter):
+            found[id(variable)] = variable
+        stack.extend(f for f, _ in node.next_functions)
+    return list(found.values())
 
 
 def _always_zero(seen: dict[int, list[Any]]) -> dict[str, Any]:
@@ -195,151 +257,3 @@ def _unstable_settings(optimizer: torch.optim.Optimizer, index: int) -> list[dic
         if isinstance(lr, (int, float)) and lr < 0:
             found.append({"key": "lr", "value": float(lr), "valid": ">= 0"})
     return [{"optimizer": type(optimizer).__name__, "index": index, "group": g, **f} for f in found[:4]]
-
-
-def grads_not_stepped(facts: Any, outcome: object) -> list[Finding]:
-    rec = facts.invariants.get(FAMILY, {})
-    names = sorted(rec.get("unstepped", {}))
-    if rec.get("sampled", 0) < _MIN_SAMPLES or not names:
-        return []
-    message = (
-        f"{len(names)} parameter tensor(s) get gradients at every sampled step but no optimizer holds them "
-        f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}), while other parameters of the same model "
-        "are optimized: that part of the model never learns"
-    )
-    evidence = {"parameters": names[:16], "num_parameters": len(names), "sampled_steps": rec["sampled"]}
-    fix = (
-        "build the optimizer over model.parameters() (or every part you mean to train); freeze what should stay "
-        "fixed with requires_grad_(False)"
-    )
-    return [Finding("invariant-grads-not-stepped", "warning", message, evidence, fix)]
-
-
-def weights_collapse(facts: Any, outcome: object) -> list[Finding]:
-    rec = facts.invariants.get(FAMILY, {})
-    collapsed = rec.get("collapsed", [])
-    if rec.get("sampled", 0) < _MIN_SAMPLES or not collapsed or len(collapsed) < _COLLAPSED_SHARE * rec["weights"]:
-        return []
-    decays = sorted({c["weight_decay"] for c in collapsed})
-    first = collapsed[0]
-    message = (
-        f"{len(collapsed)} of {rec['weights']} weight tensors shrank under {_COLLAPSE:.0%} of their first norm "
-        f"({first['parameter']}: {first['first_norm']:.3g} → {first['last_norm']:.3g}; weight_decay {decays}): "
-        "the regulariser, not the loss, decides the weights"
-    )
-    evidence = {
-        "parameters": [c["parameter"] for c in collapsed[:16]],
-        "num_collapsed": len(collapsed),
-        "num_weights": rec["weights"],
-        "first_norm": first["first_norm"],
-        "last_norm": first["last_norm"],
-        "weight_decay": decays,
-        "threshold": _COLLAPSE,
-    }
-    fix = "lower weight_decay (1e-4..1e-2 for SGD/Adam's L2, ~0.01..0.1 for AdamW), or check what else scales weights down"
-    return [Finding("invariant-weights-collapse", "warning", message, evidence, fix)]
-
-
-def unstable_settings(facts: Any, outcome: object) -> list[Finding]:
-    settings = facts.invariants.get(FAMILY, {}).get("settings", [])
-    if not settings:
-        return []
-    s = settings[0]
-    message = (
-        f"{s['optimizer']} (optimizer {s['index']}, parameter group {s['group']}) runs with {s['key']}={s['value']:g}, "
-        f"outside {s['valid']}: "
-        + (
-            "a negative learning rate climbs the loss"
-            if s["key"] == "lr"
-            else "a running average with a coefficient of 1 or more never forgets, and the steps grow without bound"
-        )
-    )
-    fix = f"set {s['key'].split('[')[0]} inside {s['valid']} (momentum 0.9, betas (0.9, 0.999), alpha 0.99 are usual)"
-    evidence = {"settings": settings, "threshold": s["valid"]}
-    return [Finding("invariant-optimizer-settings", "warning", message, evidence, fix)]
-
-
-def decay_dominates(facts: Any, outcome: object) -> list[Finding]:
-    rec = facts.invariants.get(FAMILY, {})
-    pulls = rec.get("pulls", {})
-    strong = {n: r for n, r in pulls.items() if r >= _DOMINATES}
-    if not pulls or len(strong) < _DOMINATED_SHARE * len(pulls):
-        return []
-    name, ratio = min(strong.items(), key=lambda kv: kv[1])
-    message = (
-        f"at the first steps the weight decay pulls harder than the loss's gradient on all {len(pulls)} decayed "
-        f"weight tensors (weight_decay {rec.get('decays')}; even {name}, the one the loss pushes hardest: weight_decay·‖w‖ = {ratio:.3g}× ‖grad‖): the "
-        "regulariser, not the data, decides where the weights go"
-    )
-    evidence = {
-        "parameters": sorted(strong)[:16],
-        "pull_over_grad": {n: round(r, 4) for n, r in sorted(strong.items())[:16]},
-        "num_dominated": len(strong),
-        "num_decayed": len(pulls),
-        "threshold": _DOMINATES,
-        "weight_decay": rec.get("decays", []),
-    }
-    fix = (
-        "lower weight_decay (1e-5..1e-2 as an L2 term; ~0.01..0.1 with AdamW, which applies it apart from the gradient)"
-    )
-    return [Finding("invariant-decay-dominates", "warning", message, evidence, fix)]
-
-
-def optimizer_recreated(facts: Any, outcome: object) -> list[Finding]:
-    found = [r for r in facts.invariants.get(FAMILY, {}).get("recreated", []) if r["median_steps_each"] <= _FEW_STEPS]
-    if not found:
-        return []
-    r = found[0]
-    where = f" (the second made before the step at {r['file']}:{r['line']})" if r.get("file") else ""
-    message = (
-        f"{r['instances']} {r['optimizer']} optimizers were made over the same parameters, each stepping "
-        f"{r['median_steps_each']} time(s) (the median){where}: an optimizer made anew each step starts from empty "
-        "state every time (no momentum, Adam's moments reset to their first step)"
-    )
-    fix = "make the optimizer once, before the training loop, and step that one"
-    evidence = {**r, "threshold": {"instances": _RECREATED, "median_steps_each": _FEW_STEPS}}
-    return [Finding("invariant-optimizer-recreated", "warning", message, evidence, fix)]
-
-
-def grads_zero(facts: Any, outcome: object) -> list[Finding]:
-    rec = facts.invariants.get(FAMILY, {}).get("zero_grads") or {}
-    if not rec:
-        return []
-    names = rec["parameters"]
-    message = (
-        f"{rec['num_zero']} trained parameter tensor(s) get a gradient of exactly zero at every sampled step "
-        f"({', '.join(names[:4])}{', ...' if rec['num_zero'] > 4 else ''}) while {rec['num_nonzero']} others get "
-        "real gradients: something between them and the loss passes no gradient (round, argmax, sign, a "
-        "comparison, a clamp that always saturates, a factor of 0)"
-    )
-    fix = (
-        "find the op between these parameters and the loss that has no gradient and use a differentiable one "
-        "(softmax instead of argmax, a straight-through estimator for rounding), or freeze them on purpose"
-    )
-    return [Finding("invariant-grads-zero", "warning", message, {**rec}, fix)]
-
-
-IDS: tuple[str, ...] = (
-    "invariant-optimizer-recreated",
-    "invariant-optimizer-settings",
-    "invariant-grads-not-stepped",
-    "invariant-grads-zero",
-    "invariant-weights-collapse",
-    "invariant-decay-dominates",
-)
-DETECTORS: tuple = (
-    optimizer_recreated,
-    unstable_settings,
-    grads_not_stepped,
-    grads_zero,
-    weights_collapse,
-    decay_dominates,
-)
-EXPLAINED_BY: dict[str, set[str]] = {
-    "invariant-grads-not-stepped": {"params-not-updating", "frozen-parameters", "grad-none"},
-    "invariant-weights-collapse": {"lr-divergence", "grad-exploding", "params-not-updating"},
-    "invariant-decay-dominates": {"params-not-updating", "frozen-parameters", "grad-none"},
-    "invariant-optimizer-settings": set(),
-    "invariant-optimizer-recreated": set(),
-    "invariant-grads-zero": {"params-not-updating", "frozen-parameters", "grad-none", "grad-vanishing"},
-}
