@@ -331,3 +331,21 @@ def test_a_loss_network_without_an_optimizer_is_not_a_part_left_out():
             opt.step()
 
     assert optimizers.grads_not_stepped(probed(train).facts, OK) == []
+
+
+def test_a_schedule_that_grows_the_rate_and_one_that_decays_it():
+    def run(gamma: float) -> Probe:
+        model, y = classifier(), torch.randint(0, 5, (64,))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=gamma)
+
+        def train() -> None:
+            for _ in range(30):
+                fit(model, F.cross_entropy, opt, steps=1, y=y)
+                sched.step()
+
+        return probed(train)
+
+    found = optimizers.unstable_settings(run(1.2).facts, OK)
+    assert found[0].evidence["scheduler"] == "ExponentialLR" and found[0].evidence["lr_reached"] > 10 * 1e-4
+    assert optimizers.unstable_settings(run(0.9).facts, OK) == []

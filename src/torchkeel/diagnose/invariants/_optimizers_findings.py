@@ -64,7 +64,7 @@ def weights_collapse(facts: Any, outcome: object) -> list[Finding]:
 def unstable_settings(facts: Any, outcome: object) -> list[Finding]:
     settings = facts.invariants.get(FAMILY, {}).get("settings", [])
     if not settings:
-        return []
+        return _growing_schedule(facts)
     s = settings[0]
     message = (
         f"{s['optimizer']} (optimizer {s['index']}, parameter group {s['group']}) runs with {s['key']}={s['value']:g}, "
@@ -189,3 +189,32 @@ def _orphans(rec: dict[str, Any]) -> list[Finding]:
         "loop), and build the optimizer over model.parameters()"
     )
     return [Finding("invariant-grads-not-stepped", "warning", message, evidence, fix)]
+
+
+_CYCLIC = {"CyclicLR", "OneCycleLR"}  # schedules that rise above the rate set, on purpose
+_LR_GROWTH = 10.0  # a schedule that ends this many times above the rate the optimizer was given
+
+
+def _growing_schedule(facts: Any) -> list[Finding]:
+    """A scheduler that drives the learning rate up, not down: it ends ≥ 10× the rate set (a gamma
+    above 1, a lambda that grows where it should shrink)."""
+    for s in facts.events.get("scheduler-calls", []):
+        lr_set, reached = s.get("lr_set") or 0.0, s.get("lr_reached") or 0.0
+        if s.get("scheduler") in _CYCLIC or lr_set <= 0 or reached < _LR_GROWTH * lr_set:
+            continue
+        message = (
+            f"{s['scheduler']} drove the learning rate from {lr_set:.3g} up to {reached:.3g} ({reached / lr_set:.3g}×) "
+            f"over {s.get('calls')} calls: a schedule meant to decay it grows it (a gamma above 1, a lambda that grows)"
+        )
+        evidence = {
+            "scheduler": s["scheduler"],
+            "lr_set": lr_set,
+            "lr_reached": reached,
+            "calls": s.get("calls"),
+            "horizon": s.get("horizon"),
+            "threshold": _LR_GROWTH,
+            **{k: s[k] for k in ("file", "line") if s.get(k) is not None},
+        }
+        fix = "use a gamma below 1 (0.1 for StepLR, 0.9..0.99 for ExponentialLR), or a lambda that falls from 1"
+        return [Finding("invariant-optimizer-settings", "warning", message, evidence, fix)]
+    return []
