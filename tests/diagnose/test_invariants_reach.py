@@ -1,6 +1,7 @@
-"""The rows family's second check: a model's output depends on all of its input. Replacing the later
-half of every input row (along time, or an image's height) with another row's must change some
-output; a model that reads only the start (``out[:, 0]`` where ``out[:, -1]`` was meant) ignores it."""
+"""The rows family's checks of what a model reads. Its output depends on all of its input: replacing
+the later half of every input row (along time, or an image's height) with another row's must change
+some output (a model that reads only the start, ``out[:, 0]`` where ``out[:, -1]`` was meant, does
+not). A model that attends reads the order of its input (attention without positions does not)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,27 @@ def test_token_ids_are_checked_too_and_padding_alike_in_every_row_is_not_judged(
     probe = run(Reader(-1, tokens=True), padded)
     assert all(c["reach"] is None for c in probe.facts.invariants["rows"]["checks"])
     assert rows.input_ignored(probe.facts, OK) == []
+
+
+class Attender(nn.Module):
+    def __init__(self, positions: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.position = nn.Parameter(torch.randn(1, 12, 16)) if positions else None
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.fc = nn.Linear(16, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        if self.position is not None:
+            h = h + self.position
+        return self.fc(self.encoder(h).mean(1))
+
+
+def test_attention_without_positions_ignores_order_and_with_positions_reads_it():
+    ids = torch.randint(0, 20, (128, 12))
+    found = rows.order_ignored(run(Attender(positions=False), ids).facts, OK)
+    assert [f.id for f in found] == ["invariant-order-ignored"]
+    assert rows.order_ignored(run(Attender(positions=True), ids).facts, OK) == []
+    assert rows.order_ignored(run(Reader(-1, tokens=True), ids).facts, OK) == []  # no attention: not checked

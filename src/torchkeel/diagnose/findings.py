@@ -74,6 +74,7 @@ FINDING_IDS = (
     # -- invariants: rows
     "invariant-rows-mixed",
     "invariant-input-ignored",
+    "invariant-order-ignored",
     # -- invariants: randomness
     "invariant-rng-reset",
     "invariant-rng-recreated",

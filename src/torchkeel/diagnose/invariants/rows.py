@@ -34,6 +34,14 @@ import torch
 import torch.nn.functional as F
 
 from torchkeel.diagnose.findings import Finding, site_fields
+from torchkeel.diagnose.invariants._rows_reach import (
+    _attends,
+    _later_half,
+    _reach,
+    _reversed,
+    input_ignored,
+    order_ignored,
+)
 from torchkeel.diagnose.invariants.losses import _chained
 from torchkeel.introspect.sites import tensors_in, user_site
 
@@ -174,6 +182,7 @@ def _compare(module: torch.nn.Module, args: tuple, index: int, x: torch.Tensor) 
     if kept.too_large:
         return None
     variants = [(None, x)] + [(k, _replaced(x, k)) for k in (0, rows - 1)] + [("reach", _later_half(x))]
+    variants.append(("order", _reversed(x) if _attends(module) else None))
     outputs = []
     try:
         with torch.no_grad(), _quiet():
@@ -197,13 +206,14 @@ def _compare(module: torch.nn.Module, args: tuple, index: int, x: torch.Tensor) 
     tolerance = max(_TOLERANCE, 8 * torch.finfo(base.dtype).eps)  # float16/bfloat16 round coarser
     base = base.float()
     worst: dict[str, Any] | None = None
-    reach = None
+    reach = order = None
     for k, out in outputs[1:]:
         if out is None or out.shape != base.shape:
             return None
         change = (out.float() - base).abs().reshape(rows, -1).amax(dim=1) / scale
-        if k == "reach":
-            reach = {"dim": _reach_dim(x), "rows_changed": int((change > tolerance).sum())}
+        if k in ("reach", "order"):
+            found_k = _reach(k, x, out.float(), base, scale, tolerance)
+            reach, order = (found_k, order) if k == "reach" else (reach, found_k)
             continue
         change[k] = 0.0
         changed = int((change > tolerance).sum())
@@ -211,26 +221,7 @@ def _compare(module: torch.nn.Module, args: tuple, index: int, x: torch.Tensor) 
             worst = {"changed_row": k, "rows_changed": changed, "max_relative_change": float(change.max())}
     worst = worst or {"changed_row": None, "rows_changed": 0, "max_relative_change": 0.0}
     found = {**worst, "rows_compared": rows - 1, "output_shape": list(base.shape), "tolerance": tolerance}
-    return {**found, "reach": reach}
-
-
-def _reach_dim(x: torch.Tensor) -> int:
-    """The dim whose later half is replaced: time for (batch, time[, feature]), height for images."""
-    return 1 if x.dim() <= 3 else 2
-
-
-def _later_half(x: torch.Tensor) -> torch.Tensor | None:
-    """``x`` with the later half along ``_reach_dim`` taken from the next row (None: too short, or
-    that half is the same in every row, padding)."""
-    dim = _reach_dim(x)
-    if x.dim() < 2 or x.shape[dim] < 4:
-        return None
-    half = x.shape[dim] // 2
-    changed = x.detach().clone()
-    later = changed.narrow(dim, half, x.shape[dim] - half)
-    later.copy_(x.roll(1, 0).narrow(dim, half, x.shape[dim] - half))
-    differs = (changed != x).reshape(x.shape[0], -1).any(1)
-    return changed if int(differs.sum()) >= 2 else None
+    return {**found, "reach": reach, "order": order}
 
 
 def _replaced(x: torch.Tensor, k: int) -> torch.Tensor | None:
@@ -357,31 +348,6 @@ def rows_mixed(facts: Any, outcome: object) -> list[Finding]:
     return []
 
 
-def input_ignored(facts: Any, outcome: object) -> list[Finding]:
-    """At every check of a model, its output stayed the same when the later half of each input row
-    (along time, or the image's height) was replaced by another row's."""
-    by_model: dict[str, list[dict[str, Any]]] = {}
-    for check in facts.invariants.get(FAMILY, {}).get("checks", []):
-        if check.get("reach") is not None:
-            by_model.setdefault(check["model"], []).append(check)
-    for model, done in by_model.items():
-        if len(done) < 2 or any(c["reach"]["rows_changed"] for c in done):
-            continue
-        first = done[0]
-        dim = first["reach"]["dim"]
-        message = (
-            f"{model}'s output does not depend on the later half of its input along dim {dim} (input shape "
-            f"{first['input_shape']}): replacing it in every row with another row's changed no output at {len(done)} "
-            "checks; the model reads only the start (output[:, 0] where output[:, -1] was meant, a slice or a "
-            "truncation that drops the rest)"
-        )
-        evidence = {"model": model, "input_shape": first["input_shape"], "dim": dim, "checks": len(done)}
-        evidence.update(step=first["step"], **site_fields(first))
-        fix = "use the last time step (out[:, -1]) or a pooled summary of the sequence, and check what slices the input"
-        return [Finding("invariant-input-ignored", "warning", message, evidence, fix)]
-    return []
-
-
-IDS: tuple[str, ...] = ("invariant-rows-mixed", "invariant-input-ignored")
-DETECTORS: tuple = (rows_mixed, input_ignored)
+IDS: tuple[str, ...] = ("invariant-rows-mixed", "invariant-input-ignored", "invariant-order-ignored")
+DETECTORS: tuple = (rows_mixed, input_ignored, order_ignored)
 EXPLAINED_BY: dict[str, set[str]] = {"invariant-rows-mixed": {"softmax-over-batch"}}
