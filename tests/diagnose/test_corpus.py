@@ -1,6 +1,7 @@
 """``keel diagnose`` on its corpus: each faulty script's root cause is named first with its
-evidence, and the clean controls raise no alarm. The default suite runs one script per finding
-id and two controls; ``slow`` runs the whole corpus with the reproducibility check everywhere."""
+evidence, and the clean controls raise no alarm. The default suite runs one script per named
+finding id, one per invariant family, and the controls closest to a fault; ``slow`` runs the whole
+corpus with the reproducibility check everywhere."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from diagcorpus import EXPECTED, diagnose_all, verdict
 
 from torchkeel.diagnose.findings import FINDING_IDS
+from torchkeel.diagnose.invariants import FAMILIES
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "docs" / "diagnose.schema.json").read_text())
 FAULTS = sorted(n for n, e in EXPECTED.items() if e is not None)
@@ -43,8 +45,16 @@ HABIT_CONTROLS = [
 ]
 # Forms first missed on held-out public scripts, with their controls (an LSTM fed 0-255 pixel rows).
 HELD_OUT_FORMS = ["input_scale_sequence.py", "clean_sequence_scaled.py"]
+# Invariant findings: one script per family in the short form (the ranking across families, end to
+# end); each invariant's own listener and detector are proved by tests/diagnose/test_invariants_*.py,
+# and the slow run takes every script.
+FIRST_OF_FAMILY = {family.IDS[0] for family in FAMILIES}
+ONE_PER_ID = sorted({EXPECTED[n]["id"]: n for n in reversed(FAULTS)}.items())
 SHORT = (
-    sorted({EXPECTED[n]["id"]: n for n in reversed(FAULTS)}.values()) + SHORT_CONTROLS + HABIT_CONTROLS + HELD_OUT_FORMS
+    [n for i, n in ONE_PER_ID if not i.startswith("invariant-") or i in FIRST_OF_FAMILY]
+    + SHORT_CONTROLS
+    + HABIT_CONTROLS
+    + HELD_OUT_FORMS
 )
 NONDET = {n for n in FAULTS if EXPECTED[n]["id"] == "nondeterministic"}
 
