@@ -25,13 +25,13 @@ demo: setup
 
 # The layers of docs/architecture.md, ruff's checks and its formatting come first: they take seconds.
 # The suite runs on two workers (pytest-xdist), each test file on one of them (module fixtures
-# are made once); TEST_WORKERS=0 runs it in one process.
+# are made once); TEST_WORKERS=0 runs it in one process. The slowest tests are listed at the end.
 TEST_WORKERS ?= 2
 test: setup
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff check src tests bench examples
 	$(VENV)/bin/ruff format --check src tests bench examples
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
