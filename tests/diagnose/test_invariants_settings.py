@@ -349,3 +349,16 @@ def test_a_schedule_that_grows_the_rate_and_one_that_decays_it():
     found = optimizers.unstable_settings(run(1.2).facts, OK)
     assert found[0].evidence["scheduler"] == "ExponentialLR" and found[0].evidence["lr_reached"] > 10 * 1e-4
     assert optimizers.unstable_settings(run(0.9).facts, OK) == []
+
+
+def test_the_reverse_direction_of_a_bidirectional_lstm_read_at_its_last_step_is_not_a_blocked_gradient():
+    class BiRNN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm, self.fc = nn.LSTM(4, 8, batch_first=True, bidirectional=True), nn.Linear(16, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.lstm(x)[0][:, -1, :])
+
+    probe = probed(lambda: fit(BiRNN(), F.cross_entropy, x=torch.randn(64, 6, 4), y=torch.randint(0, 5, (64,))))
+    assert optimizers.grads_zero(probe.facts, OK) == []

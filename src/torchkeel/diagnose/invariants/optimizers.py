@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +54,7 @@ _UNSTEPPED_SHARE = 0.9  # sampled steps at which the same parameters had gradien
 _UNSTEPPED_SIZE = 0.01  # ... together this share of the model's elements, at least
 _MIN_WEIGHT_NORM = 1e-3
 _FIRST_STEPS = 5
+_RECURRENT_STEP = re.compile(r"weight_hh_l\d+(_reverse)?$")
 _AVERAGES = ("momentum", "alpha", "rho")  # running-average coefficients, each in [0, 1)
 
 
@@ -222,8 +224,14 @@ def _parameter_leaves(node: Any, limit: int = 20_000) -> list[torch.nn.Parameter
 
 def _always_zero(seen: dict[int, list[Any]]) -> dict[str, Any]:
     """The parameters whose gradient was all zeros at every one of ≥ ``_MIN_SAMPLES`` sampled steps,
-    beside others whose gradient was not."""
-    zero = sorted(name for name, count, nonzero in seen.values() if count >= _MIN_SAMPLES and not nonzero)
+    beside others whose gradient was not. A recurrent layer's hidden-to-hidden weights are left out:
+    they get none where one step alone reaches the loss from a zero state (a bidirectional layer's
+    reverse direction read at the last step), which is how the output is read, not a blocked op."""
+    zero = sorted(
+        name
+        for name, count, nonzero in seen.values()
+        if count >= _MIN_SAMPLES and not nonzero and not _RECURRENT_STEP.search(name)
+    )
     moving = sum(nonzero for _, _, nonzero in seen.values())
     return {"parameters": zero[:16], "num_zero": len(zero), "num_nonzero": moving} if zero and moving else {}
 
