@@ -49,7 +49,7 @@ def _reversed(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _attends(module: torch.nn.Module) -> bool:
-    """The model has attention layers (nn's, or a module calling scaled_dot_product_attention is not seen)."""
+    """The model has nn attention layers (a hand-written attention is not recognised: it is not checked)."""
     return any(isinstance(m, _ATTENTION) for m in module.modules())
 
 
