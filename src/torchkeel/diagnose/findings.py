@@ -69,6 +69,7 @@ FINDING_IDS = (
     "invariant-loss-targets-are-inputs",
     "invariant-loss-counts-padding",
     "invariant-loss-negated",
+    "invariant-loss-unbounded",
     "invariant-loss-broadcast",
     "invariant-loss-target-range",
     # -- invariants: rows
@@ -79,8 +80,11 @@ FINDING_IDS = (
     "invariant-rng-reset",
     "invariant-rng-recreated",
     # -- invariants: optimizers' settings (they make the updates: ranked before them)
+    "invariant-grads-discarded",
     "invariant-optimizer-recreated",
     "invariant-optimizer-settings",
+    # -- invariants: descent
+    "invariant-updates-ascend",
     # -- invariants: updates
     "invariant-clip-always",
     "invariant-update-too-small",
@@ -93,6 +97,7 @@ FINDING_IDS = (
     # -- invariants: dropout
     "invariant-dropout-drops-most",
     # -- invariants: depth
+    "invariant-init-scale",
     "invariant-linear-stack",
     # -- invariants: units
     "invariant-units-identical",

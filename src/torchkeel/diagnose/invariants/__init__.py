@@ -28,6 +28,7 @@ from torchkeel.diagnose.invariants import (
     batches,
     data,
     depth,
+    descent,
     dropout,
     inputs,
     losses,
@@ -43,7 +44,7 @@ from torchkeel.diagnose.invariants.common import ANY, ANY_CAUSE, SYMPTOMS
 if TYPE_CHECKING:
     from torchkeel.diagnose.probe.facts import Facts
 
-FAMILIES = (data, batches, inputs, modes, losses, rows, randomness, updates, optimizers, dropout, depth, units)
+FAMILIES = (data, batches, inputs, modes, losses, rows, randomness, updates, descent, optimizers, dropout, depth, units)
 INVARIANT_IDS: tuple[str, ...] = tuple(i for family in FAMILIES for i in family.IDS)
 LISTENERS = tuple(family.Listener for family in FAMILIES)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import TYPE_CHECKING, Any
 
 from torchkeel.diagnose.findings import Finding, site_fields
@@ -137,6 +139,45 @@ def loss_negated(facts: Any, outcome: Any) -> list[Finding]:
     ]
 
 
+_UNBOUNDED = 1e3  # a loss that ends below zero at this many times its first magnitude
+
+
+def loss_unbounded(facts: Any, outcome: Any) -> list[Finding]:
+    """The loss falls below zero without bound: nothing bounds it from below (a sign flipped on a sum
+    of losses, a likelihood maximised where its negative was meant, raw scores into nll_loss)."""
+    values = [x for x in facts.losses if math.isfinite(x["value"])]
+    if len(values) < 10 or len(facts.optimizers) > 1:
+        return []  # several optimizers: one player's loss may fall without bound against another's
+    first = statistics.median(abs(x["value"]) for x in values[:5])
+    third = len(values) // 3
+    early, late = (
+        statistics.median(x["value"] for x in values[:third]),
+        statistics.median(x["value"] for x in values[-third:]),
+    )
+    last = values[-1]
+    if last["value"] >= 0 or abs(last["value"]) < _UNBOUNDED * max(first, 1e-3) or late >= early:
+        return []
+    return [
+        Finding(
+            "invariant-loss-unbounded",
+            "warning",
+            f"the loss falls below zero without bound: from {values[0]['value']:.4g} at step {values[0]['step']} to "
+            f"{last['value']:.4g} at step {last['step']}; no loss a model can reach is that low (a sign flipped on "
+            "the loss, a likelihood maximised where its negative belongs)",
+            {
+                "first": values[0]["value"],
+                "last": last["value"],
+                "step": last["step"],
+                "early_median": early,
+                "late_median": late,
+                "threshold": _UNBOUNDED,
+            },
+            "Minimise the negative log-likelihood (loss = criterion(...) or -log_likelihood), not its negative; "
+            "check every sign in the loss's sum.",
+        )
+    ]
+
+
 def loss_too_fast(facts: Any, outcome: Any) -> list[Finding]:
     found = []
     for site in _sites(facts):
@@ -227,6 +268,7 @@ IDS: tuple[str, ...] = (
     "invariant-loss-targets-are-inputs",
     "invariant-loss-counts-padding",
     "invariant-loss-negated",
+    "invariant-loss-unbounded",
     "invariant-loss-broadcast",
     "invariant-loss-target-range",
     "invariant-loss-too-fast",
@@ -236,6 +278,7 @@ DETECTORS: tuple = (
     targets_are_inputs,
     counts_padding,
     loss_negated,
+    loss_unbounded,
     loss_broadcast,
     loss_target_range,
     loss_too_fast,
@@ -243,6 +286,7 @@ DETECTORS: tuple = (
 )
 EXPLAINED_BY: dict[str, set[str]] = {
     "invariant-loss-target-range": {"label-out-of-range", "probabilities-into-cross-entropy"},
+    "invariant-loss-unbounded": {"nonfinite-forward", "nonfinite-grad", "lr-divergence"},
     "invariant-loss-at-chance": {
         "nonfinite-input",
         "label-out-of-range",

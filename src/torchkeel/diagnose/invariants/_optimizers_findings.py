@@ -140,32 +140,6 @@ def grads_zero(facts: Any, outcome: object) -> list[Finding]:
     return [Finding("invariant-grads-zero", "warning", message, {**rec}, fix)]
 
 
-IDS: tuple[str, ...] = (
-    "invariant-optimizer-recreated",
-    "invariant-optimizer-settings",
-    "invariant-grads-not-stepped",
-    "invariant-grads-zero",
-    "invariant-weights-collapse",
-    "invariant-decay-dominates",
-)
-DETECTORS: tuple = (
-    optimizer_recreated,
-    unstable_settings,
-    grads_not_stepped,
-    grads_zero,
-    weights_collapse,
-    decay_dominates,
-)
-EXPLAINED_BY: dict[str, set[str]] = {
-    "invariant-grads-not-stepped": {"params-not-updating", "frozen-parameters", "grad-none"},
-    "invariant-weights-collapse": {"lr-divergence", "grad-exploding", "params-not-updating"},
-    "invariant-decay-dominates": {"params-not-updating", "frozen-parameters", "grad-none"},
-    "invariant-optimizer-settings": set(),
-    "invariant-optimizer-recreated": set(),
-    "invariant-grads-zero": {"params-not-updating", "frozen-parameters", "grad-none", "grad-vanishing"},
-}
-
-
 def _orphans(rec: dict[str, Any]) -> list[Finding]:
     """The loss's gradients reach parameters no optimizer holds, at most sampled steps."""
     if rec.get("count", 0) < _MIN_SAMPLES or 2 * rec["count"] < rec["walked"]:
@@ -218,3 +192,55 @@ def _growing_schedule(facts: Any) -> list[Finding]:
         fix = "use a gamma below 1 (0.1 for StepLR, 0.9..0.99 for ExponentialLR), or a lambda that falls from 1"
         return [Finding("invariant-optimizer-settings", "warning", message, evidence, fix)]
     return []
+
+
+_DISCARDED_SHARE = 0.5  # backward passes whose gradients were zeroed before any step used them
+_MIN_BACKWARDS = 10
+
+
+def grads_discarded(facts: Any, outcome: object) -> list[Finding]:
+    """Most backward passes' gradients are cleared by ``zero_grad`` before any optimizer step uses them:
+    the step runs outside the loop over batches (once an epoch), and only the last batch trains."""
+    rec = facts.invariants.get(FAMILY, {}).get("backwards") or {}
+    total, discarded = rec.get("total", 0), rec.get("discarded", 0)
+    if total < _MIN_BACKWARDS or discarded < _DISCARDED_SHARE * total or not facts.optimizers:
+        return []  # no optimizer: a hand-written update uses the gradients between backward and zero_grad
+    site = rec.get("site") or {}
+    where = f" (the zero_grad at {site['file']}:{site['line']})" if site.get("file") else ""
+    message = (
+        f"{discarded} of {total} backward passes had their gradients cleared by zero_grad before any optimizer "
+        f"step used them{where}: they were computed for nothing, and only the batches just before a step train "
+        "(a step() outside the loop over batches)"
+    )
+    evidence = {"backwards": total, "discarded": discarded, "threshold": _DISCARDED_SHARE, **site}
+    fix = "call optimizer.step() after each backward (inside the batch loop), or zero the gradients only after a step"
+    return [Finding("invariant-grads-discarded", "warning", message, evidence, fix)]
+
+
+IDS: tuple[str, ...] = (
+    "invariant-grads-discarded",
+    "invariant-optimizer-recreated",
+    "invariant-optimizer-settings",
+    "invariant-grads-not-stepped",
+    "invariant-grads-zero",
+    "invariant-weights-collapse",
+    "invariant-decay-dominates",
+)
+DETECTORS: tuple = (
+    grads_discarded,
+    optimizer_recreated,
+    unstable_settings,
+    grads_not_stepped,
+    grads_zero,
+    weights_collapse,
+    decay_dominates,
+)
+EXPLAINED_BY: dict[str, set[str]] = {
+    "invariant-grads-not-stepped": {"params-not-updating", "frozen-parameters", "grad-none"},
+    "invariant-weights-collapse": {"lr-divergence", "grad-exploding", "params-not-updating"},
+    "invariant-decay-dominates": {"params-not-updating", "frozen-parameters", "grad-none"},
+    "invariant-optimizer-settings": set(),
+    "invariant-optimizer-recreated": set(),
+    "invariant-grads-discarded": {"zero-grad-before-step", "params-not-updating", "double-step"},
+    "invariant-grads-zero": {"params-not-updating", "frozen-parameters", "grad-none", "grad-vanishing"},
+}

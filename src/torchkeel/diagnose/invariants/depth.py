@@ -1,5 +1,12 @@
 """Invariants: depth (see ``diagnose.invariants``).
 
+Each layer starts at a scale that keeps the signal's size through the stack: Glorot & Bengio (2010)
+and He et al. (2015) set a weight's standard deviation near ``1/sqrt(fan_in)`` to ``sqrt(2/fan_in)``
+(PyTorch's default gives ``std·sqrt(fan_in)`` ≈ 0.58, He's ≈ 1.41). Weights drawn at ``std=1`` on a
+layer of 100 inputs are 10× that: activations saturate or explode from the first step. At the first
+step, before the optimizer moves anything, ``std·sqrt(fan_in)`` is measured for each trained Linear,
+Conv and recurrent weight; most of them ≥ 4 (or, non-zero, under 0.05) is an initialisation off scale.
+
 Each layer a model stacks adds what it can compute: a linear layer fed straight from another
 linear layer (through views or dropout only) composes with it into one linear map, so the pair is
 no more expressive than a single layer, however wide the layer between (an activation forgotten
@@ -32,15 +39,20 @@ if TYPE_CHECKING:
 FAMILY = "depth"
 _MIN_STEPS = 3  # sampled steps at which the same pair was seen
 _LINEAR_OPS = {"Addmm", "Mm"}
+_SCALED = (torch.nn.Linear, torch.nn.modules.conv._ConvNd, torch.nn.RNNBase, torch.nn.RNNCellBase)
+_TOO_LARGE = 4.0  # std·sqrt(fan_in): about 3× He's 1.41, 7× PyTorch's default 0.58
+_TOO_SMALL = 0.05  # ... and under a tenth of the default (zero-initialised weights are not counted)
 _PASS_THROUGH = (*_VIEWS, "NativeDropout")
 _SCALINGS = {"Mul", "Div"}
 
 
 class Listener:
-    """The linear calls at sampled training steps, and which one fed the next directly."""
+    """The linear calls at sampled training steps, and which one fed the next directly; the weights'
+    scale at the first step."""
 
     def __init__(self, probe: Probe) -> None:
         self.probe = probe
+        self.scales: list[dict[str, Any]] | None = None
         self.last: dict[str, Any] | None = None  # the latest linear call: name, input and output features
         self.pairs: dict[tuple[str, str], dict[str, Any]] = {}
 
@@ -50,6 +62,22 @@ class Listener:
 
     def on_model_called(self, module: torch.nn.Module, args: Any) -> None:
         self.last = None
+
+    def on_step_begins(self) -> None:
+        if self.scales is not None or self.probe.light:
+            return
+        held = {id(p) for opt in self.probe.state.optimizers for g in opt.param_groups for p in g["params"]}
+        names = self.probe.param_names()
+        self.scales = []
+        for root, _ in self.probe.state.roots.values():
+            for m in root.modules():
+                if not isinstance(m, _SCALED):
+                    continue
+                for name, w in m.named_parameters(recurse=False):
+                    if name.startswith("weight") and w.dim() >= 2 and id(w) in held and w.numel() >= 16:
+                        fan_in = w[0].numel()
+                        scale = float(w.detach().float().std()) * fan_in**0.5
+                        self.scales.append({"parameter": names.get(id(w), name), "scale": round(scale, 4)})
 
     def check(self, func: Callable, args: Any, kwargs: dict) -> None:
         probe = self.probe
@@ -75,7 +103,7 @@ class Listener:
 
     def finish(self) -> None:
         stacked = [p for p in self.pairs.values() if len(p["steps"]) >= _MIN_STEPS]
-        self.probe.facts.invariants[FAMILY] = {"stacked": stacked[:8]}
+        self.probe.facts.invariants[FAMILY] = {"stacked": stacked[:8], "scales": (self.scales or [])[:64]}
 
 
 def _made_by(x: torch.Tensor) -> str | None:
@@ -111,6 +139,35 @@ def linear_stack(facts: Any, outcome: object) -> list[Finding]:
     return [Finding("invariant-linear-stack", "warning", message, evidence, fix)]
 
 
-IDS: tuple[str, ...] = ("invariant-linear-stack",)
-DETECTORS: tuple = (linear_stack,)
-EXPLAINED_BY: dict[str, set[str]] = {}
+def init_scale(facts: Any, outcome: object) -> list[Finding]:
+    scales = [s for s in (facts.invariants.get(FAMILY) or {}).get("scales", []) if s["scale"] > 0]
+    for off, word in (
+        ((s for s in scales if s["scale"] >= _TOO_LARGE), "large"),
+        (
+            (s for s in scales if s["scale"] < _TOO_SMALL),
+            "small",
+        ),
+    ):
+        off = list(off)
+        if not scales or 2 * len(off) < len(scales):
+            continue
+        first = max(off, key=lambda s: s["scale"]) if word == "large" else min(off, key=lambda s: s["scale"])
+        message = (
+            f"{len(off)} of {len(scales)} trained weight tensors start too {word}: std·sqrt(fan_in) is "
+            f"{first['scale']:.3g} for {first['parameter']} (PyTorch's default init gives 0.58, He's 1.41): "
+            + (
+                "activations saturate or explode from the first step"
+                if word == "large"
+                else "the signal fades layer by layer"
+            )
+        )
+        evidence = {"parameters": off[:16], "num_off": len(off), "num_weights": len(scales)}
+        evidence["threshold"] = _TOO_LARGE if word == "large" else _TOO_SMALL
+        fix = "keep PyTorch's default init, or draw weights with std ≈ sqrt(2 / fan_in) (nn.init.kaiming_normal_)"
+        return [Finding("invariant-init-scale", "warning", message, evidence, fix)]
+    return []
+
+
+IDS: tuple[str, ...] = ("invariant-init-scale", "invariant-linear-stack")
+DETECTORS: tuple = (init_scale, linear_stack)
+EXPLAINED_BY: dict[str, set[str]] = {"invariant-init-scale": {"params-not-updating", "frozen-parameters"}}

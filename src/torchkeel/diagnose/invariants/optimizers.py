@@ -11,8 +11,9 @@
   pull larger than the gradient over the first steps on every decayed weight tensor, even the one
   the loss pushes hardest, is a decay orders of magnitude above the usual 1e-5..1e-2 (healthy
   corpus, weight decay 5e-4: the hardest-pushed tensor's pull is 0.0014 and 0.0103 of its gradient).
-- Every trained parameter gets a gradient: one whose gradient is exactly zero at every sampled step,
-  beside others that move, sits behind an op with no gradient (round, argmax, a comparison).
+- Every trained weight gets a gradient: a weight tensor (≥ 2 dimensions: a bias cancels in a
+  difference of two scores, on purpose) whose gradient is exactly zero at every sampled step, beside
+  others that move, sits behind an op with no gradient (round, argmax, a comparison).
 - An optimizer lives through the run: its state (momentum, Adam's moments) builds up over steps.
   Five or more optimizer objects made over the same parameters, each stepping at most twice (the
   median), are an optimizer made anew inside the loop.
@@ -38,6 +39,7 @@ from torchkeel.diagnose.invariants._optimizers_findings import (  # noqa: F401 -
     FAMILY,
     IDS,
     decay_dominates,
+    grads_discarded,
     grads_not_stepped,
     grads_zero,
     optimizer_recreated,
@@ -75,6 +77,7 @@ class Listener:
         self.settings: list[dict[str, Any]] = []
         self.checked: set[int] = set()
         self.instances: dict[tuple[int, int], dict[str, Any]] = {}  # optimizers over the same parameters
+        self.backwards: dict[str, Any] = {"total": 0, "pending": 0, "discarded": 0, "site": None}
         self.orphan_steps: dict[int, None] = {}  # sampled steps whose graph was walked
         self.orphans: list[dict[str, Any]] = []  # ... and what it reached that no optimizer holds
         self.zero_grads: dict[int, list[Any]] = {}  # parameter → [name, sampled steps with a .grad, any non-zero]
@@ -100,7 +103,7 @@ class Listener:
                     self.decay[id(p)] = float(group.get("weight_decay", 0.0) or 0.0)
                     if probe.next_step <= _FIRST_STEPS and self.decay[id(p)] > 0 and _coupled(optimizer, group):
                         self._pull(p, self.decay[id(p)], norm)
-                if p.requires_grad and p.grad is not None and not p.grad.is_sparse:
+                if p.requires_grad and p.dim() >= 2 and p.grad is not None and not p.grad.is_sparse:
                     seen = self.zero_grads.setdefault(id(p), [names.get(id(p), f"a {tuple(p.shape)} tensor"), 0, False])
                     seen[1] += 1
                     seen[2] = seen[2] or bool(p.grad.any())
@@ -115,13 +118,29 @@ class Listener:
                     self.sizes[name] = p.numel()
             self.trainable = max(self.trainable, sum(p.numel() for p in params))
 
+    def on_backward_counted(self) -> None:
+        if not self.probe.state.in_step:
+            self.backwards["total"] += 1
+            self.backwards["pending"] += 1
+
+    def on_step_begins(self) -> None:
+        self.backwards["pending"] = 0
+
+    def on_zero_grad(self, owner: Any) -> None:
+        """Gradients of backward passes no step used, cleared: they were computed for nothing."""
+        pending, self.backwards["pending"] = self.backwards["pending"], 0
+        if pending and not self.probe.state.in_step:
+            self.backwards["discarded"] += pending
+            if self.backwards["site"] is None:
+                self.backwards["site"] = {"step": self.probe.next_step, **site_fields(user_site() or {})}
+
     def on_backward_done(self, roots: list[torch.Tensor]) -> None:
         """The parameters the loss's gradients reach (the graph's leaves) that no optimizer holds: a
         layer kept in a plain list (not registered), or a model made anew while the optimizer holds
         the old one. A model no optimizer trains (a loss network) counts only when no parameter an
         optimizer holds is reached at all."""
         probe = self.probe
-        if probe.light or probe.state.in_step or not probe.state.optimizers or not is_sampled(probe.next_step):
+        if probe.light or not probe.state.optimizers or not is_sampled(probe.next_step):
             return
         if not roots or roots[0].grad_fn is None or probe.next_step in self.orphan_steps:
             return
@@ -194,6 +213,7 @@ class Listener:
             "decays": sorted({self.decay[i] for i in self.pulls}),
             "settings": self.settings,
             "zero_grads": _always_zero(self.zero_grads),
+            "backwards": {k: v for k, v in self.backwards.items() if k != "pending"},
             "orphans": {"walked": len(self.orphan_steps), "found": self.orphans[:8], "count": len(self.orphans)},
             "recreated": [_recreated(i) for i in self.instances.values() if len(i["steps"]) >= _RECREATED],
         }
