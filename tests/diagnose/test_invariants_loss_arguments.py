@@ -148,3 +148,11 @@ def test_binary_targets_coded_minus_one_plus_one_and_coded_zero_one():
     found = arguments(lambda: steps(nn.Linear(6, 1), lambda m: bce(m(x), signs)))["invariant-loss-target-range"]
     assert found["target_min"] == -1.0 and "[0, 1]" in found["reason"]
     assert arguments(lambda: steps(nn.Linear(6, 1), lambda m: bce(m(x), (signs + 1) / 2))) == {}
+
+
+def test_ignore_index_set_to_a_real_class_of_one_label_a_sample():
+    x, y = torch.randn(64, 6), torch.arange(64) % 4
+    found = arguments(lambda: steps(nn.Linear(6, 4), lambda m: F.cross_entropy(m(x), y, ignore_index=0)))
+    assert found["invariant-loss-target-range"]["ignore_index"] == 0
+    assert found["invariant-loss-target-range"]["ignored_share"] == 0.25
+    assert arguments(lambda: steps(nn.Linear(6, 4), lambda m: F.cross_entropy(m(x), y))) == {}

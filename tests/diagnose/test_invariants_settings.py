@@ -82,7 +82,8 @@ def sgd_run(lr: float = 0.01, **settings) -> Probe:
 def test_a_momentum_of_one_and_a_negative_learning_rate_are_outside_the_range_that_converges():
     found = optimizers.unstable_settings(sgd_run(lr=0.01, momentum=1.0).facts, OK)
     assert [f.id for f in found] == ["invariant-optimizer-settings"]
-    assert found[0].evidence["settings"][0] == {
+    setting = found[0].evidence["settings"][0]
+    assert {k: setting[k] for k in ("optimizer", "index", "group", "key", "value", "valid")} == {
         "optimizer": "SGD",
         "index": 0,
         "group": 0,
@@ -362,3 +363,14 @@ def test_the_reverse_direction_of_a_bidirectional_lstm_read_at_its_last_step_is_
 
     probe = probed(lambda: fit(BiRNN(), F.cross_entropy, x=torch.randn(64, 6, 4), y=torch.randint(0, 5, (64,))))
     assert optimizers.grads_zero(probe.facts, OK) == []
+
+
+def test_adam_betas_swapped_break_its_convergence_condition_and_the_usual_ones_do_not():
+    def run(betas: tuple[float, float]) -> list:
+        model, y = classifier(), torch.randint(0, 5, (64,))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=betas)
+        return optimizers.unstable_settings(probed(lambda: fit(model, F.cross_entropy, opt, y=y)).facts, OK)
+
+    found = run((0.999, 0.9))
+    assert found[0].evidence["settings"][0]["key"] == "betas" and "Kingma" in found[0].message
+    assert run((0.9, 0.999)) == [] and run((0.9, 0.95)) == []

@@ -257,3 +257,22 @@ _LOSS_OPS = {
     "MultiMarginLoss",
     "MultilabelMarginLoss",
 }
+
+
+def ignores_a_class(bound: dict[str, Any], x: torch.Tensor, t: torch.Tensor) -> dict[str, Any] | None:
+    """One class target a sample, and the loss's ``ignore_index`` is one of the classes, held by a
+    large share of them: those samples carry no loss (``ignore_index=0`` meant for padding, on labels)."""
+    ignore = bound.get("ignore_index", -100)
+    if not isinstance(ignore, int) or x.dim() != 2 or not 0 <= ignore < x.shape[1]:
+        return None
+    share = float((t == ignore).float().mean())
+    if share < _PADDING_SHARE / 2:
+        return None
+    return {
+        "reason": f"ignore_index={ignore} is one of the {x.shape[1]} classes: {share:.0%} of the targets (class "
+        f"{ignore}) carry no loss, and the model never learns that class",
+        "ignore_index": ignore,
+        "ignored_share": round(share, 4),
+        "target_min": float(t.min()),
+        "target_max": float(t.max()),
+    }

@@ -66,14 +66,10 @@ def unstable_settings(facts: Any, outcome: object) -> list[Finding]:
     if not settings:
         return _growing_schedule(facts)
     s = settings[0]
+    value = f"{s['value']:g}" if isinstance(s["value"], float) else str(tuple(s["value"]))
     message = (
-        f"{s['optimizer']} (optimizer {s['index']}, parameter group {s['group']}) runs with {s['key']}={s['value']:g}, "
-        f"outside {s['valid']}: "
-        + (
-            "a negative learning rate climbs the loss"
-            if s["key"] == "lr"
-            else "a running average with a coefficient of 1 or more never forgets, and the steps grow without bound"
-        )
+        f"{s['optimizer']} (optimizer {s['index']}, parameter group {s['group']}) runs with {s['key']}={value}, "
+        f"outside {s['valid']}: {s['why']}"
     )
     fix = f"set {s['key'].split('[')[0]} inside {s['valid']} (momentum 0.9, betas (0.9, 0.999), alpha 0.99 are usual)"
     evidence = {"settings": settings, "threshold": s["valid"]}

@@ -41,6 +41,7 @@ from torchkeel.diagnose.invariants._losses_arguments import (
     ELEMENTWISE,
     broadcast,
     counts_padding,
+    ignores_a_class,
     negated_loss,
     target_range,
 )
@@ -139,6 +140,9 @@ class Listener:
                 self._record("invariant-loss-counts-padding", found and {"loss": func.__name__, **found})
             if not site["lm"]:
                 site["lm"] = self._shifted_inputs(bound, target)
+            if "invariant-loss-target-range" not in self.found and not self._token_targets(target):
+                found = ignores_a_class(bound, x, target.detach())
+                self._record("invariant-loss-target-range", found and {"loss": func.__name__, **found})
         self._sample(site, func, bound, x, target)
 
     def _bind(self, func: Callable, args: Any, kwargs: dict) -> dict[str, Any]:
@@ -158,7 +162,10 @@ class Listener:
 
     def _per_token(self, target: torch.Tensor) -> bool:
         """Targets one a token of an integer input (tagging, next-token prediction), not one a sequence."""
-        return bool(self.padding_ids) and any(inp.numel() == target.numel() for inp in self.int_inputs)
+        return bool(self.padding_ids) and self._token_targets(target)
+
+    def _token_targets(self, target: torch.Tensor) -> bool:
+        return any(inp.numel() == target.numel() and inp.dim() >= 2 for inp in self.int_inputs)
 
     def _shifted_inputs(self, bound: dict[str, Any], target: torch.Tensor) -> bool:
         """The targets are an integer input shifted by one position: next-token prediction (the

@@ -277,11 +277,25 @@ def _unstable_settings(optimizer: torch.optim.Optimizer, index: int) -> list[dic
     found = []
     for g, group in enumerate(optimizer.param_groups):
         values = [(k, group[k]) for k in _AVERAGES if isinstance(group.get(k), (int, float))]
-        values += [(f"betas[{i}]", b) for i, b in enumerate(group.get("betas") or ()) if isinstance(b, (int, float))]
+        betas = [b for b in group.get("betas") or () if isinstance(b, (int, float))]
+        values += [(f"betas[{i}]", b) for i, b in enumerate(betas)]
         for key, value in values:
             if not 0.0 <= float(value) < 1.0:
-                found.append({"key": key, "value": float(value), "valid": "[0, 1)"})
+                found.append({"group": g, "key": key, "value": float(value), "valid": "[0, 1)", "why": _NEVER_FORGETS})
+        if len(betas) == 2 and 0 <= betas[1] < 1 and betas[0] ** 2 >= betas[1] ** 0.5:
+            found.append(
+                {"group": g, "key": "betas", "value": list(betas), "valid": "betas[0]² < √betas[1]", "why": _BETAS}
+            )
         lr = group.get("lr")
         if isinstance(lr, (int, float)) and lr < 0:
-            found.append({"key": "lr", "value": float(lr), "valid": ">= 0"})
-    return [{"optimizer": type(optimizer).__name__, "index": index, "group": g, **f} for f in found[:4]]
+            found.append(
+                {"group": g, "key": "lr", "value": float(lr), "valid": ">= 0", "why": "a negative rate climbs the loss"}
+            )
+    return [{"optimizer": type(optimizer).__name__, "index": index, **f} for f in found[:4]]
+
+
+_NEVER_FORGETS = "a running average with a coefficient of 1 or more never forgets, and the steps grow without bound"
+_BETAS = (
+    "the second moment forgets faster than the first (Adam converges for betas[0]² < √betas[1], Kingma & Ba "
+    "2015; betas swapped?)"
+)
