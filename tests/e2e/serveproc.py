@@ -108,8 +108,15 @@ class Server:
     def url(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def request(self, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | str | None = None,
+        headers: dict | None = None,
+        timeout: float = 30,
+    ):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             conn.request(method, path, body=body, headers=headers or {})
             response = conn.getresponse()

@@ -488,14 +488,16 @@ def test_a_long_prompt_is_tokenized_while_other_clients_are_served(server):
     outcome: dict[str, object] = {}
 
     def long_request() -> None:
-        outcome["status"], outcome["answer"] = post(server, "/v1/completions", body)
+        # A busy machine tokenizes slower: the verdict is the answer, not how soon it came.
+        status, raw, _ = server.request("POST", "/v1/completions", body, timeout=600)
+        outcome["status"], outcome["answer"] = status, json.loads(raw)
 
     worker = threading.Thread(target=long_request)
     started = time.monotonic()
     worker.start()
     answered = [started]
-    while worker.is_alive() and time.monotonic() - started < 120:
-        assert server.request("GET", "/v2/health/live")[0] == 200
+    while worker.is_alive() and time.monotonic() - started < 600:
+        assert server.request("GET", "/v2/health/live", timeout=120)[0] == 200
         answered.append(time.monotonic())
     worker.join(timeout=60)
     duration = time.monotonic() - started

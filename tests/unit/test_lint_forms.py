@@ -907,3 +907,18 @@ def test_tk122_quiet_on_ddps_own_forward_and_children_run_inside_a_forward_fires
     assert in_file(inner, "TK122") == [9]  # the inner module: DDP's gradient sync is skipped
     sharded = text.replace("DistributedDataParallel(model)", "fully_shard(model)")
     assert in_file(sharded, "TK122") == [6, 9]  # FSDP2 unshards each layer in its pre-forward hook
+
+
+def test_tk116_looks_for_callers_inside_the_project_only(tmp_path):
+    """The callers of a save helper are looked for up to three folders above, but not above the
+    project's root: a script elsewhere that calls a function of the same name once says nothing."""
+    helper = "import torch\ndef save(state, path):\n    torch.save(state, path)\n"
+    project = tmp_path / "project"
+    (project / "lib").mkdir(parents=True)
+    (project / "lib" / "utils.py").write_text(helper)
+    (tmp_path / "elsewhere.py").write_text("from lib.utils import save\nsave({}, 'once.pt')\n")
+    select = select_rules(["TK116"])
+    quiet = lint_source(helper, str(project / "lib" / "utils.py"), select)  # the outside caller is consulted
+    (project / "pyproject.toml").write_text("[project]\nname = 'p'\n")
+    bounded = lint_source(helper, str(project / "lib" / "utils.py"), select)
+    assert [f.code for f in quiet] == [] and [f.code for f in bounded] == ["TK116"]

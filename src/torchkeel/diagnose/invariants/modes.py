@@ -71,6 +71,8 @@ class Listener:
                 continue
             if not any(id(p) in held for p in model["module"].parameters()):
                 continue  # frozen: evaluation mode is right for it
+            if not any(isinstance(m, _DROPOUT) for _, m in model["layers"]):
+                continue  # BatchNorm alone kept in eval mode: statistics frozen on purpose (a fine-tune)
             stuck.append(
                 {
                     "model": names.get(key, type(model["module"]).__name__),

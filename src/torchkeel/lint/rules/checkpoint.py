@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -199,11 +201,23 @@ def _calls_elsewhere(source: Source, fn: ast.FunctionDef | ast.AsyncFunctionDef)
     here = Path(source.path).resolve()
     found = []
     for folder in list(here.parents)[:4]:  # lib/model/utils/net_utils.py is called from the root's train script
+        if folder in _OUTSIDE_ANY_PROJECT():
+            break  # scratch files in /tmp or the home folder are not this project's callers
         for path in sorted(folder.glob("*.py"))[:50]:
             where = _sibling(str(folder), path.stem) if path != here else None
             if where is not None and fn.name in where.text:
                 found += [(where, c) for c in where.calls() if last(call_name(c)) == fn.name]
+        if any((folder / marker).exists() for marker in _PROJECT_ROOTS):
+            break  # the repository's root: nothing above it calls into it
     return found
+
+
+_PROJECT_ROOTS = (".git", "pyproject.toml", "setup.py", "setup.cfg")
+
+
+@functools.cache
+def _OUTSIDE_ANY_PROJECT() -> frozenset[Path]:  # noqa: N802 - a constant, computed once
+    return frozenset({Path(tempfile.gettempdir()).resolve(), Path.home().resolve(), Path("/")})
 
 
 _COUNTS = ("epoch", "step", "iter", "accu", "acc", "score", "loss", "count")
