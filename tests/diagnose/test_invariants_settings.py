@@ -374,3 +374,19 @@ def test_adam_betas_swapped_break_its_convergence_condition_and_the_usual_ones_d
     found = run((0.999, 0.9))
     assert found[0].evidence["settings"][0]["key"] == "betas" and "Kingma" in found[0].message
     assert run((0.9, 0.999)) == [] and run((0.9, 0.95)) == []
+
+
+def test_a_scalar_left_out_of_the_optimizer_is_no_part_of_the_model_that_fails_to_learn():
+    class Tempered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone, self.head = nn.Sequential(nn.Linear(8, 64), nn.ReLU()), nn.Linear(64, 5)
+            self.temperature = nn.Parameter(torch.ones(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.backbone(x)) / self.temperature
+
+    model, y = Tempered(), torch.randint(0, 5, (64,))
+    model.backbone.requires_grad_(False)
+    opt = torch.optim.Adam(model.head.parameters(), lr=1e-3)
+    assert optimizers.grads_not_stepped(probed(lambda: fit(model, F.cross_entropy, opt, y=y)).facts, OK) == []

@@ -156,7 +156,8 @@ class Listener:
             and (id(p) not in registered or id(registered[id(p)]) in trained_roots or not reached_held)
         ]
         self.orphan_steps[probe.next_step] = None
-        total = sum(p.numel() for p in leaves)
+        # as a share of the model (a temperature left at 1 is no part of it that fails to learn)
+        total = max(sum(p.numel() for p in leaves), self.trainable)
         if orphans and sum(p.numel() for p in orphans) >= _UNSTEPPED_SIZE * total:
             names = probe.param_names()
             self.orphans.append(
