@@ -21,7 +21,7 @@ from torch.utils.data import dataloader
 
 from torchkeel.diagnose.findings import Finding, site_fields
 from torchkeel.diagnose.invariants._losses_arguments import REGRESSION
-from torchkeel.diagnose.invariants.losses import _chained
+from torchkeel.diagnose.invariants.common import chained
 from torchkeel.introspect.sites import tensors_in, user_site
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class Listener:
         self.probe.patch(iterator, "__next__", self._noting_next(iterator.__next__))
         checks = self.probe.modules.loss_checks
         for func in REGRESSION:
-            checks[func] = _chained(checks.get(func), self.check_regression)
+            checks[func] = chained(checks.get(func), self.check_regression)
 
     def check_regression(self, func: Callable, args: Any, kwargs: dict) -> None:
         """A regression's targets, one value a row: the same leak check as class targets."""

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from torchkeel.diagnose.findings import Finding, site_fields
 from torchkeel.diagnose.invariants._losses_arguments import VIEWS as _VIEWS
-from torchkeel.diagnose.invariants.losses import _chained
+from torchkeel.diagnose.invariants.common import chained
 from torchkeel.diagnose.invariants.updates import is_sampled
 from torchkeel.introspect.sites import user_site
 
@@ -58,7 +58,7 @@ class Listener:
 
     def install(self) -> None:
         checks = self.probe.modules.loss_checks
-        checks[F.linear] = _chained(checks.get(F.linear), self.check)
+        checks[F.linear] = chained(checks.get(F.linear), self.check)
 
     def on_model_called(self, module: torch.nn.Module, args: Any) -> None:
         self.last = None

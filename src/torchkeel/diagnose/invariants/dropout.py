@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from torchkeel.diagnose.findings import Finding, site_fields
-from torchkeel.diagnose.invariants.losses import _chained
+from torchkeel.diagnose.invariants.common import chained
 from torchkeel.introspect.sites import user_site
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class Listener:
     def install(self) -> None:
         checks = self.probe.modules.loss_checks
         for func in _DROPOUTS:
-            checks[func] = _chained(checks.get(func), self.check)
+            checks[func] = chained(checks.get(func), self.check)
 
     def check(self, func: Callable, args: Any, kwargs: dict) -> None:
         bound = {**dict(zip(_ARGUMENTS, args)), **kwargs}

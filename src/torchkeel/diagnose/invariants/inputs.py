@@ -23,7 +23,7 @@ import torch
 
 from torchkeel.diagnose.findings import Finding, site_fields
 from torchkeel.diagnose.invariants._losses_arguments import REGRESSION
-from torchkeel.diagnose.invariants.losses import _chained
+from torchkeel.diagnose.invariants.common import chained
 from torchkeel.introspect.sites import tensors_in, user_site
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class Listener:
     def install(self) -> None:
         checks = self.probe.modules.loss_checks
         for func in REGRESSION:
-            checks[func] = _chained(checks.get(func), self.check_targets)
+            checks[func] = chained(checks.get(func), self.check_targets)
 
     def check_targets(self, func: Callable, args: Any, kwargs: dict) -> None:
         x = args[0] if args else kwargs.get("input")

@@ -56,6 +56,7 @@ from torchkeel.diagnose.invariants._losses_findings import (  # noqa: F401 - the
     loss_too_fast,
     targets_are_inputs,
 )
+from torchkeel.diagnose.invariants.common import chained
 from torchkeel.introspect.sites import user_site
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class Listener:
     def install(self) -> None:
         checks = self.probe.modules.loss_checks
         for func in CLASSES + ELEMENTWISE:
-            checks[func] = _chained(checks.get(func), self.check)
+            checks[func] = chained(checks.get(func), self.check)
 
     # ---------------------------------------------------------------- events
     def on_model_called(self, module: torch.nn.Module, args: Any) -> None:
@@ -233,20 +234,6 @@ class Listener:
                 features = int(site["sum"].numel()) if site["sum"] is not None else 0
                 sites[key].update(chance=chance, floor=floor, num_sampled=len(site["samples"]), features=features)
         self.probe.facts.invariants[FAMILY] = {"arguments": self.found, "sites": sites}
-
-
-def _chained(earlier: Callable | None, check: Callable) -> Callable:
-    """``check`` after the check the function already had (both run even if the first fails)."""
-    if earlier is None:
-        return check
-
-    def both(func: Callable, args: Any, kwargs: dict) -> None:
-        try:
-            earlier(func, args, kwargs)
-        finally:
-            check(func, args, kwargs)
-
-    return both
 
 
 def _key(func: Callable, where: dict[str, Any]) -> str:

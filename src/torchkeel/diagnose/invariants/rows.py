@@ -42,7 +42,7 @@ from torchkeel.diagnose.invariants._rows_reach import (
     input_ignored,
     order_ignored,
 )
-from torchkeel.diagnose.invariants.losses import _chained
+from torchkeel.diagnose.invariants.common import chained
 from torchkeel.introspect.sites import tensors_in, user_site
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ class Listener:
     def install(self) -> None:
         checks = self.probe.modules.loss_checks
         for func in _LOSSES:
-            checks[func] = _chained(checks.get(func), self._note_targets)
+            checks[func] = chained(checks.get(func), self._note_targets)
 
     def _note_targets(self, func: Callable, args: Any, kwargs: dict) -> None:
         target = kwargs.get("target", args[1] if len(args) > 1 else None)

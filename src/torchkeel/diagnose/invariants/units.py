@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from torchkeel.diagnose.findings import Finding, site_fields
+from torchkeel.diagnose.invariants.common import chained
 from torchkeel.diagnose.invariants.updates import is_sampled
 from torchkeel.introspect.sites import is_nonfinite, site_text, user_site
 
@@ -64,11 +65,11 @@ class Listener:
         self.at_start: dict[int, dict[str, Any]] | None = None  # weight id → its copies at the first step
         checks = probe.modules.loss_checks
         for func in _RELUS:
-            checks[func] = _chained(checks.get(func), self.check_relu)
-        checks[F.leaky_relu] = _chained(checks.get(F.leaky_relu), self.check_leaky)
-        checks[F.hardtanh] = _chained(checks.get(F.hardtanh), self.check_hardtanh)
+            checks[func] = chained(checks.get(func), self.check_relu)
+        checks[F.leaky_relu] = chained(checks.get(F.leaky_relu), self.check_leaky)
+        checks[F.hardtanh] = chained(checks.get(F.hardtanh), self.check_hardtanh)
         for func in _FILLS:
-            checks[func] = _chained(checks.get(func), self.check_fill)
+            checks[func] = chained(checks.get(func), self.check_fill)
 
     # ---------------------------------------------------------------- death
     def check_relu(self, func: Callable, args: Any, kwargs: dict) -> None:
@@ -172,18 +173,6 @@ class Listener:
                         }
                     )
         return found
-
-
-def _chained(existing: Callable | None, check: Callable) -> Callable:
-    """``check`` after the check a function already has (the loss listener's, another family's)."""
-    if existing is None:
-        return check
-
-    def both(func: Callable, args: Any, kwargs: dict) -> None:
-        existing(func, args, kwargs)
-        check(func, args, kwargs)
-
-    return both
 
 
 def _unit_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
