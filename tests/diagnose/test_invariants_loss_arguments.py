@@ -156,3 +156,18 @@ def test_ignore_index_set_to_a_real_class_of_one_label_a_sample():
     assert found["invariant-loss-target-range"]["ignore_index"] == 0
     assert found["invariant-loss-target-range"]["ignored_share"] == 0.25
     assert arguments(lambda: steps(nn.Linear(6, 4), lambda m: F.cross_entropy(m(x), y))) == {}
+
+
+class SentenceClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.out = nn.Embedding(20, 8, padding_idx=0), nn.Linear(8, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(ids).mean(1))
+
+
+def test_a_sentence_label_equal_to_the_padding_id_is_a_class_not_padding():
+    ids, labels = padded_batch()[0], torch.arange(16) % 2  # class 0 is half the labels, and the padding id
+    probe = probed(lambda: steps(SentenceClassifier(), lambda m: F.cross_entropy(m(ids), labels)))
+    assert findings.counts_padding(probe.facts, OK) == []
